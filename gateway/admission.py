@@ -1,0 +1,263 @@
+"""Async admission queue over the pure capacity model.
+
+A request asks for a :class:`Lease` on a backend with its :class:`~gateway.capacity.Charge`.
+It gets one at once when nobody is waiting and the charge fits; otherwise it waits in a
+strict FIFO queue (a charge that does not fit blocks the ones behind it, so no request
+starves behind later, smaller ones). The queue is bounded by ``max_queue`` and each wait by
+``max_wait_s``. A lease is given back with :meth:`Admission.release`, or by leaving
+``async with admission.lease(charge)``; both are idempotent.
+
+Modelled on anyio's ``CapacityLimiter``: a waiter cancelled after it was granted a lease
+gives it back and wakes the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway import capacity
+from gateway.capacity import Budget, Charge, Layout
+from gateway.errors import BackendNotReady, ContextLengthExceeded, QueueFull, QueueTimeout
+
+__all__ = ["Admission", "AdmissionStats", "Clock", "Lease", "MonotonicClock"]
+
+
+class Clock(Protocol):
+    """Time source for queue timeouts and drain-rate estimates (seconds)."""
+
+    def now(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class MonotonicClock:
+    """The real clock: ``time.monotonic`` and ``asyncio.sleep``."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+@dataclass
+class Lease:
+    """A granted reservation. ``waited_s`` is the time spent queued, in seconds."""
+
+    charge: Charge
+    waited_s: float = 0.0
+    released: bool = False
+
+
+@dataclass(frozen=True)
+class AdmissionStats:
+    """A snapshot for metrics: queue length, leases, and reserved vs capacity (tokens)."""
+
+    queued: int
+    inflight: int
+    reserved_tokens: int
+    busy_slots: int
+    capacity_tokens: int
+    slots: int
+    ctx_per_slot: int
+
+
+@dataclass
+class _Waiter:
+    charge: Charge
+    future: asyncio.Future[Lease]
+    since: float = field(default=0.0)
+
+
+class Admission:
+    """FIFO admission for one backend.
+
+    :param layout: the backend's KV layout, or ``None`` while it is not known yet
+        (every admit then raises :class:`BackendNotReady`).
+    :param max_queue: most requests allowed to wait; 0 means never wait.
+    :param max_wait_s: longest wait in the queue, seconds.
+    :param clock: injected time source.
+    """
+
+    def __init__(
+        self,
+        layout: Layout | None,
+        *,
+        max_queue: int,
+        max_wait_s: float,
+        clock: Clock | None = None,
+    ) -> None:
+        self._layout = layout
+        self._max_queue = max_queue
+        self._max_wait_s = max_wait_s
+        self._clock = clock or MonotonicClock()
+        self._budget = Budget()
+        self._inflight = 0
+        self._queue: deque[_Waiter] = deque()
+        self._releases: deque[float] = deque(maxlen=64)
+        self._durations: deque[float] = deque(maxlen=64)
+
+    @property
+    def layout(self) -> Layout | None:
+        """The layout admissions are checked against."""
+        return self._layout
+
+    def set_layout(self, layout: Layout | None) -> None:
+        """Replace the layout (after discovery). Leases in flight keep their charge.
+
+        Waiters that can never fit the new layout are failed with
+        :class:`ContextLengthExceeded`; the rest are re-examined at once.
+        """
+        self._layout = layout
+        if layout is not None:
+            for waiter in list(self._queue):
+                if not capacity.fits_alone(layout, waiter.charge):
+                    self._queue.remove(waiter)
+                    waiter.future.set_exception(
+                        ContextLengthExceeded(
+                            "The backend's capacity changed while this request was queued "
+                            f"and it no longer fits one slot ({layout.ctx_per_slot} tokens)."
+                        )
+                    )
+        self._wake()
+
+    def stats(self) -> AdmissionStats:
+        """Return a snapshot of queue and budget."""
+        layout = self._layout
+        return AdmissionStats(
+            queued=len(self._queue),
+            inflight=self._inflight,
+            reserved_tokens=self._budget.reserved_tokens,
+            busy_slots=self._budget.busy_slots,
+            capacity_tokens=layout.capacity_tokens if layout else 0,
+            slots=layout.slots if layout else 0,
+            ctx_per_slot=layout.ctx_per_slot if layout else 0,
+        )
+
+    def retry_after_s(self) -> float:
+        """Estimate when a request sent now could start, in seconds (1–60).
+
+        From the observed drain rate (leases released per second over the last 64
+        releases): (queued + 1) / rate. With no history, the mean lease duration seen,
+        or 1 s.
+        """
+        ahead = len(self._queue) + 1
+        if len(self._releases) >= 2:
+            span = self._releases[-1] - self._releases[0]
+            if span > 0:
+                rate = (len(self._releases) - 1) / span
+                return min(60.0, max(1.0, ahead / rate))
+        if self._durations:
+            mean = sum(self._durations) / len(self._durations)
+            slots = self._layout.slots if self._layout else 1
+            return min(60.0, max(1.0, mean * ahead / slots))
+        return 1.0
+
+    def try_admit(self, charge: Charge) -> Lease | None:
+        """Grant a lease now, or return ``None``: refuses while others wait (fairness).
+
+        :raises BackendNotReady: the layout is not known yet.
+        """
+        layout = self._require_layout()
+        if self._queue or not capacity.fits(layout, self._budget, charge):
+            return None
+        return self._grant(charge, waited_s=0.0)
+
+    async def admit(self, charge: Charge) -> Lease:
+        """Wait for a lease in FIFO order.
+
+        :raises BackendNotReady: the layout is not known yet.
+        :raises QueueFull: ``max_queue`` requests already wait (immediately).
+        :raises QueueTimeout: the wait passed ``max_wait_s``.
+        :raises ContextLengthExceeded: the layout changed and the charge no longer fits.
+        """
+        lease = self.try_admit(charge)
+        if lease is not None:
+            return lease
+        if len(self._queue) >= self._max_queue:
+            raise QueueFull(
+                f"The queue for this backend is full ({self._max_queue} waiting); "
+                "retry after the Retry-After delay.",
+                retry_after_s=self.retry_after_s(),
+            )
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(charge, loop.create_future(), since=self._clock.now())
+        self._queue.append(waiter)
+        timer = asyncio.ensure_future(self._clock.sleep(self._max_wait_s))
+        try:
+            await asyncio.wait({waiter.future, timer}, return_when=asyncio.FIRST_COMPLETED)
+            if waiter.future.done():
+                return waiter.future.result()
+            raise QueueTimeout(
+                f"The request waited {self._max_wait_s:g} s in the queue without room on "
+                "the backend; retry after the Retry-After delay.",
+                retry_after_s=self.retry_after_s(),
+            )
+        except BaseException:
+            self._abandon(waiter)
+            raise
+        finally:
+            timer.cancel()
+
+    @asynccontextmanager
+    async def lease(self, charge: Charge) -> AsyncIterator[Lease]:
+        """``async with`` form of :meth:`admit`; releases in ``finally``."""
+        granted = await self.admit(charge)
+        try:
+            yield granted
+        finally:
+            self.release(granted)
+
+    def release(self, lease: Lease) -> None:
+        """Give a lease back and wake waiters that now fit. Idempotent."""
+        if lease.released:
+            return
+        lease.released = True
+        self._budget = capacity.release(self._budget, lease.charge)
+        self._inflight -= 1
+        now = self._clock.now()
+        self._releases.append(now)
+        self._wake()
+
+    def record_duration(self, seconds: float) -> None:
+        """Record how long a lease was held (feeds :meth:`retry_after_s`)."""
+        self._durations.append(seconds)
+
+    def _require_layout(self) -> Layout:
+        if self._layout is None:
+            raise BackendNotReady(
+                "The backend's capacity is not known yet (it is unreachable or still "
+                "loading); retry after the Retry-After delay.",
+                retry_after_s=1.0,
+            )
+        return self._layout
+
+    def _grant(self, charge: Charge, *, waited_s: float) -> Lease:
+        self._budget = capacity.reserve(self._budget, charge)
+        self._inflight += 1
+        return Lease(charge, waited_s=waited_s)
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        fut = waiter.future
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            self.release(fut.result())  # granted while we were leaving: give it back
+            return
+        if waiter in self._queue:
+            self._queue.remove(waiter)
+        fut.cancel()
+        self._wake()  # the head may have been the blocker
+
+    def _wake(self) -> None:
+        layout = self._layout
+        if layout is None:
+            return
+        now = self._clock.now()
+        while self._queue and capacity.fits(layout, self._budget, self._queue[0].charge):
+            waiter = self._queue.popleft()
+            waiter.future.set_result(self._grant(waiter.charge, waited_s=now - waiter.since))

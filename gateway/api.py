@@ -1,0 +1,178 @@
+"""HTTP routes: the OpenAI-compatible endpoints, health, readiness and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.app import GatewayState
+from gateway.backends import Backend
+from gateway.capacity import CapPolicy, Charge, plan_charge
+from gateway.errors import BackendNotReady, InvalidRequest, PayloadTooLarge, error_body
+from gateway.proxy import Exchange, ProxyResponse
+from gateway.tokens import chat_text, estimate_tokens
+from gateway.validation import ParsedRequest, check_content_type, parse_body
+
+__all__ = ["register_routes"]
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """Read the request body, refusing more than ``limit`` bytes.
+
+    :raises PayloadTooLarge: Content-Length or the bytes read exceed ``limit`` (413).
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"The body is {declared} bytes; the limit is {limit} bytes.")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"The body is over the limit of {limit} bytes.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def count_prompt(state: GatewayState, backend: Backend, req: ParsedRequest) -> int:
+    """Prompt tokens as the backend counts them, else a local estimate (never raises)."""
+    counted = await backend.count_prompt(req.route, req.body)
+    source = "backend"
+    if counted is None:
+        source = "estimate"
+        margin = state.settings.admission.estimate_margin
+        if req.route == "chat":
+            text, messages = chat_text(req.body)
+            counted = await estimate_tokens(text, messages=messages, margin=margin)
+        else:
+            prompt = req.body["prompt"]
+            if isinstance(prompt, list):
+                counted = len(prompt)
+            else:
+                counted = await estimate_tokens(prompt, margin=margin)
+    state.metrics.token_count_source.labels(backend.name, source).inc()
+    return counted
+
+
+def upstream_body(req: ParsedRequest, charge: Charge) -> dict[str, Any]:
+    """The body sent upstream: the client's, with the charged cap and usage option set.
+
+    ``max_tokens`` (and ``max_completion_tokens`` when the client used it) become the
+    charged cap, so the backend cannot generate past the reservation. Streams get
+    ``stream_options.include_usage = true`` so that completion tokens are known.
+    """
+    body = dict(req.body)
+    body["max_tokens"] = charge.max_tokens
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = charge.max_tokens
+    if req.stream:
+        options = dict(body.get("stream_options") or {})
+        options["include_usage"] = True
+        body["stream_options"] = options
+    return body
+
+
+def register_routes(app: FastAPI, state: GatewayState) -> None:
+    """Attach every route of the gateway to ``app``."""
+    settings = state.settings
+
+    async def handle(request: Request, route: str) -> Response:
+        request.state.route = route
+        check_content_type(request.headers.get("content-type"))
+        raw = await read_body(request, settings.server.max_body_bytes)
+        req = parse_body(route, raw)
+        backend = state.pick_backend(req.body.get("model"))
+        request.state.backend = backend.name
+        layout = backend.admission.layout
+        if layout is None:
+            raise BackendNotReady(
+                f"The capacity of backend {backend.name!r} is not known yet (unreachable or "
+                "loading); retry after the Retry-After delay.",
+                retry_after_s=1.0,
+            )
+        prompt_tokens = await count_prompt(state, backend, req)
+        charge = plan_charge(
+            layout, prompt_tokens, req.max_tokens, n=req.n,
+            default_max_tokens=settings.admission.default_max_tokens,
+            policy=CapPolicy(settings.admission.overlong.value),
+        )
+        extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]
+        if charge.defaulted:
+            state.metrics.default_max_tokens_applied.labels(backend.name).inc()
+        if charge.clamped:
+            state.metrics.max_tokens_clamped.labels(backend.name).inc()
+            extra.append((b"x-gateway-max-tokens-clamped", str(charge.max_tokens).encode()))
+        options = req.body.get("stream_options") or {}
+        exchange = Exchange(
+            backend=backend, route=route, body=upstream_body(req, charge), charge=charge,
+            stream=req.stream, started=request.state.started,
+            headers=list(request.headers.items()),
+            client_wants_usage=bool(options.get("include_usage")),
+            extra_headers=extra,
+        )
+        return ProxyResponse(
+            exchange, client=state.client, metrics=state.metrics, clock=state.clock,
+            on_overflow=_rediscover,
+        )
+
+    def _rediscover(backend: Backend) -> None:
+        task = asyncio.ensure_future(backend.discover())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    @app.middleware("http")
+    async def _stamp(request: Request, call_next: Any) -> Response:
+        request.state.started = state.clock.now()
+        return await call_next(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, "completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data: list[Any] = []
+        for backend in state.backends.values():
+            try:
+                resp = await state.client.get(backend.url("/v1/models"), timeout=backend.timeout)
+                data.extend(resp.json().get("data", []))
+            except Exception:  # an unreachable backend lists nothing
+                continue
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        rows = {
+            name: {
+                "ready": b.ready,
+                "slots": b.admission.stats().slots,
+                "ctx_per_slot": b.admission.stats().ctx_per_slot,
+                "capacity_tokens": b.admission.stats().capacity_tokens,
+            }
+            for name, b in state.backends.items()
+        }
+        ok = any(b.ready for b in state.backends.values())
+        return JSONResponse({"ready": ok, "backends": rows}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        err = InvalidRequest(f"{request.method} {request.url.path}: {exc.detail}")
+        body = error_body(err)
+        body["error"]["code"] = "not_found" if exc.status_code == 404 else "method_not_allowed"
+        return JSONResponse(body, exc.status_code, headers=exc.headers)

@@ -1,0 +1,124 @@
+"""Application factory: wires settings, backends, metrics and routes together.
+
+Nothing is created at import time. ``create_app(settings)`` builds one app; tests pass
+their own ``http_client`` (over ``httpx.MockTransport``), ``registry`` and ``clock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
+
+from gateway.admission import AdmissionStats, Clock, MonotonicClock
+from gateway.backends import Backend, build_backend
+from gateway.config import Settings
+from gateway.errors import GatewayError, error_body, error_headers
+from gateway.metrics import GatewayMetrics
+from gateway.upstream import build_client
+
+__all__ = ["GatewayState", "create_app"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayState:
+    """Everything a request handler needs, built once per app."""
+
+    settings: Settings
+    client: httpx.AsyncClient
+    clock: Clock
+    backends: dict[str, Backend]
+    metrics: GatewayMetrics = field(init=False)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def stats(self) -> Iterable[tuple[str, AdmissionStats, bool]]:
+        for name, backend in self.backends.items():
+            yield name, backend.admission.stats(), backend.ready
+
+    def pick_backend(self, model: object) -> Backend:
+        """The backend named like ``model``, else the first configured one."""
+        if isinstance(model, str) and model in self.backends:
+            return self.backends[model]
+        return next(iter(self.backends.values()))
+
+
+async def _discovery_loop(backend: Backend) -> None:
+    """Discover the backend's capacity: every second until known, then every
+    ``discovery_interval_s``."""
+    while True:
+        try:
+            await backend.discover()
+            delay = backend.settings.discovery_interval_s
+        except GatewayError as exc:
+            log.info("backend %s not ready: %s", backend.name, exc.message)
+            delay = 1.0
+        except Exception:  # never let discovery die
+            log.exception("discovery of backend %s failed", backend.name)
+            delay = 1.0
+        await asyncio.sleep(delay)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    http_client: httpx.AsyncClient | None = None,
+    registry: CollectorRegistry | None = None,
+    clock: Clock | None = None,
+    discover: bool = True,
+) -> FastAPI:
+    """Build the gateway ASGI app.
+
+    :param settings: the loaded configuration.
+    :param http_client: upstream client; defaults to :func:`gateway.upstream.build_client`.
+        The app closes it on shutdown only when it created it.
+    :param registry: Prometheus registry; defaults to a fresh one.
+    :param clock: time source; defaults to the monotonic clock.
+    :param discover: run background capacity discovery during the app's lifespan.
+    """
+    owns_client = http_client is None
+    client = http_client or build_client()
+    clock = clock or MonotonicClock()
+    backends = {
+        b.name: build_backend(b, settings.admission, client, clock) for b in settings.backends
+    }
+    state = GatewayState(settings, client, clock, backends)
+    state.metrics = GatewayMetrics(registry or CollectorRegistry(), state.stats)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if discover:
+            state.tasks = [asyncio.create_task(_discovery_loop(b)) for b in backends.values()]
+        try:
+            yield
+        finally:
+            for task in state.tasks:
+                task.cancel()
+            await asyncio.gather(*state.tasks, return_exceptions=True)
+            if owns_client:
+                await client.aclose()
+
+    app = FastAPI(title="LLM admission gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = state
+
+    @app.exception_handler(GatewayError)
+    async def _render(request: Request, exc: GatewayError) -> Response:
+        backend = getattr(request.state, "backend", "none")
+        route = getattr(request.state, "route", "other")
+        if exc.rejection_reason:
+            state.metrics.rejections.labels(backend, exc.rejection_reason).inc()
+        state.metrics.requests.labels(backend, route, str(exc.status_code)).inc()
+        return JSONResponse(error_body(exc), exc.status_code, headers=error_headers(exc))
+
+    from gateway.api import register_routes
+
+    register_routes(app, state)
+    return app

@@ -1,0 +1,261 @@
+"""Backend kinds: how to discover capacity, count prompt tokens and read errors.
+
+Only llama-server (``kind = "llama.cpp"``) is implemented. A new kind provides the same
+methods as :class:`LlamaCppBackend`; the proxy and admission code do not change.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from gateway.admission import Admission, Clock
+from gateway.capacity import Layout
+from gateway.config import AdmissionSettings, BackendSettings
+from gateway.errors import (
+    BackendNotReady,
+    GatewayError,
+    UpstreamContextOverflow,
+    UpstreamError,
+)
+from gateway.upstream import map_upstream_errors
+
+__all__ = ["Backend", "Discovered", "LlamaCppBackend", "build_backend"]
+
+log = logging.getLogger(__name__)
+
+CONTEXT_OVERFLOW_TEXT = "Context size has been exceeded"
+
+# Route name -> upstream path (OpenAI-compatible in llama-server, tools/server/server.cpp).
+ROUTE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclass(frozen=True)
+class Discovered:
+    """What the backend says of itself over HTTP.
+
+    :param slots: ``/props`` ``total_slots``.
+    :param ctx_per_slot: ``/props`` ``default_generation_settings.n_ctx`` (tokens).
+    """
+
+    slots: int
+    ctx_per_slot: int
+
+
+class LlamaCppBackend:
+    """A llama-server backend (``shared/design/backends.md`` §1).
+
+    :param settings: the ``[[backends]]`` entry.
+    :param admission_settings: queue bounds shared by all backends.
+    :param client: the shared upstream client.
+    :param clock: time source for the admission queue.
+    """
+
+    kind = "llama.cpp"
+
+    def __init__(
+        self,
+        settings: BackendSettings,
+        admission_settings: AdmissionSettings,
+        client: httpx.AsyncClient,
+        clock: Clock | None = None,
+    ) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.client = client
+        self.reachable = False
+        self.discovered: Discovered | None = None
+        self._input_tokens_route = True  # cleared when the build lacks it (404)
+        self.admission = Admission(
+            self._configured_layout(None),
+            max_queue=admission_settings.max_queue,
+            max_wait_s=admission_settings.max_queue_wait_s,
+            clock=clock,
+        )
+
+    @property
+    def timeout(self) -> httpx.Timeout:
+        """Per-request timeout: connect, and longest silence while reading (seconds)."""
+        s = self.settings
+        return httpx.Timeout(s.read_timeout_s, connect=s.connect_timeout_s)
+
+    def url(self, path: str) -> str:
+        """Absolute upstream URL for ``path``."""
+        return self.settings.url + path
+
+    @property
+    def ready(self) -> bool:
+        """True once the backend answered and its layout is known."""
+        return self.reachable and self.admission.layout is not None
+
+    def _configured_layout(self, found: Discovered | None) -> Layout | None:
+        """Config wins over discovery for each value (config is the operator's word)."""
+        s = self.settings
+        slots = s.slots or (found.slots if found else None)
+        ctx = s.ctx_per_slot or (found.ctx_per_slot if found else None)
+        if slots is None or ctx is None:
+            return None
+        if not s.kv_unified:
+            return Layout(slots, ctx)
+        return Layout(slots, ctx, pool_tokens=s.pool_tokens or ctx)
+
+    async def discover(self) -> Layout | None:
+        """Read ``/props`` and update the admission layout.
+
+        :returns: the layout in force afterwards (``None`` while unknown).
+        :raises GatewayError: the backend is unreachable, loading (503), or answered
+            something that is not llama-server's ``/props``.
+        """
+        try:
+            with map_upstream_errors(self.name):
+                resp = await self.client.get(self.url("/props"), timeout=self.timeout)
+        except GatewayError:
+            self.reachable = False
+            raise
+        if resp.status_code == 503:
+            self.reachable = False
+            raise BackendNotReady(f"Backend {self.name!r} is loading its model.")
+        try:
+            props = resp.json()
+            found = Discovered(
+                slots=int(props["total_slots"]),
+                ctx_per_slot=int(props["default_generation_settings"]["n_ctx"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            self.reachable = False
+            raise UpstreamError(
+                f"Backend {self.name!r} answered /props with HTTP {resp.status_code} "
+                "that is not llama-server's shape."
+            ) from exc
+        self.reachable = True
+        self._warn_disagreement(found)
+        self.discovered = found
+        layout = self._configured_layout(found)
+        if layout != self.admission.layout:
+            log.info("backend %s layout: %s -> %s", self.name, self.admission.layout, layout)
+            self.admission.set_layout(layout)
+        return layout
+
+    def _warn_disagreement(self, found: Discovered) -> None:
+        s = self.settings
+        for key, configured, seen in (
+            ("slots", s.slots, found.slots),
+            ("ctx_per_slot", s.ctx_per_slot, found.ctx_per_slot),
+        ):
+            if configured is not None and configured != seen and self.discovered != found:
+                log.warning(
+                    "backend %s: config says %s = %d but the backend reports %d; using config",
+                    self.name, key, configured, seen,
+                )
+
+    async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:
+        """Count the prompt tokens exactly as llama-server will, or ``None`` if it cannot.
+
+        Chat: ``POST /v1/chat/completions/input_tokens`` (template applied); on builds
+        without it (404), ``POST /apply-template`` then ``POST /tokenize``. Completions:
+        ``POST /tokenize`` with ``add_special`` and ``parse_special``, as the completion
+        path tokenizes (``server-context.cpp``). Token-id prompts are counted directly.
+        """
+        try:
+            with map_upstream_errors(self.name):
+                if route == "chat":
+                    return await self._count_chat(body)
+                return await self._count_completion(body.get("prompt"))
+        except (GatewayError, ValueError, KeyError, TypeError) as exc:
+            log.info("backend %s could not count tokens: %s", self.name, exc)
+            return None
+
+    async def _count_chat(self, body: dict[str, Any]) -> int | None:
+        if self._input_tokens_route:
+            resp = await self.client.post(
+                self.url("/v1/chat/completions/input_tokens"), json=body, timeout=self.timeout
+            )
+            if resp.status_code == 200:
+                return int(resp.json()["input_tokens"])
+            if resp.status_code != 404:
+                return None
+            self._input_tokens_route = False
+        resp = await self.client.post(self.url("/apply-template"), json=body, timeout=self.timeout)
+        if resp.status_code != 200:
+            return None
+        return await self._tokenize(resp.json()["prompt"])
+
+    async def _count_completion(self, prompt: Any) -> int | None:
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        if isinstance(prompt, str):
+            return await self._tokenize(prompt)
+        return None
+
+    async def _tokenize(self, text: str) -> int | None:
+        resp = await self.client.post(
+            self.url("/tokenize"),
+            json={"content": text, "add_special": True, "parse_special": True},
+            timeout=self.timeout,
+        )
+        if resp.status_code != 200:
+            return None
+        return len(resp.json()["tokens"])
+
+    def translate_error(self, status: int, body: bytes) -> tuple[GatewayError | None, str]:
+        """Map an upstream error answer to a gateway error, or ``None`` to pass it on.
+
+        :returns: (error or None, kind label for ``gateway_upstream_errors_total``).
+        500 "Context size has been exceeded." becomes a retryable 503 (the KV model was
+        wrong); 503 (model loading) stays a 503 with Retry-After; other 5xx become 502.
+        4xx answers pass through unchanged.
+        """
+        message = _error_message(body)
+        if status >= 500 and CONTEXT_OVERFLOW_TEXT in message:
+            return (
+                UpstreamContextOverflow(
+                    f"Backend {self.name!r} ran out of KV cache ({message.strip()}); "
+                    "the gateway's model of its pool was too large. Retry later.",
+                    retry_after_s=self.admission.retry_after_s(),
+                ),
+                "context_overflow",
+            )
+        if status == 503:
+            return BackendNotReady(f"Backend {self.name!r} is unavailable: {message}"), "status_5xx"
+        if status >= 500:
+            return (
+                UpstreamError(f"Backend {self.name!r} failed with HTTP {status}: {message}"),
+                "status_5xx",
+            )
+        return None, ""
+
+    def is_overflow_event(self, data: dict[str, Any]) -> bool:
+        """True when an SSE ``data`` object is llama-server's mid-stream overflow error."""
+        err = data.get("error")
+        return isinstance(err, dict) and CONTEXT_OVERFLOW_TEXT in str(err.get("message", ""))
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body[:500].decode("utf-8", errors="replace")
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+    return body[:500].decode("utf-8", errors="replace")
+
+
+Backend = LlamaCppBackend
+
+
+def build_backend(
+    settings: BackendSettings,
+    admission_settings: AdmissionSettings,
+    client: httpx.AsyncClient,
+    clock: Clock | None = None,
+) -> Backend:
+    """Return the backend object for ``settings.kind``."""
+    return LlamaCppBackend(settings, admission_settings, client, clock)

@@ -1,0 +1,239 @@
+"""Pure capacity model of one backend's slots and KV cache.
+
+Rules of this module:
+1. No I/O and no async: it imports nothing from asyncio, anyio, httpx, starlette,
+   fastapi or prometheus_client (a test enforces this). Inputs and outputs are frozen
+   dataclasses; functions return new values and never mutate.
+2. Every unit is tokens (KV cells). One KV cell holds one token of one sequence.
+
+The llama-server facts behind it (``shared/design/backends.md`` §1.1–1.3, §4):
+
+* **per-slot layout** (explicit ``-np N``, or ``--no-kv-unified``): N slots with a
+  private context of S tokens each. A request fits when a slot is free and its
+  reservation fits in S.
+* **unified layout** (the default when ``-np`` is not given: 4 slots, one pool):
+  N slots share a pool of P cells. A request fits when a slot is free, the reservations
+  in flight plus this one are at most P, and the reservation fits in S. When the sum
+  goes over P, llama-server fails *every* request in flight with HTTP 500
+  "Context size has been exceeded." (``tools/server/server-context.cpp``).
+* llama-server stops generating once ``n_tokens + 1 >= n_ctx`` of the slot
+  (``server-context.cpp``, STOP_TYPE_LIMIT), so the usable room in a slot is S − 1
+  tokens: prompt + output cap ≤ S − 1.
+
+A reservation is ``n × (prompt tokens + output cap)`` and takes ``n`` slots, since
+llama-server gives each of the ``n`` completions its own slot (``server-schema.cpp``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from gateway.errors import ContextLengthExceeded, InvalidRequest
+
+__all__ = [
+    "Budget",
+    "CapPolicy",
+    "Charge",
+    "Layout",
+    "fits",
+    "fits_alone",
+    "plan_charge",
+    "release",
+    "reserve",
+]
+
+
+class CapPolicy(str, Enum):
+    """What :func:`plan_charge` does when prompt + requested cap exceeds the slot."""
+
+    reject = "reject"  # raise ContextLengthExceeded
+    clamp = "clamp"  # lower the cap to the room left in the slot
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The KV layout of one backend.
+
+    :param slots: number of slots (llama-server ``-np``; ``/props`` ``total_slots``).
+    :param ctx_per_slot: S, the context of one slot in tokens (``/props``
+        ``default_generation_settings.n_ctx``).
+    :param pool_tokens: P, the cells of the shared pool when the KV cache is unified;
+        ``None`` for the per-slot layout.
+    :raises ValueError: a value is out of range (slots < 1, S < 2, P < S).
+    """
+
+    slots: int
+    ctx_per_slot: int
+    pool_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError(f"slots must be >= 1, got {self.slots}")
+        if self.ctx_per_slot < 2:
+            raise ValueError(f"ctx_per_slot must be >= 2, got {self.ctx_per_slot}")
+        if self.pool_tokens is not None and self.pool_tokens < self.ctx_per_slot:
+            raise ValueError(
+                f"pool_tokens ({self.pool_tokens}) must be >= ctx_per_slot ({self.ctx_per_slot})"
+            )
+
+    @property
+    def unified(self) -> bool:
+        """True when all slots share one pool of ``pool_tokens`` cells."""
+        return self.pool_tokens is not None
+
+    @property
+    def usable_per_slot(self) -> int:
+        """Tokens one request may use in a slot: S − 1 (llama-server stops at n_ctx − 1)."""
+        return self.ctx_per_slot - 1
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Total KV cells: P when unified, slots × S otherwise."""
+        if self.pool_tokens is not None:
+            return self.pool_tokens
+        return self.slots * self.ctx_per_slot
+
+
+@dataclass(frozen=True)
+class Charge:
+    """What one request reserves while it is in flight.
+
+    :param prompt_tokens: prompt length as the backend counts it (template applied).
+    :param max_tokens: output cap charged, and forwarded upstream as ``max_tokens``.
+    :param n: number of completions (each one a slot and a reservation).
+    :param clamped: the requested cap was lowered to fit the slot.
+    :param defaulted: no cap was requested; the configured default was used.
+    """
+
+    prompt_tokens: int
+    max_tokens: int
+    n: int = 1
+    clamped: bool = False
+    defaulted: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """KV cells reserved: n × (prompt + cap)."""
+        return self.n * (self.prompt_tokens + self.max_tokens)
+
+    @property
+    def slots(self) -> int:
+        """Slots taken: n."""
+        return self.n
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What is reserved on one backend right now.
+
+    :param reserved_tokens: sum of the in-flight charges' tokens.
+    :param busy_slots: sum of the in-flight charges' slots.
+    """
+
+    reserved_tokens: int = 0
+    busy_slots: int = 0
+
+
+def plan_charge(
+    layout: Layout,
+    prompt_tokens: int,
+    requested_max_tokens: int | None,
+    *,
+    n: int = 1,
+    default_max_tokens: int,
+    policy: CapPolicy,
+) -> Charge:
+    """Decide the output cap to charge for a request, or refuse one that can never fit.
+
+    The cap is the requested one when given; otherwise ``default_max_tokens`` clamped to
+    the room left in a slot (S − 1 − prompt).
+
+    :param prompt_tokens: prompt length in tokens, as the backend counts it.
+    :param requested_max_tokens: ``max_tokens``/``max_completion_tokens``, or ``None``.
+    :param n: completions requested.
+    :raises ContextLengthExceeded: the prompt alone fills the slot; or prompt + cap
+        exceeds it under the ``reject`` policy; or the n reservations exceed the pool.
+    :raises InvalidRequest: ``n`` is larger than the backend's slot count.
+    """
+    room = layout.usable_per_slot - prompt_tokens
+    if room < 1:
+        raise ContextLengthExceeded(
+            f"This request's prompt is {prompt_tokens} tokens, which leaves no room for output "
+            f"in a slot of {layout.ctx_per_slot} tokens (at most {layout.usable_per_slot} "
+            f"usable, prompt + max_tokens). Shorten the prompt.",
+            param="messages",
+        )
+    if n > layout.slots:
+        raise InvalidRequest(
+            f"n={n} needs {n} slots but the backend has {layout.slots}.", param="n"
+        )
+    clamped = defaulted = False
+    if requested_max_tokens is None:
+        cap, defaulted = min(default_max_tokens, room), True
+    elif requested_max_tokens > room:
+        if policy is CapPolicy.reject:
+            raise ContextLengthExceeded(
+                f"This request needs {prompt_tokens + requested_max_tokens} tokens "
+                f"(prompt {prompt_tokens} + max_tokens {requested_max_tokens}), but a slot "
+                f"holds at most {layout.usable_per_slot} (context {layout.ctx_per_slot}). "
+                f"Lower max_tokens to {room} or shorten the prompt.",
+                param="max_tokens",
+            )
+        cap, clamped = room, True
+    else:
+        cap = requested_max_tokens
+    charge = Charge(prompt_tokens, cap, n=n, clamped=clamped, defaulted=defaulted)
+    if charge.tokens > layout.capacity_tokens:
+        raise ContextLengthExceeded(
+            f"This request needs {charge.tokens} KV tokens (n {n} × (prompt {prompt_tokens} + "
+            f"max_tokens {cap})), more than the backend's whole pool of "
+            f"{layout.capacity_tokens}. Lower n or max_tokens.",
+            param="n",
+        )
+    return charge
+
+
+def fits_alone(layout: Layout, charge: Charge) -> bool:
+    """True when ``charge`` fits an idle backend of this layout (e.g. after it changed)."""
+    return (
+        charge.slots <= layout.slots
+        and charge.prompt_tokens + charge.max_tokens <= layout.usable_per_slot
+        and charge.tokens <= layout.capacity_tokens
+    )
+
+
+def fits(layout: Layout, budget: Budget, charge: Charge) -> bool:
+    """True when ``charge`` can start now on top of ``budget``.
+
+    Per-slot layout: a free slot for each of the n completions (each already fits S).
+    Unified layout: the same, and reserved + charge ≤ P.
+    """
+    if budget.busy_slots + charge.slots > layout.slots:
+        return False
+    if not fits_alone(layout, charge):
+        return False
+    if layout.pool_tokens is not None:
+        return budget.reserved_tokens + charge.tokens <= layout.pool_tokens
+    return True
+
+
+def reserve(budget: Budget, charge: Charge) -> Budget:
+    """Return ``budget`` with ``charge`` added. The caller checks :func:`fits` first."""
+    return replace(
+        budget,
+        reserved_tokens=budget.reserved_tokens + charge.tokens,
+        busy_slots=budget.busy_slots + charge.slots,
+    )
+
+
+def release(budget: Budget, charge: Charge) -> Budget:
+    """Return ``budget`` with ``charge`` removed.
+
+    :raises ValueError: the charge was not reserved (the budget would go negative).
+    """
+    tokens = budget.reserved_tokens - charge.tokens
+    slots = budget.busy_slots - charge.slots
+    if tokens < 0 or slots < 0:
+        raise ValueError(f"release of {charge} from {budget} would go negative")
+    return replace(budget, reserved_tokens=tokens, busy_slots=slots)

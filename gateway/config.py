@@ -1,0 +1,191 @@
+"""Typed settings, loaded once from a TOML file plus ``GATEWAY_*`` environment overrides.
+
+This is the only module that reads files or the environment for configuration.
+Everything else receives a :class:`Settings` instance.
+
+Environment overrides use ``__`` between levels, for example
+``GATEWAY_ADMISSION__MAX_QUEUE=8`` or ``GATEWAY_SERVER__PORT=9000``. The
+``backends`` list can be replaced whole with JSON in ``GATEWAY_BACKENDS``.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+__all__ = [
+    "AdmissionSettings",
+    "BackendKind",
+    "BackendSettings",
+    "ConfigError",
+    "OverlongPolicy",
+    "ServerSettings",
+    "Settings",
+    "load_settings",
+]
+
+
+class ConfigError(Exception):
+    """Raised when a configuration file or override is invalid.
+
+    The message names every offending key (dotted path) and what is wrong with it.
+    """
+
+
+class OverlongPolicy(str, Enum):
+    """What to do when prompt + requested ``max_tokens`` exceeds the slot context."""
+
+    reject = "reject"  # answer 400 context_length_exceeded
+    clamp = "clamp"  # lower the output cap to the room left, and say so in a header
+
+
+class BackendKind(str, Enum):
+    """The kind of server behind a backend entry. Only llama.cpp is implemented."""
+
+    llama_cpp = "llama.cpp"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerSettings(_Strict):
+    """Where the gateway listens and how much it will read from a client."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
+    log_level: str = "info"
+
+
+class AdmissionSettings(_Strict):
+    """Queueing and output-cap policy, shared by every backend."""
+
+    max_queue: int = Field(64, ge=0)
+    max_queue_wait_s: float = Field(30.0, gt=0)
+    default_max_tokens: int = Field(1024, ge=1)
+    overlong: OverlongPolicy = OverlongPolicy.reject
+    # Multiplier applied to the local tiktoken estimate when the backend cannot count.
+    estimate_margin: float = Field(1.25, ge=1.0)
+
+
+class BackendSettings(_Strict):
+    """One upstream server and what is known of its KV layout.
+
+    Omitted ``slots``/``ctx_per_slot`` are discovered from llama-server's ``GET /props``.
+    ``kv_unified`` and ``pool_tokens`` cannot be discovered over HTTP
+    (``shared/design/backends.md`` §4.7), so they come from here.
+    """
+
+    name: str = Field(min_length=1)
+    url: str = "http://127.0.0.1:8080"
+    kind: BackendKind = BackendKind.llama_cpp
+    slots: int | None = Field(None, ge=1)
+    ctx_per_slot: int | None = Field(None, ge=2)
+    kv_unified: bool = True
+    pool_tokens: int | None = Field(None, ge=2)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    # Longest silence allowed while reading the upstream response (prefill included).
+    read_timeout_s: float = Field(600.0, gt=0)
+    discovery_interval_s: float = Field(30.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url_scheme(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"must start with http:// or https://, got {value!r}")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _pool_vs_slot(self) -> BackendSettings:
+        if self.pool_tokens is not None and not self.kv_unified:
+            raise ValueError("pool_tokens only applies when kv_unified = true")
+        if self.pool_tokens is not None and self.ctx_per_slot is not None:
+            if self.pool_tokens < self.ctx_per_slot:
+                raise ValueError(
+                    f"pool_tokens ({self.pool_tokens}) is smaller than ctx_per_slot "
+                    f"({self.ctx_per_slot}); a unified pool holds at least one slot's context"
+                )
+        return self
+
+
+class Settings(BaseSettings):
+    """The whole gateway configuration. Frozen; build it with :func:`load_settings`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="GATEWAY_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    server: ServerSettings = ServerSettings()
+    admission: AdmissionSettings = AdmissionSettings()
+    backends: list[BackendSettings] = Field(
+        default_factory=lambda: [BackendSettings(name="local")], min_length=1
+    )
+
+    @field_validator("backends")
+    @classmethod
+    def _unique_names(cls, value: list[BackendSettings]) -> list[BackendSettings]:
+        names = [b.name for b in value]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"backend names must be unique; repeated: {', '.join(dupes)}")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment wins over the values passed in (which come from the TOML file).
+        return (env_settings, init_settings)
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key")
+        else:
+            lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
+    """Load settings from a TOML file (optional), then apply ``GATEWAY_*`` env overrides.
+
+    :param path: TOML file path; ``None`` means defaults plus environment only.
+    :param overrides: top-level sections given directly (tests use this).
+    :raises ConfigError: the file is missing or not TOML, or a key is unknown or invalid.
+        The message names each offending key.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file not found: {file}")
+        try:
+            data = TomlConfigSettingsSource(Settings, toml_file=file)()
+        except Exception as exc:  # tomllib raises TOMLDecodeError (a ValueError)
+            raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
+    data.update(overrides)
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None

@@ -1,0 +1,206 @@
+"""The gateway's exception hierarchy and its OpenAI-style JSON rendering.
+
+Tree::
+
+    GatewayError
+    ├── ClientError (4xx, never forwarded, never retried by SDKs)
+    │   ├── InvalidRequest            400 invalid_request
+    │   ├── ContextLengthExceeded     400 context_length_exceeded
+    │   ├── PayloadTooLarge           413
+    │   └── UnsupportedMediaType      415
+    └── ServiceError (5xx)
+        ├── Overloaded                503 (carries Retry-After)
+        │   ├── QueueFull             503 queue_full
+        │   ├── QueueTimeout          503 queue_timeout
+        │   ├── BackendNotReady       503 backend_unavailable
+        │   └── UpstreamContextOverflow 503 upstream_context_overflow
+        ├── UpstreamUnavailable       502 (connect failure)
+        ├── UpstreamTimeout           504
+        └── UpstreamError             502 (the backend answered a 5xx)
+
+No module here does I/O. :func:`error_body` and :func:`error_headers` give the body and
+headers; the ASGI code sends them. Every error the gateway answers goes through these two.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, ClassVar
+
+__all__ = [
+    "BackendNotReady",
+    "ClientDisconnected",
+    "ClientError",
+    "ContextLengthExceeded",
+    "GatewayError",
+    "InvalidRequest",
+    "Overloaded",
+    "PayloadTooLarge",
+    "QueueFull",
+    "QueueTimeout",
+    "ServiceError",
+    "UnsupportedMediaType",
+    "UpstreamContextOverflow",
+    "UpstreamError",
+    "UpstreamTimeout",
+    "UpstreamUnavailable",
+    "error_body",
+    "error_headers",
+    "sse_error_event",
+]
+
+
+class GatewayError(Exception):
+    """Base of every error the gateway answers itself.
+
+    Class attributes give the HTTP status, the OpenAI ``error.type`` and ``error.code``.
+    ``param`` names the offending request field, when there is one.
+    """
+
+    status_code: ClassVar[int] = 500
+    error_type: ClassVar[str] = "server_error"
+    code: ClassVar[str | None] = None
+    # Label for gateway_rejections_total{reason}; None means it is not a rejection.
+    rejection_reason: ClassVar[str | None] = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ClientError(GatewayError):
+    """Raised for a client mistake: 4xx, never forwarded upstream."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+    rejection_reason = "invalid_request"
+
+
+class InvalidRequest(ClientError):
+    """Raised when the body is not JSON, has wrong types, or misses required fields."""
+
+    code = "invalid_request"
+
+
+class ContextLengthExceeded(ClientError):
+    """Raised when a request can never fit one slot of the backend (HTTP 400)."""
+
+    code = "context_length_exceeded"
+    rejection_reason = "context_length_exceeded"
+
+
+class PayloadTooLarge(ClientError):
+    """Raised when the body is larger than ``server.max_body_bytes`` (HTTP 413)."""
+
+    status_code = 413
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(ClientError):
+    """Raised when the request's Content-Type is not application/json (HTTP 415)."""
+
+    status_code = 415
+    code = "unsupported_media_type"
+
+
+class ServiceError(GatewayError):
+    """A 5xx: the gateway or the backend cannot serve the request now."""
+
+
+class Overloaded(ServiceError):
+    """A retryable 503. ``retry_after_s`` (seconds, float) becomes ``Retry-After``."""
+
+    status_code = 503
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(Overloaded):
+    """Raised when the admission queue already holds ``max_queue`` requests."""
+
+    code = "queue_full"
+    rejection_reason = "queue_full"
+
+
+class QueueTimeout(Overloaded):
+    """Raised when a request waited longer than ``max_queue_wait_s`` in the queue."""
+
+    code = "queue_timeout"
+    rejection_reason = "queue_timeout"
+
+
+class BackendNotReady(Overloaded):
+    """Raised when the backend's capacity is not known yet (not reachable, or loading)."""
+
+    code = "backend_unavailable"
+    rejection_reason = "backend_unavailable"
+
+
+class UpstreamContextOverflow(Overloaded):
+    """Raised when llama-server answers 500 "Context size has been exceeded.".
+
+    That answer means the gateway's model of the backend's KV pool was wrong
+    (``shared/design/backends.md`` §1.3); it is retryable, so it becomes a 503.
+    """
+
+    code = "upstream_context_overflow"
+
+
+class UpstreamUnavailable(ServiceError):
+    """Raised when the backend cannot be connected to (HTTP 502)."""
+
+    status_code = 502
+    code = "upstream_unavailable"
+
+
+class UpstreamTimeout(ServiceError):
+    """Raised when the backend did not answer within the read timeout (HTTP 504)."""
+
+    status_code = 504
+    code = "upstream_timeout"
+
+
+class UpstreamError(ServiceError):
+    """Raised when the backend answered with a 5xx the gateway does not translate (502)."""
+
+    status_code = 502
+    code = "upstream_error"
+
+
+class ClientDisconnected(Exception):
+    """Raised inside the gateway when the client went away; nothing is sent back."""
+
+
+def error_body(exc: GatewayError) -> dict[str, Any]:
+    """Return the OpenAI error object ``{"error": {message, type, param, code}}``."""
+    return {
+        "error": {
+            "message": exc.message,
+            "type": exc.error_type,
+            "param": exc.param,
+            "code": exc.code,
+        }
+    }
+
+
+def error_headers(exc: GatewayError) -> dict[str, str]:
+    """Return the extra headers for an error: ``Retry-After`` (whole seconds, 1–60) and
+    ``retry-after-ms`` on 503s, following what the official OpenAI SDKs read
+    (``shared/cases/public.md``, appendix); ``x-should-retry: false`` on 4xx.
+    """
+    if isinstance(exc, Overloaded):
+        seconds = min(60.0, max(1.0, exc.retry_after_s))
+        return {"Retry-After": str(math.ceil(seconds)), "retry-after-ms": str(int(seconds * 1000))}
+    if isinstance(exc, ClientError):
+        return {"x-should-retry": "false"}
+    return {}
+
+
+def sse_error_event(exc: GatewayError) -> bytes:
+    """Return the final SSE event for an error after a stream has started: ``data: {...}``."""
+    return b"data: " + json.dumps(error_body(exc)).encode() + b"\n\n"

