@@ -1,0 +1,35 @@
+# One-command entry points. See README.md.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+
+.PHONY: install run test test-fast demo bench backend clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test,plan]'
+	touch $@
+
+install: $(VENV)/.installed
+
+backend: install          ## build/fetch llama-server and the model (cached outside the repo)
+	$(PY) -m gateway.localbackend ensure
+
+run: backend              ## llama-server (-c 2048) on :8080 and the gateway on :8000
+	$(PY) -m gateway.localbackend run --config config.example.toml
+
+test: backend             ## the whole suite, real-backend tests included
+	$(PY) -m pytest
+
+test-fast: install        ## everything but the real-backend tests
+	$(PY) -m pytest -m "not llama"
+
+demo: backend             ## the shared-KV overflow, straight vs through the gateway
+	$(PY) scripts/demo.py
+
+bench: install            ## gateway overhead vs a direct call, fixed-response upstream
+	$(PY) bench/bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

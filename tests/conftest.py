@@ -1,0 +1,112 @@
+"""Shared fixtures: settings factory, fake upstream, app and client builders."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from gateway.app import GatewayState, create_app
+from gateway.config import Settings, load_settings
+from tests.fakes import FakeLlamaServer, ManualClock
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def _no_gateway_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("GATEWAY_") and key != "GATEWAY_MODEL":
+            monkeypatch.delenv(key)
+
+
+SettingsFactory = Callable[..., Settings]
+
+
+@pytest.fixture
+def make_settings() -> SettingsFactory:
+    """Settings with one backend 'local'; keyword sections override."""
+
+    def make(admission: dict[str, Any] | None = None, **backend: Any) -> Settings:
+        entry: dict[str, Any] = {"name": "local", "url": "http://upstream:8080", **backend}
+        return load_settings(admission=admission or {}, backends=[entry])
+
+    return make
+
+
+@pytest.fixture
+def fake() -> FakeLlamaServer:
+    return FakeLlamaServer()
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+class Harness:
+    """An app over a fake upstream, plus an httpx client that calls it in-process."""
+
+    def __init__(self, app: FastAPI, fake: FakeLlamaServer) -> None:
+        self.app = app
+        self.fake = fake
+        self.state: GatewayState = app.state.gateway
+        self.client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gateway"
+        )
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.state.metrics.registry
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    @property
+    def backend(self) -> Any:
+        return self.state.backends["local"]
+
+    async def chat(self, content: str = "hello there", **extra: Any) -> httpx.Response:
+        body = {"messages": [{"role": "user", "content": content}], **extra}
+        return await self.client.post("/v1/chat/completions", json=body)
+
+
+@pytest.fixture
+async def harness_factory(
+    make_settings: SettingsFactory, fake: FakeLlamaServer
+) -> AsyncIterator[Callable[..., Any]]:
+    harnesses: list[Harness] = []
+
+    async def build(
+        admission: dict[str, Any] | None = None, *, clock: Any = None, discover: bool = True,
+        **backend: Any,
+    ) -> Harness:
+        settings = make_settings(admission, **backend)
+        app = create_app(
+            settings, http_client=fake.client(), registry=CollectorRegistry(), clock=clock,
+            discover=False,
+        )
+        h = Harness(app, fake)
+        if discover:
+            await h.backend.discover()
+        harnesses.append(h)
+        return h
+
+    yield build
+    for h in harnesses:
+        await h.client.aclose()
+
+
+@pytest.fixture
+async def harness(harness_factory: Callable[..., Any]) -> Harness:
+    return await harness_factory()
