@@ -82,6 +82,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
     settings = state.settings
 
     async def handle(request: Request, route: str) -> Response:
+        started = state.clock.now()
         request.state.route = route
         check_content_type(request.headers.get("content-type"))
         raw = await read_body(request, settings.server.max_body_bytes)
@@ -110,7 +111,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         options = req.body.get("stream_options") or {}
         exchange = Exchange(
             backend=backend, route=route, body=upstream_body(req, charge), charge=charge,
-            stream=req.stream, started=request.state.started,
+            stream=req.stream, started=started,
             headers=list(request.headers.items()),
             client_wants_usage=bool(options.get("include_usage")),
             extra_headers=extra,
@@ -123,11 +124,6 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
     def _rediscover(backend: Backend) -> None:
         task = asyncio.ensure_future(backend.discover())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-    @app.middleware("http")
-    async def _stamp(request: Request, call_next: Any) -> Response:
-        request.state.started = state.clock.now()
-        return await call_next(request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

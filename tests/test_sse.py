@@ -1,0 +1,44 @@
+"""The SSE event splitter on split, CRLF and mixed chunks."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.sse import EventSplitter, event_data
+
+EVENTS = [b'data: {"a": 1}\n\n', b": keepalive\n\n", b"data: [DONE]\n\n"]
+
+
+def test_whole_events_in_one_chunk() -> None:
+    s = EventSplitter()
+    assert s.feed(b"".join(EVENTS)) == EVENTS and s.rest() == b""
+
+
+def test_crlf_events() -> None:
+    s = EventSplitter()
+    assert s.feed(b"data: x\r\n\r\ndata: y\r\n\r\n") == [b"data: x\r\n\r\n", b"data: y\r\n\r\n"]
+
+
+def test_unterminated_rest_is_kept() -> None:
+    s = EventSplitter()
+    assert s.feed(b"data: x\n\ndata: partial") == [b"data: x\n\n"]
+    assert s.rest() == b"data: partial"
+
+
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=30))
+def test_any_split_gives_the_same_events(cuts: list[int]) -> None:
+    stream = b"".join(EVENTS * 3)
+    s, out, pos = EventSplitter(), [], 0
+    for cut in cuts:
+        out += s.feed(stream[pos : pos + cut])
+        pos += cut
+    out += s.feed(stream[pos:])
+    assert out == EVENTS * 3
+
+
+def test_event_data() -> None:
+    assert event_data(b'data: {"a": 1}\n\n') == '{"a": 1}'
+    assert event_data(b"data:x\ndata: y\n\n") == "x\ny"
+    assert event_data(b": comment\n\n") is None
+    assert event_data(b"event: error\ndata: boom\n\n") == "boom"
