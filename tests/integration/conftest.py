@@ -1,0 +1,100 @@
+"""Fixtures for tests against a real llama-server running Gemma 3 270M (marker ``llama``).
+
+Each server runs on a free loopback port and is stopped afterwards. The binary and model
+come from the cache that ``make backend`` (gateway.localbackend) fills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from gateway.app import create_app
+from gateway.config import load_settings
+from gateway.localbackend import LlamaServer, ensure_llama_server, ensure_model, free_port
+
+
+@pytest.fixture(scope="session")
+def llama_parts() -> tuple[Any, Any]:
+    return ensure_llama_server(), ensure_model()
+
+
+@pytest.fixture(scope="session")
+def default_server(llama_parts: tuple[Any, Any]) -> Iterator[LlamaServer]:
+    """llama-server with its default layout (4 slots, unified KV) and -c 2048."""
+    binary, model = llama_parts
+    server = LlamaServer(["-c", "2048", "--metrics"], binary=binary, model=model)
+    with server.running():
+        yield server
+
+
+class GatewayThread:
+    """The real gateway (uvicorn) on a free loopback port, in a background thread."""
+
+    def __init__(self, backend: dict[str, Any], admission: dict[str, Any] | None = None):
+        self.settings = load_settings(
+            admission=admission or {}, backends=[{"name": "local", **backend}]
+        )
+        self.port = free_port()
+        config = uvicorn.Config(
+            create_app(self.settings), host="127.0.0.1", port=self.port, log_level="warning",
+            loop="asyncio", timeout_graceful_shutdown=2,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> GatewayThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("gateway did not become ready")
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Read one sample from the gateway's /metrics (0 when absent)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v
+                                               for k, v in labels.items()):
+                    return float(sample.value)
+        return 0.0
+
+
+def long_prompt(sentences: int) -> str:
+    """English text of roughly 10 Gemma tokens per sentence."""
+    words = ["river", "mountain", "quiet", "lantern", "orchard", "copper", "meadow", "signal"]
+    out = []
+    for i in range(sentences):
+        a, b, c = words[i % 8], words[(i * 3 + 1) % 8], words[(i * 5 + 2) % 8]
+        out.append(f"The {a} near the {b} kept its {c} for day {i}.")
+    return " ".join(out)
+
+
+async def gather_chats(url: str, bodies: list[dict[str, Any]], timeout: float = 300) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        return await asyncio.gather(
+            *(client.post(url + "/v1/chat/completions", json=b) for b in bodies)
+        )
