@@ -84,6 +84,9 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
     async def handle(request: Request, route: str) -> Response:
         started = state.clock.now()
         request.state.route = route
+        retry = request.headers.get("x-stainless-retry-count", "0")
+        if retry != "0" and retry.isdigit():
+            state.metrics.client_retries.labels(retry if int(retry) < 10 else "10+").inc()
         check_content_type(request.headers.get("content-type"))
         raw = await read_body(request, settings.server.max_body_bytes)
         req = parse_body(route, raw)

@@ -201,8 +201,13 @@ class LlamaCppBackend:
             return None
         return len(resp.json()["tokens"])
 
-    def translate_error(self, status: int, body: bytes) -> tuple[GatewayError | None, str]:
+    def translate_error(
+        self, status: int, body: bytes, retry_after: str | None = None
+    ) -> tuple[GatewayError | None, str]:
         """Map an upstream error answer to a gateway error, or ``None`` to pass it on.
+
+        :param retry_after: the upstream ``Retry-After`` header, if any (seconds); it is
+            kept on the 503 the gateway answers.
 
         :returns: (error or None, kind label for ``gateway_upstream_errors_total``).
         500 "Context size has been exceeded." becomes a retryable 503 (the KV model was
@@ -220,7 +225,12 @@ class LlamaCppBackend:
                 "context_overflow",
             )
         if status == 503:
-            return BackendNotReady(f"Backend {self.name!r} is unavailable: {message}"), "status_5xx"
+            wait = _seconds(retry_after) or self.admission.retry_after_s()
+            return (
+                BackendNotReady(f"Backend {self.name!r} is unavailable: {message}",
+                                retry_after_s=wait),
+                "status_5xx",
+            )
         if status >= 500:
             return (
                 UpstreamError(f"Backend {self.name!r} failed with HTTP {status}: {message}"),
@@ -232,6 +242,14 @@ class LlamaCppBackend:
         """True when an SSE ``data`` object is llama-server's mid-stream overflow error."""
         err = data.get("error")
         return isinstance(err, dict) and CONTEXT_OVERFLOW_TEXT in str(err.get("message", ""))
+
+
+def _seconds(header: str | None) -> float | None:
+    try:
+        value = float(header) if header is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and value > 0 else None
 
 
 def _error_message(body: bytes) -> str:

@@ -94,6 +94,11 @@ class GatewayMetrics:
             "gateway_max_tokens_clamped", "Requests whose max_tokens was lowered to fit a slot.",
             ["backend"], registry=registry,
         )
+        self.client_retries = Counter(
+            "gateway_client_retries",
+            "Requests that clients marked as retries (x-stainless-retry-count > 0).",
+            ["attempt"], registry=registry,
+        )
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds", "Time from arrival to admission.",
             ["backend"], buckets=_LATENCY_BUCKETS, registry=registry,

@@ -54,6 +54,8 @@ _DROP_REQUEST_HEADERS = {
     "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding",
     "x-conversation-id", "expect",
 }
+# Upstream response headers relayed on whole (non-SSE) answers.
+_PASS_RESPONSE_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -181,7 +183,9 @@ class ProxyResponse(Response):
     async def _admit_and_forward(self, watcher: DisconnectWatcher, send: Send) -> None:
         x, m, name = self.x, self.metrics, self.x.backend.name
         try:
-            lease = await watcher.race(x.backend.admission.admit(x.charge))
+            lease = x.backend.admission.try_admit(x.charge)
+            if lease is None:
+                lease = await watcher.race(x.backend.admission.admit(x.charge))
         except ClientDisconnected:
             m.rejections.labels(name, "client_disconnected").inc()
             return
@@ -250,7 +254,9 @@ class ProxyResponse(Response):
         except GatewayError as failed:
             await self._send_error(send, failed)
             return
-        exc, kind = x.backend.translate_error(resp.status_code, body)
+        exc, kind = x.backend.translate_error(
+            resp.status_code, body, resp.headers.get("retry-after")
+        )
         if exc is not None:
             m.upstream_errors.labels(x.backend.name, kind).inc()
             if kind == "context_overflow" and self.on_overflow is not None:
@@ -277,6 +283,9 @@ class ProxyResponse(Response):
     async def _send_whole(self, send: Send, resp: httpx.Response, body: bytes) -> None:
         ctype = resp.headers.get("content-type", "application/json").encode()
         headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+        for name in _PASS_RESPONSE_HEADERS:
+            if name in resp.headers:
+                headers.append((name.encode(), resp.headers[name].encode()))
         self.x.status = resp.status_code
         await send({
             "type": "http.response.start", "status": resp.status_code,
