@@ -39,6 +39,53 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import httpx
+
+    from gateway import modelshape
+    from gateway.plan import build_report, render_report
+    from gateway.planning import parse_bytes
+    from gateway.sizing import recommend, render_sizing
+
+    if args.from_metrics:
+        try:
+            text = httpx.get(args.from_metrics, timeout=10).text
+            result = recommend(text, margin=args.margin)
+        except (httpx.HTTPError, ValueError) as exc:
+            print(f"gateway plan: {exc}", file=sys.stderr)  # noqa: T201
+            return 1
+        print(json.dumps(result, indent=2) if args.json else render_sizing(result))  # noqa: T201
+        return 0
+    try:
+        if args.gguf:
+            shape = modelshape.from_gguf(args.gguf)
+        elif args.hf_config:
+            shape = modelshape.from_hf_config(args.hf_config)
+        elif args.layers and args.kv_heads and args.head_dim:
+            shape = modelshape.from_dims(args.layers, args.kv_heads, args.head_dim)
+        else:
+            raise ValueError("give --gguf, --hf-config, or --layers/--kv-heads/--head-dim")
+        report = build_report(
+            shape, type_k=args.cache_type_k, type_v=args.cache_type_v,
+            kv_budget=parse_bytes(args.kv_memory) if args.kv_memory else None,
+            memory=parse_bytes(args.memory) if args.memory else None,
+            ctx=args.ctx, parallel=args.parallel, unified=args.layout == "unified",
+        )
+    except (ValueError, OSError) as exc:
+        print(f"gateway plan: {exc}", file=sys.stderr)  # noqa: T201
+        return 2
+    print(json.dumps(report, indent=2) if args.json else render_report(report))  # noqa: T201
+    return 0
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from gateway.probe import probe, render_probe
+
+    found = probe(args.url)
+    print(json.dumps(found, indent=2) if args.json else render_probe(found))  # noqa: T201
+    return 0 if found["kind"] != "unknown" else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gateway`` argument parser."""
     parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
@@ -51,6 +98,33 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and print the result")
     check.add_argument("config", help="TOML config file")
     check.set_defaults(func=_check)
+
+    from gateway.planning import CACHE_TYPES
+
+    plan = sub.add_parser("plan", help="KV-cache calculator and launch settings")
+    src = plan.add_argument_group("model (one of)")
+    src.add_argument("--gguf", help="GGUF file (metadata only is read)")
+    src.add_argument("--hf-config", help="Hugging Face config.json")
+    src.add_argument("--layers", type=int)
+    src.add_argument("--kv-heads", type=int)
+    src.add_argument("--head-dim", type=int)
+    plan.add_argument("--cache-type-k", "-ctk", default="f16", choices=sorted(CACHE_TYPES))
+    plan.add_argument("--cache-type-v", "-ctv", default="f16", choices=sorted(CACHE_TYPES))
+    plan.add_argument("--kv-memory", help="memory for the KV cache, e.g. 6GiB")
+    plan.add_argument("--memory", help="total memory; the GGUF file size is taken off for weights")
+    plan.add_argument("--ctx", type=int, help="target context per request (tokens)")
+    plan.add_argument("--parallel", type=int, help="concurrent requests (slots)")
+    plan.add_argument("--layout", choices=["per-slot", "unified"], default="per-slot")
+    plan.add_argument("--from-metrics", metavar="URL",
+                      help="size from a running gateway's /metrics instead of a model")
+    plan.add_argument("--margin", type=float, default=0.1,
+                      help="safety margin over the p95 (with --from-metrics)")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=_plan)
+    probe = sub.add_parser("probe", help="detect a backend and read its capacity")
+    probe.add_argument("url")
+    probe.add_argument("--json", action="store_true")
+    probe.set_defaults(func=_probe)
     return parser
 
 

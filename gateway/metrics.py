@@ -123,4 +123,9 @@ class GatewayMetrics:
             "gateway_completion_tokens", "Completion tokens per request (backend usage).",
             ["backend"], buckets=_TOKEN_BUCKETS, registry=registry,
         )
+        self.request_tokens = Histogram(
+            "gateway_request_tokens",
+            "KV tokens a request really used: prompt + completion (backend usage).",
+            ["backend"], buckets=_TOKEN_BUCKETS, registry=registry,
+        )
         registry.register(_AdmissionCollector(stats_source))

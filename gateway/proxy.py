@@ -296,6 +296,7 @@ class ProxyResponse(Response):
     def _record_usage(self, usage: Any) -> None:
         name = self.x.backend.name
         prompt = self.x.charge.prompt_tokens
+        completion = None
         if isinstance(usage, dict):
             completion = usage.get("completion_tokens")
             if isinstance(completion, int):
@@ -309,6 +310,8 @@ class ProxyResponse(Response):
                     )
                 prompt = reported
         self.metrics.prompt_tokens.labels(name).observe(prompt)
+        if isinstance(completion, int):
+            self.metrics.request_tokens.labels(name).observe(prompt + completion)
 
     async def _relay_stream(self, send: Send, resp: httpx.Response) -> None:
         x, m, name = self.x, self.metrics, self.x.backend.name

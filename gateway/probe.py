@@ -1,0 +1,166 @@
+"""``gateway probe URL``: find out what kind of server is at URL and what it exposes.
+
+* llama-server: ``GET /props`` (``total_slots``, ``default_generation_settings.n_ctx``),
+  ``GET /slots`` (per-slot ``n_ctx``), ``GET /v1/models`` (``meta.n_ctx_train``).
+* Ollama: ``GET /api/version``, ``GET /api/ps`` (loaded models with ``context_length``),
+  ``POST /api/show`` (``model_info``).
+* vLLM: ``GET /v1/models`` (``owned_by: "vllm"``, ``max_model_len``) and ``GET /metrics``
+  (``vllm:cache_config_info`` labels ``block_size``/``num_gpu_blocks``, and
+  ``kv_cache_size_tokens`` where exported).
+
+Sources: ``shared/design/backends.md`` §1.4, §2, §3.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+__all__ = ["probe", "render_probe"]
+
+
+def _json(client: httpx.Client, method: str, url: str, **kw: Any) -> Any:
+    try:
+        resp = client.request(method, url, **kw)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    try:
+        return resp.json()
+    except ValueError:
+        return None
+
+
+def _llama(client: httpx.Client, url: str, props: dict[str, Any]) -> dict[str, Any]:
+    slots_json = _json(client, "GET", url + "/slots")
+    models = _json(client, "GET", url + "/v1/models") or {}
+    meta = ((models.get("data") or [{}])[0] or {}).get("meta") or {}
+    slots = int(props["total_slots"])
+    ctx = int(props["default_generation_settings"]["n_ctx"])
+    found: dict[str, Any] = {
+        "kind": "llama.cpp", "slots": slots, "ctx_per_slot": ctx,
+        "n_ctx_train": meta.get("n_ctx_train"), "model": props.get("model_alias")
+        or props.get("model_path"),
+        "busy_slots": sum(bool(s.get("is_processing")) for s in slots_json)
+        if isinstance(slots_json, list) else None,
+    }
+    found["undiscoverable"] = [
+        "kv_unified: whether the slots share one KV pool (llama-server's default without "
+        "-np) or each has its own (-np N); /props and /slots look the same either way",
+        f"pool_tokens: the unified pool size (-c); {ctx} per slot is all that is visible",
+    ]
+    found["backend_block"] = "\n".join([
+        "[[backends]]", 'name = "local"', f'url = "{url}"', 'kind = "llama.cpp"',
+        f"slots = {slots}", f"ctx_per_slot = {ctx}",
+        "kv_unified = true   # set false if llama-server runs with -np N (no --kv-unified)",
+        f"# pool_tokens = {ctx}   # the -c value, when unified and larger than one slot",
+    ])
+    return found
+
+
+def _ollama(client: httpx.Client, url: str, version: dict[str, Any]) -> dict[str, Any]:
+    ps = _json(client, "GET", url + "/api/ps") or {}
+    loaded = []
+    for m in ps.get("models") or []:
+        show = _json(client, "POST", url + "/api/show", json={"model": m.get("name")}) or {}
+        info = show.get("model_info") or {}
+        arch = info.get("general.architecture")
+        loaded.append({
+            "name": m.get("name"), "context_length": m.get("context_length"),
+            "size_vram": m.get("size_vram"),
+            "declared_context": info.get(f"{arch}.context_length") if arch else None,
+        })
+    ctx = loaded[0]["context_length"] if loaded else None
+    return {
+        "kind": "ollama", "version": version.get("version"), "loaded_models": loaded,
+        "ctx_per_slot": ctx, "slots": None,
+        "undiscoverable": [
+            "OLLAMA_NUM_PARALLEL (slots per model; default 1 since v0.9.7) is not exposed",
+            "context_length is the loaded per-slot context, which can be far below the "
+            "model's declared length",
+        ],
+        "backend_block": "\n".join([
+            "[[backends]]", 'name = "ollama"', f'url = "{url}"',
+            'kind = "ollama"   # served by the Ollama backend kind (separate issue)',
+            "slots = 1         # OLLAMA_NUM_PARALLEL", f"ctx_per_slot = {ctx or 4096}",
+            "kv_unified = false",
+        ]),
+    }
+
+
+def _vllm(client: httpx.Client, url: str, models: dict[str, Any]) -> dict[str, Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    model = models["data"][0]
+    found: dict[str, Any] = {"kind": "vllm", "model": model.get("id"),
+                             "max_model_len": model.get("max_model_len"), "slots": None}
+    try:
+        text = client.get(url + "/metrics").text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("vllm:cache_config_info"):
+                    found["block_size"] = int(sample.labels.get("block_size", 0)) or None
+                    found["num_gpu_blocks"] = int(sample.labels.get("num_gpu_blocks", 0)) or None
+                elif sample.name.startswith("vllm:kv_cache_size_tokens"):
+                    found["kv_cache_size_tokens"] = int(sample.value)
+    except (httpx.HTTPError, ValueError):
+        pass
+    pool = found.get("kv_cache_size_tokens") or (
+        (found.get("block_size") or 0) * (found.get("num_gpu_blocks") or 0) or None)
+    found["pool_tokens"] = pool
+    found["undiscoverable"] = ["--max-num-seqs (concurrent sequences) is not exposed"]
+    found["backend_block"] = "\n".join([
+        "[[backends]]", 'name = "vllm"', f'url = "{url}"',
+        'kind = "vllm"   # served by the vLLM backend kind (separate issue)',
+        f"ctx_per_slot = {found['max_model_len']}", f"pool_tokens = {pool}",
+    ])
+    return found
+
+
+def probe(url: str, client: httpx.Client | None = None) -> dict[str, Any]:
+    """Detect the server kind at ``url`` and read its capacity.
+
+    :returns: a dict with ``kind`` (``llama.cpp``, ``ollama``, ``vllm`` or ``unknown``),
+        the values found, ``undiscoverable`` notes and a ``backend_block`` for the config.
+    """
+    url = url.rstrip("/")
+    own = client is None
+    client = client or httpx.Client(timeout=10)
+    try:
+        props = _json(client, "GET", url + "/props")
+        if isinstance(props, dict) and "total_slots" in props:
+            return _llama(client, url, props)
+        version = _json(client, "GET", url + "/api/version")
+        if isinstance(version, dict) and "version" in version:
+            return _ollama(client, url, version)
+        models = _json(client, "GET", url + "/v1/models")
+        if isinstance(models, dict) and (models.get("data") or [{}])[0].get("owned_by") == "vllm":
+            return _vllm(client, url, models)
+        health = None
+        try:
+            health = client.get(url + "/health").status_code
+        except httpx.HTTPError as exc:
+            return {"kind": "unknown", "error": f"cannot reach {url}: {exc}"}
+        return {"kind": "unknown", "error": f"{url} answered /health with {health} but none "
+                "of the llama-server, Ollama or vLLM discovery endpoints"}
+    finally:
+        if own:
+            client.close()
+
+
+def render_probe(found: dict[str, Any]) -> str:
+    """The probe result as text."""
+    if found["kind"] == "unknown":
+        return f"unknown backend: {found['error']}"
+    lines = [f"kind           {found['kind']}"]
+    for key, value in found.items():
+        if key in ("kind", "undiscoverable", "backend_block") or value is None:
+            continue
+        lines.append(f"{key:<14} {value}")
+    lines.append("")
+    lines.append("not discoverable over HTTP (set in config):")
+    lines += [f"  - {note}" for note in found["undiscoverable"]]
+    lines += ["", found["backend_block"]]
+    return "\n".join(lines)
