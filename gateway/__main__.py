@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from gateway.config import ConfigError, load_settings
 
@@ -49,9 +50,13 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.from_metrics:
         try:
-            text = httpx.get(args.from_metrics, timeout=10).text
+            source = args.from_metrics
+            if source.startswith(("http://", "https://")):
+                text = httpx.get(source, timeout=10).text
+            else:
+                text = Path(source).read_text()
             result = recommend(text, margin=args.margin)
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, OSError) as exc:
             print(f"gateway plan: {exc}", file=sys.stderr)  # noqa: T201
             return 1
         print(json.dumps(result, indent=2) if args.json else render_sizing(result))  # noqa: T201
@@ -116,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--parallel", type=int, help="concurrent requests (slots)")
     plan.add_argument("--layout", choices=["per-slot", "unified"], default="per-slot")
     plan.add_argument("--from-metrics", metavar="URL",
-                      help="size from a running gateway's /metrics instead of a model")
+                      help="size from a gateway's /metrics (URL, or a file of its text)")
     plan.add_argument("--margin", type=float, default=0.1,
                       help="safety margin over the p95 (with --from-metrics)")
     plan.add_argument("--json", action="store_true")

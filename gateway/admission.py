@@ -66,6 +66,7 @@ class AdmissionStats:
     capacity_tokens: int
     slots: int
     ctx_per_slot: int
+    layout_changes: int = 0
 
 
 @dataclass
@@ -98,6 +99,7 @@ class Admission:
         self._max_wait_s = max_wait_s
         self._clock = clock or MonotonicClock()
         self._budget = Budget()
+        self._layout_changes = 0
         self._inflight = 0
         self._queue: deque[_Waiter] = deque()
         self._releases: deque[float] = deque(maxlen=64)
@@ -114,6 +116,8 @@ class Admission:
         Waiters that can never fit the new layout are failed with
         :class:`ContextLengthExceeded`; the rest are re-examined at once.
         """
+        if self._layout is not None and layout != self._layout:
+            self._layout_changes += 1
         self._layout = layout
         if layout is not None:
             for waiter in list(self._queue):
@@ -138,6 +142,7 @@ class Admission:
             capacity_tokens=layout.capacity_tokens if layout else 0,
             slots=layout.slots if layout else 0,
             ctx_per_slot=layout.ctx_per_slot if layout else 0,
+            layout_changes=self._layout_changes,
         )
 
     def retry_after_s(self) -> float:

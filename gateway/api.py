@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -121,12 +120,8 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         )
         return ProxyResponse(
             exchange, client=state.client, metrics=state.metrics, clock=state.clock,
-            on_overflow=_rediscover,
+            on_upstream_error=Backend.request_rediscovery,
         )
-
-    def _rediscover(backend: Backend) -> None:
-        task = asyncio.ensure_future(backend.discover())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -6,6 +6,7 @@ methods as :class:`LlamaCppBackend`; the proxy and admission code do not change.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ class LlamaCppBackend:
         self.reachable = False
         self.discovered: Discovered | None = None
         self._input_tokens_route = True  # cleared when the build lacks it (404)
+        self._rediscovery: asyncio.Task[None] | None = None
         self.admission = Admission(
             self._configured_layout(None),
             max_queue=admission_settings.max_queue,
@@ -135,10 +137,25 @@ class LlamaCppBackend:
         self._warn_disagreement(found)
         self.discovered = found
         layout = self._configured_layout(found)
-        if layout != self.admission.layout:
-            log.info("backend %s layout: %s -> %s", self.name, self.admission.layout, layout)
+        old = self.admission.layout
+        if layout != old:
+            log.log(
+                logging.WARNING if old is not None else logging.INFO,
+                "backend %s layout changed: %s -> %s", self.name, _describe(old), _describe(layout),
+            )
             self.admission.set_layout(layout)
         return layout
+
+    def request_rediscovery(self) -> None:
+        """Re-read capacity soon (after an upstream error); at most one read at a time."""
+        if self._rediscovery is None or self._rediscovery.done():
+            self._rediscovery = asyncio.ensure_future(self._rediscover())
+
+    async def _rediscover(self) -> None:
+        try:
+            await self.discover()
+        except GatewayError as exc:
+            log.info("backend %s re-discovery failed: %s", self.name, exc.message)
 
     def _warn_disagreement(self, found: Discovered) -> None:
         s = self.settings
@@ -242,6 +259,13 @@ class LlamaCppBackend:
         """True when an SSE ``data`` object is llama-server's mid-stream overflow error."""
         err = data.get("error")
         return isinstance(err, dict) and CONTEXT_OVERFLOW_TEXT in str(err.get("message", ""))
+
+
+def _describe(layout: Layout | None) -> str:
+    if layout is None:
+        return "unknown"
+    kind = f"unified pool {layout.pool_tokens}" if layout.unified else "per-slot KV"
+    return f"{layout.slots} slots x {layout.ctx_per_slot} tokens, {kind}"
 
 
 def _seconds(header: str | None) -> float | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.admission import AdmissionStats
@@ -18,7 +18,10 @@ __all__ = ["GatewayMetrics"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
-_TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_TOKEN_BUCKETS = (
+    16, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384,
+    24576, 32768, 49152, 65536, 131072,
+)
 
 StatsSource = Callable[[], Iterable[tuple[str, AdmissionStats, bool]]]
 
@@ -56,6 +59,14 @@ class _AdmissionCollector(Collector):
         for name, _stats, is_ready in rows:
             ready.add_metric([name], 1.0 if is_ready else 0.0)
         yield ready
+        changes = CounterMetricFamily(
+            "gateway_backend_layout_changes",
+            "Times re-discovery found a different slot/KV layout on the backend.",
+            labels=["backend"],
+        )
+        for name, stats, _ready in rows:
+            changes.add_metric([name], float(stats.layout_changes))
+        yield changes
 
 
 class GatewayMetrics:

@@ -153,13 +153,13 @@ class ProxyResponse(Response):
 
     def __init__(
         self, exchange: Exchange, *, client: httpx.AsyncClient, metrics: GatewayMetrics,
-        clock: Clock, on_overflow: Callable[[Backend], None] | None = None,
+        clock: Clock, on_upstream_error: Callable[[Backend], None] | None = None,
     ) -> None:
         self.x = exchange
         self.client = client
         self.metrics = metrics
         self.clock = clock
-        self.on_overflow = on_overflow
+        self.on_upstream_error = on_upstream_error
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -223,6 +223,8 @@ class ProxyResponse(Response):
             if isinstance(exc, UpstreamError):
                 kind = "status_5xx"
             m.upstream_errors.labels(name, kind).inc()
+            if self.on_upstream_error is not None:
+                self.on_upstream_error(x.backend)
             await self._send_error(send, exc)
             return
         try:
@@ -259,8 +261,8 @@ class ProxyResponse(Response):
         )
         if exc is not None:
             m.upstream_errors.labels(x.backend.name, kind).inc()
-            if kind == "context_overflow" and self.on_overflow is not None:
-                self.on_overflow(x.backend)
+            if self.on_upstream_error is not None:
+                self.on_upstream_error(x.backend)
             await self._send_error(send, exc)
             return
         await self._send_whole(send, resp, body)
@@ -362,8 +364,8 @@ class ProxyResponse(Response):
             overflow = backend.is_overflow_event(obj)
             kind = "context_overflow" if overflow else "stream_aborted"
             self.metrics.upstream_errors.labels(backend.name, kind).inc()
-            if overflow and self.on_overflow is not None:
-                self.on_overflow(backend)
+            if overflow and self.on_upstream_error is not None:
+                self.on_upstream_error(backend)
             return True
         if isinstance(obj.get("usage"), dict):
             state.usage = obj["usage"]
