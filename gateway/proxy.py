@@ -94,19 +94,17 @@ class DisconnectWatcher:
 
     async def race(self, work: Awaitable[T]) -> T:
         """Await ``work``; cancel it and raise :class:`ClientDisconnected` if the client
-        goes away first."""
+        goes away first (the watcher task itself is the other side of the race)."""
         task = asyncio.ensure_future(work)
-        if self.disconnected.is_set():
-            task.cancel()
-            raise ClientDisconnected()
-        gone = asyncio.ensure_future(self.disconnected.wait())
+        watcher = self._task
         try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if watcher is None or self.disconnected.is_set():
+                raise ClientDisconnected()
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if task.done():
                 return task.result()
             raise ClientDisconnected()
         finally:
-            gone.cancel()
             if not task.done():
                 task.cancel()
                 try:
