@@ -174,7 +174,7 @@ def max_ctx_for_slots(
         ctx = mid * CTX_ALIGN
         kv = kv_size(shape, ctx * slots, slots, unified=unified, type_k=type_k, type_v=type_v)
         if kv.total_bytes <= budget_bytes:
-            best, lo = SlotOption(slots, ctx, kv), mid + 1
+            best, lo = SlotOption(slots, kv.n_ctx_seq, kv), mid + 1
         else:
             hi = mid - 1
     return best
