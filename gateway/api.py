@@ -102,7 +102,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         charge = plan_charge(
             layout, prompt_tokens, req.max_tokens, n=req.n,
             default_max_tokens=settings.admission.default_max_tokens,
-            policy=CapPolicy(settings.admission.overlong.value),
+            policy=CapPolicy(settings.admission.overlong.value), cap_field=req.cap_field,
         )
         extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]
         if charge.defaulted:
@@ -157,6 +157,10 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
             }
             for name, b in state.backends.items()
         }
+        for name, b in state.backends.items():
+            layout = b.admission.layout
+            rows[name]["kv_unified"] = layout.unified if layout else b.settings.kv_unified
+            rows[name]["kind"] = b.kind
         ok = any(b.ready for b in state.backends.values())
         return JSONResponse({"ready": ok, "backends": rows}, 200 if ok else 503)
 

@@ -54,13 +54,18 @@ class GatewayState:
 async def _discovery_loop(backend: Backend) -> None:
     """Discover the backend's capacity: every second until known, then every
     ``discovery_interval_s``."""
+    failing = False
     while True:
         try:
             await backend.discover()
             delay = backend.settings.discovery_interval_s
+            if failing:
+                log.info("backend %s is reachable again", backend.name)
+            failing = False
         except GatewayError as exc:
-            log.info("backend %s not ready: %s", backend.name, exc.message)
-            delay = 1.0
+            log.log(logging.DEBUG if failing else logging.WARNING,
+                    "backend %s not ready: %s", backend.name, exc.message)
+            failing, delay = True, 1.0
         except Exception:  # never let discovery die
             log.exception("discovery of backend %s failed", backend.name)
             delay = 1.0

@@ -143,6 +143,7 @@ def plan_charge(
     n: int = 1,
     default_max_tokens: int,
     policy: CapPolicy,
+    cap_field: str = "max_tokens",
 ) -> Charge:
     """Decide the output cap to charge for a request, or refuse one that can never fit.
 
@@ -152,6 +153,7 @@ def plan_charge(
     :param prompt_tokens: prompt length in tokens, as the backend counts it.
     :param requested_max_tokens: ``max_tokens``/``max_completion_tokens``, or ``None``.
     :param n: completions requested.
+    :param cap_field: the request field the cap came from, named in errors.
     :raises ContextLengthExceeded: the prompt alone fills the slot; or prompt + cap
         exceeds it under the ``reject`` policy; or the n reservations exceed the pool.
     :raises InvalidRequest: ``n`` is larger than the backend's slot count.
@@ -175,10 +177,10 @@ def plan_charge(
         if policy is CapPolicy.reject:
             raise ContextLengthExceeded(
                 f"This request needs {prompt_tokens + requested_max_tokens} tokens "
-                f"(prompt {prompt_tokens} + max_tokens {requested_max_tokens}), but a slot "
+                f"(prompt {prompt_tokens} + {cap_field} {requested_max_tokens}), but a slot "
                 f"holds at most {layout.usable_per_slot} (context {layout.ctx_per_slot}). "
-                f"Lower max_tokens to {room} or shorten the prompt.",
-                param="max_tokens",
+                f"Lower {cap_field} to {room} or shorten the prompt.",
+                param=cap_field,
             )
         cap, clamped = room, True
     else:

@@ -203,4 +203,4 @@ def error_headers(exc: GatewayError) -> dict[str, str]:
 
 def sse_error_event(exc: GatewayError) -> bytes:
     """Return the final SSE event for an error after a stream has started: ``data: {...}``."""
-    return b"data: " + json.dumps(error_body(exc)).encode() + b"\n\n"
+    return b"data: " + json.dumps(error_body(exc), separators=(",", ":")).encode() + b"\n\n"

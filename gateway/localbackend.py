@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -200,6 +202,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """In the child: ask Linux to SIGTERM it when its parent dies (PR_SET_PDEATHSIG), so
+    a killed gateway never leaves llama-server running. A no-op elsewhere."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 class LlamaServer:
     """A llama-server child process on 127.0.0.1.
 
@@ -231,7 +244,9 @@ class LlamaServer:
         cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
                "--port", str(self.port), *self.args]
         with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -281,6 +296,9 @@ def _run(args: argparse.Namespace) -> int:
     extra = args.llama_args or ["-c", "2048"]
     server = LlamaServer(extra, port=port, log_path=cache_dir() / "llama-server.log")
     _say(f"starting llama-server on {server.url}: {' '.join(extra)} (log: {server.log_path})")
+    # uvicorn re-raises SIGTERM after its shutdown; turn it into SystemExit so that
+    # ``running()`` stops llama-server on the way out.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with server.running():
         _say(f"llama-server ready; gateway on http://{settings.server.host}:{settings.server.port}")
         uvicorn.run(

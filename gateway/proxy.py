@@ -115,7 +115,7 @@ class DisconnectWatcher:
 
 def error_response_messages(exc: GatewayError) -> tuple[Message, Message]:
     """The two ASGI messages of an OpenAI-style JSON error response."""
-    body = json.dumps(error_body(exc)).encode()
+    body = json.dumps(error_body(exc), separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json")]
     headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc).items()]
     headers.append((b"content-length", str(len(body)).encode()))
@@ -196,6 +196,7 @@ class ProxyResponse(Response):
         try:
             await self._forward(watcher, send)
         except ClientDisconnected:
+            x.status = 499  # nginx's "client closed request", even if a 200 had started
             log.info("client left %s request on backend %s; upstream closed", x.route, name)
         finally:
             x.backend.admission.release(lease)

@@ -23,6 +23,7 @@ class ParsedRequest:
     :param max_tokens: requested output cap in tokens, or ``None``.
     :param n: completions requested (≥ 1).
     :param stream: whether SSE streaming was requested.
+    :param cap_field: which field gave ``max_tokens`` (for error messages).
     """
 
     route: str
@@ -30,6 +31,7 @@ class ParsedRequest:
     max_tokens: int | None
     n: int
     stream: bool
+    cap_field: str = "max_tokens"
 
 
 def check_content_type(value: str | None) -> None:
@@ -129,4 +131,6 @@ def parse_body(route: str, raw: bytes) -> ParsedRequest:
         max_tokens=max_tokens if max_tokens is not None else max_completion,
         n=n,
         stream=bool(body.get("stream")),
+        cap_field="max_tokens" if max_tokens is not None or max_completion is None
+        else "max_completion_tokens",
     )

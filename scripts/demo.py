@@ -88,7 +88,9 @@ def main() -> int:
               "to llama-server ...", flush=True)
         direct = asyncio.run(burst(server.url))
         port = free_port()
+        # The three chats run one after another; let the queue wait as long as that takes.
         env = dict(os.environ, GATEWAY_SERVER__PORT=str(port),
+                   GATEWAY_ADMISSION__MAX_QUEUE_WAIT_S="600",
                    GATEWAY_SERVER__LOG_LEVEL="warning",
                    GATEWAY_BACKENDS=json.dumps([{"name": "local", "url": server.url}]))
         gw_url = f"http://127.0.0.1:{port}"

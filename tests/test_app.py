@@ -235,3 +235,17 @@ async def test_config_values_win_over_discovery(harness_factory: Any) -> None:
     h = await harness_factory(slots=2, ctx_per_slot=1024, kv_unified=False)
     stats = h.backend.admission.stats()
     assert (stats.slots, stats.ctx_per_slot, stats.capacity_tokens) == (2, 1024, 2048)
+
+
+async def test_overlong_max_completion_tokens_is_named_in_the_error(harness_factory: Any) -> None:
+    h = await harness_factory(ctx_per_slot=128)
+    r = await h.chat("hi", max_completion_tokens=500)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_completion_tokens"
+    assert "max_completion_tokens 500" in err["message"]
+
+
+async def test_ready_reports_the_layout(harness_factory: Any) -> None:
+    h = await harness_factory(kv_unified=False)
+    body = (await h.client.get("/ready")).json()["backends"]["local"]
+    assert body["kv_unified"] is False and body["capacity_tokens"] == 4 * 2048

@@ -118,6 +118,8 @@ async def test_disconnect_mid_stream_closes_upstream_and_releases(
     assert fake.closed_streams == 1 and fake.active == 0
     assert harness.sample("gateway_kv_reserved_tokens", backend="local") == 0
     assert harness.sample("gateway_inflight_requests", backend="local") == 0
+    assert harness.sample("gateway_requests_total", backend="local", route="chat",
+                          code="499") == 1
 
 
 async def test_disconnect_while_queued_forwards_nothing(harness: Harness, fake: Any) -> None:

@@ -39,8 +39,11 @@ class GatewayThread:
     """The real gateway (uvicorn) on a free loopback port, in a background thread."""
 
     def __init__(self, backend: dict[str, Any], admission: dict[str, Any] | None = None):
+        # Requests here queue behind real generations; on a busy 2-core machine that can
+        # take minutes, so the queue wait is generous unless a test sets its own.
         self.settings = load_settings(
-            admission=admission or {}, backends=[{"name": "local", **backend}]
+            admission={"max_queue_wait_s": 600, **(admission or {})},
+            backends=[{"name": "local", **backend}],
         )
         self.port = free_port()
         config = uvicorn.Config(

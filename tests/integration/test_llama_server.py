@@ -169,3 +169,38 @@ async def test_per_slot_layout_runs_three_together_and_queues_the_fourth(
         assert max_busy == 3, max_busy  # the three ran together ...
         assert max_queued >= 1  # ... and the fourth waited in the gateway
         assert gw.metric("gateway_upstream_errors_total", kind="status_5xx") == 0
+
+
+def test_llama_server_dies_with_its_parent(llama_parts: tuple[Any, Any]) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    binary, model = llama_parts
+    code = (
+        "import sys, time\n"
+        "from gateway.localbackend import LlamaServer\n"
+        f"s = LlamaServer(['-c', '512'], binary={str(binary)!r}, model={str(model)!r}).start()\n"
+        "print(s.proc.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)  # no chance to clean up
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        try:
+            os.waitpid(child, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("llama-server outlived its parent")
