@@ -164,6 +164,23 @@ class Admission:
             return min(60.0, max(1.0, mean * ahead / slots))
         return 1.0
 
+    def check_queue_room(self) -> None:
+        """Raise at once when a new request could only queue and the queue is full.
+
+        With others waiting, a new request always queues (FIFO), whatever its size.
+
+        :raises QueueFull: ``max_queue`` requests wait already (and at least one does).
+        """
+        if self._queue and len(self._queue) >= self._max_queue:
+            raise self._queue_full()
+
+    def _queue_full(self) -> QueueFull:
+        return QueueFull(
+            f"The queue for this backend is full ({self._max_queue} waiting); "
+            "retry after the Retry-After delay.",
+            retry_after_s=self.retry_after_s(),
+        )
+
     def try_admit(self, charge: Charge) -> Lease | None:
         """Grant a lease now, or return ``None``: refuses while others wait (fairness).
 
@@ -186,11 +203,7 @@ class Admission:
         if lease is not None:
             return lease
         if len(self._queue) >= self._max_queue:
-            raise QueueFull(
-                f"The queue for this backend is full ({self._max_queue} waiting); "
-                "retry after the Retry-After delay.",
-                retry_after_s=self.retry_after_s(),
-            )
+            raise self._queue_full()
         loop = asyncio.get_running_loop()
         waiter = _Waiter(charge, loop.create_future(), since=self._clock.now())
         self._queue.append(waiter)
@@ -219,19 +232,23 @@ class Admission:
         finally:
             self.release(granted)
 
-    def release(self, lease: Lease) -> None:
-        """Give a lease back and wake waiters that now fit. Idempotent."""
+    def release(self, lease: Lease, *, served: bool = True) -> None:
+        """Give a lease back and wake waiters that now fit. Idempotent.
+
+        :param served: the request was served; only these feed the drain-rate estimate,
+            so that a burst of fast failures does not promise a short Retry-After.
+        """
         if lease.released:
             return
         lease.released = True
         self._budget = capacity.release(self._budget, lease.charge)
         self._inflight -= 1
-        now = self._clock.now()
-        self._releases.append(now)
+        if served:
+            self._releases.append(self._clock.now())
         self._wake()
 
     def record_duration(self, seconds: float) -> None:
-        """Record how long a lease was held (feeds :meth:`retry_after_s`)."""
+        """Record how long a served lease was held (feeds :meth:`retry_after_s`)."""
         self._durations.append(seconds)
 
     def _require_layout(self) -> Layout:

@@ -38,22 +38,31 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+async def _estimate(state: GatewayState, req: ParsedRequest) -> int:
+    margin = state.settings.admission.estimate_margin
+    if req.route == "chat":
+        text, messages = chat_text(req.body)
+        return await estimate_tokens(text, messages=messages, margin=margin)
+    counts = [len(p) if isinstance(p, tuple) else await estimate_tokens(p, margin=margin)
+              for p in req.prompts]
+    return max(counts)
+
+
 async def count_prompt(state: GatewayState, backend: Backend, req: ParsedRequest) -> int:
-    """Prompt tokens as the backend counts them, else a local estimate (never raises)."""
-    counted = await backend.count_prompt(req.route, req.body)
+    """Prompt tokens as the backend counts them (the longest prompt of a batch), else a
+    local estimate.
+
+    :raises InvalidRequest: the backend refused the body as a client error (4xx).
+    """
+    if req.route == "chat":
+        counted = await backend.count_prompt("chat", req.body)
+    else:
+        counts = [await backend.count_prompt("completions", {"prompt": list(p)
+                  if isinstance(p, tuple) else p}) for p in req.prompts]
+        counted = None if None in counts else max(c for c in counts if c is not None)
     source = "backend"
     if counted is None:
-        source = "estimate"
-        margin = state.settings.admission.estimate_margin
-        if req.route == "chat":
-            text, messages = chat_text(req.body)
-            counted = await estimate_tokens(text, messages=messages, margin=margin)
-        else:
-            prompt = req.body["prompt"]
-            if isinstance(prompt, list):
-                counted = len(prompt)
-            else:
-                counted = await estimate_tokens(prompt, margin=margin)
+        source, counted = "estimate", await _estimate(state, req)
     state.metrics.token_count_source.labels(backend.name, source).inc()
     return counted
 
@@ -61,14 +70,15 @@ async def count_prompt(state: GatewayState, backend: Backend, req: ParsedRequest
 def upstream_body(req: ParsedRequest, charge: Charge) -> dict[str, Any]:
     """The body sent upstream: the client's, with the charged cap and usage option set.
 
-    ``max_tokens`` (and ``max_completion_tokens`` when the client used it) become the
-    charged cap, so the backend cannot generate past the reservation. Streams get
-    ``stream_options.include_usage = true`` so that completion tokens are known.
+    ``max_tokens`` (and ``max_completion_tokens``/``n_predict`` when the client used them)
+    become the charged cap, so the backend cannot generate past the reservation. Streams
+    get ``stream_options.include_usage = true`` so that completion tokens are known.
     """
     body = dict(req.body)
     body["max_tokens"] = charge.max_tokens
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = charge.max_tokens
+    for alias in ("max_completion_tokens", "n_predict"):
+        if alias in body:
+            body[alias] = charge.max_tokens
     if req.stream:
         options = dict(body.get("stream_options") or {})
         options["include_usage"] = True
@@ -84,23 +94,28 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         started = state.clock.now()
         request.state.route = route
         retry = request.headers.get("x-stainless-retry-count", "0")
-        if retry != "0" and retry.isdigit():
-            state.metrics.client_retries.labels(retry if int(retry) < 10 else "10+").inc()
-        check_content_type(request.headers.get("content-type"))
+        if retry != "0" and retry.isascii() and retry.isdigit():
+            state.metrics.client_retries.labels(retry if len(retry) == 1 else "10+").inc()
+        check_content_type(
+            request.headers.get("content-type"), request.headers.get("content-encoding")
+        )
         raw = await read_body(request, settings.server.max_body_bytes)
         req = parse_body(route, raw)
         backend = state.pick_backend(req.body.get("model"))
         request.state.backend = backend.name
         layout = backend.admission.layout
-        if layout is None:
+        if layout is None or not backend.ready:
+            backend.request_rediscovery()
             raise BackendNotReady(
-                f"The capacity of backend {backend.name!r} is not known yet (unreachable or "
-                "loading); retry after the Retry-After delay.",
+                f"Backend {backend.name!r} is not ready (unreachable, loading, or its capacity "
+                "is not known yet); retry after the Retry-After delay.",
                 retry_after_s=1.0,
             )
+        backend.admission.check_queue_room()  # a full queue answers before any counting
         prompt_tokens = await count_prompt(state, backend, req)
+        batch = max(1, len(req.prompts))
         charge = plan_charge(
-            layout, prompt_tokens, req.max_tokens, n=req.n,
+            layout, prompt_tokens, req.max_tokens, n=req.n * batch,
             default_max_tokens=settings.admission.default_max_tokens,
             policy=CapPolicy(settings.admission.overlong.value), cap_field=req.cap_field,
         )
@@ -114,7 +129,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         exchange = Exchange(
             backend=backend, route=route, body=upstream_body(req, charge), charge=charge,
             stream=req.stream, started=started,
-            headers=list(request.headers.items()),
+            headers=list(request.headers.raw),
             client_wants_usage=bool(options.get("include_usage")),
             extra_headers=extra,
         )

@@ -111,7 +111,10 @@ def create_app(
             if owns_client:
                 await client.aclose()
 
-    app = FastAPI(title="LLM admission gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="LLM admission gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+        openapi_url=None, redirect_slashes=False,
+    )
     app.state.gateway = state
 
     @app.exception_handler(GatewayError)

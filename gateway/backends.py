@@ -20,6 +20,7 @@ from gateway.config import AdmissionSettings, BackendSettings
 from gateway.errors import (
     BackendNotReady,
     GatewayError,
+    InvalidRequest,
     UpstreamContextOverflow,
     UpstreamError,
 )
@@ -30,6 +31,11 @@ __all__ = ["Backend", "Discovered", "LlamaCppBackend", "build_backend"]
 log = logging.getLogger(__name__)
 
 CONTEXT_OVERFLOW_TEXT = "Context size has been exceeded"
+
+# Side calls (discovery, counting) close their connection: llama-server's HTTP server
+# keeps a worker thread per open connection (n_parallel + 2 by default), so pooled idle
+# connections from a burst of counts would starve later requests until keep-alive ends.
+_SIDE_CALL = {"Connection": "close"}
 
 # Route name -> upstream path (OpenAI-compatible in llama-server, tools/server/server.cpp).
 ROUTE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -114,7 +120,9 @@ class LlamaCppBackend:
         """
         try:
             with map_upstream_errors(self.name):
-                resp = await self.client.get(self.url("/props"), timeout=self.timeout)
+                resp = await self.client.get(
+                    self.url("/props"), timeout=self.timeout, headers=_SIDE_CALL
+                )
         except GatewayError:
             self.reachable = False
             raise
@@ -152,10 +160,14 @@ class LlamaCppBackend:
             self._rediscovery = asyncio.ensure_future(self._rediscover())
 
     async def _rediscover(self) -> None:
-        try:
-            await self.discover()
-        except GatewayError as exc:
-            log.info("backend %s re-discovery failed: %s", self.name, exc.message)
+        """Re-read capacity, every second until the backend answers again."""
+        while True:
+            try:
+                await self.discover()
+                return
+            except GatewayError as exc:
+                log.debug("backend %s re-discovery failed: %s", self.name, exc.message)
+            await asyncio.sleep(1.0)
 
     def _warn_disagreement(self, found: Discovered) -> None:
         s = self.settings
@@ -176,30 +188,46 @@ class LlamaCppBackend:
         without it (404), ``POST /apply-template`` then ``POST /tokenize``. Completions:
         ``POST /tokenize`` with ``add_special`` and ``parse_special``, as the completion
         path tokenizes (``server-context.cpp``). Token-id prompts are counted directly.
+
+        :raises InvalidRequest: the backend refused the body with a 4xx (other than a
+            missing route): it would refuse the generation too.
         """
         try:
             with map_upstream_errors(self.name):
                 if route == "chat":
                     return await self._count_chat(body)
                 return await self._count_completion(body.get("prompt"))
+        except InvalidRequest:
+            raise
         except (GatewayError, ValueError, KeyError, TypeError) as exc:
             log.info("backend %s could not count tokens: %s", self.name, exc)
             return None
 
     async def _count_chat(self, body: dict[str, Any]) -> int | None:
         if self._input_tokens_route:
-            resp = await self.client.post(
-                self.url("/v1/chat/completions/input_tokens"), json=body, timeout=self.timeout
-            )
+            resp = await self._side_post("/v1/chat/completions/input_tokens", body)
             if resp.status_code == 200:
                 return int(resp.json()["input_tokens"])
             if resp.status_code != 404:
-                return None
+                return self._refused(resp)
             self._input_tokens_route = False
-        resp = await self.client.post(self.url("/apply-template"), json=body, timeout=self.timeout)
+        resp = await self._side_post("/apply-template", body)
         if resp.status_code != 200:
-            return None
+            return self._refused(resp)
         return await self._tokenize(resp.json()["prompt"])
+
+    async def _side_post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        return await self.client.post(
+            self.url(path), json=body, timeout=self.timeout, headers=_SIDE_CALL
+        )
+
+    def _refused(self, resp: httpx.Response) -> None:
+        """A 4xx from a counting call is the client's mistake; anything else is not."""
+        if 400 <= resp.status_code < 500 and resp.status_code not in (404, 405, 501):
+            raise InvalidRequest(
+                f"Backend {self.name!r} refused the request: {_error_message(resp.content)}"
+            )
+        return None
 
     async def _count_completion(self, prompt: Any) -> int | None:
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -209,13 +237,11 @@ class LlamaCppBackend:
         return None
 
     async def _tokenize(self, text: str) -> int | None:
-        resp = await self.client.post(
-            self.url("/tokenize"),
-            json={"content": text, "add_special": True, "parse_special": True},
-            timeout=self.timeout,
+        resp = await self._side_post(
+            "/tokenize", {"content": text, "add_special": True, "parse_special": True}
         )
         if resp.status_code != 200:
-            return None
+            return self._refused(resp)
         return len(resp.json()["tokens"])
 
     def translate_error(
@@ -242,7 +268,7 @@ class LlamaCppBackend:
                 "context_overflow",
             )
         if status == 503:
-            wait = _seconds(retry_after) or self.admission.retry_after_s()
+            wait = _seconds(retry_after) or 1.0  # llama-server's 503 means "loading"
             return (
                 BackendNotReady(f"Backend {self.name!r} is unavailable: {message}",
                                 retry_after_s=wait),

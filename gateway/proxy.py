@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import anyio.to_thread
 import httpx
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
@@ -33,12 +34,13 @@ from gateway.errors import (
     GatewayError,
     UpstreamError,
     UpstreamTimeout,
+    UpstreamUnavailable,
     error_body,
     error_headers,
     sse_error_event,
 )
 from gateway.metrics import GatewayMetrics
-from gateway.sse import EventSplitter, event_data
+from gateway.sse import EventSplitter, EventTooLarge, event_data
 from gateway.upstream import map_upstream_errors
 
 __all__ = ["DisconnectWatcher", "Exchange", "ProxyResponse", "error_response_messages"]
@@ -50,9 +52,9 @@ T = TypeVar("T")
 # X-Conversation-Id, which makes llama-server keep generating after a disconnect
 # (tools/server/server-stream.cpp; shared/design/backends.md §1.5).
 _DROP_REQUEST_HEADERS = {
-    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
-    "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding",
-    "x-conversation-id", "expect",
+    b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"upgrade",
+    b"te", b"trailer", b"proxy-authorization", b"proxy-connection", b"accept-encoding",
+    b"x-conversation-id", b"expect", b"content-type", b"content-encoding",
 }
 # Upstream response headers relayed on whole (non-SSE) answers.
 _PASS_RESPONSE_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
@@ -130,7 +132,8 @@ class Exchange:
     """One client request on its way through the gateway.
 
     :param started: arrival time on the injected clock, seconds.
-    :param headers: client request headers (forwarded minus the dropped ones).
+    :param headers: raw client request headers (forwarded, bytes as received, minus the
+        dropped ones).
     :param client_wants_usage: the client asked for the streamed usage chunk itself.
     """
 
@@ -140,7 +143,7 @@ class Exchange:
     charge: Charge
     stream: bool
     started: float
-    headers: list[tuple[str, str]]
+    headers: list[tuple[bytes, bytes]]
     client_wants_usage: bool
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     status: int = 0
@@ -199,14 +202,15 @@ class ProxyResponse(Response):
             x.status = 499  # nginx's "client closed request", even if a 200 had started
             log.info("client left %s request on backend %s; upstream closed", x.route, name)
         finally:
-            x.backend.admission.release(lease)
-            x.backend.admission.record_duration(self.clock.now() - held_since)
+            served = 200 <= x.status < 400
+            x.backend.admission.release(lease, served=served)
+            if served:
+                x.backend.admission.record_duration(self.clock.now() - held_since)
 
     def _upstream_request(self) -> httpx.Request:
         x = self.x
         headers = [(k, v) for k, v in x.headers if k.lower() not in _DROP_REQUEST_HEADERS]
-        headers = [(k, v) for k, v in headers if k.lower() != "content-type"]
-        headers.append(("content-type", "application/json"))
+        headers.append((b"content-type", b"application/json"))
         return self.client.build_request(
             "POST", x.backend.url(ROUTE_PATHS[x.route]), headers=headers,
             content=json.dumps(x.body).encode(), timeout=x.backend.timeout,
@@ -218,9 +222,7 @@ class ProxyResponse(Response):
             with map_upstream_errors(name):
                 resp = await watcher.race(self.client.send(self._upstream_request(), stream=True))
         except GatewayError as exc:
-            kind = "timeout" if isinstance(exc, UpstreamTimeout) else "connect"
-            if isinstance(exc, UpstreamError):
-                kind = "status_5xx"
+            kind = _failure_kind(exc)
             m.upstream_errors.labels(name, kind).inc()
             if self.on_upstream_error is not None:
                 self.on_upstream_error(x.backend)
@@ -242,7 +244,7 @@ class ProxyResponse(Response):
             with map_upstream_errors(self.x.backend.name):
                 return await watcher.race(resp.aread())
         except GatewayError as exc:
-            kind = "timeout" if isinstance(exc, UpstreamTimeout) else "stream_aborted"
+            kind = _failure_kind(exc)
             self.metrics.upstream_errors.labels(self.x.backend.name, kind).inc()
             raise
 
@@ -274,11 +276,7 @@ class ProxyResponse(Response):
         except GatewayError as failed:
             await self._send_error(send, failed)
             return
-        try:
-            usage = json.loads(body).get("usage")
-        except (ValueError, AttributeError):
-            usage = None
-        self._record_usage(usage)
+        self._record_usage(await _usage_of(body))
         await self._send_whole(send, resp, body)
 
     async def _send_whole(self, send: Send, resp: httpx.Response, body: bytes) -> None:
@@ -287,6 +285,9 @@ class ProxyResponse(Response):
         for name in _PASS_RESPONSE_HEADERS:
             if name in resp.headers:
                 headers.append((name.encode(), resp.headers[name].encode()))
+        retry_after = resp.headers.get("retry-after", "")
+        if "retry-after-ms" not in resp.headers and retry_after.isdigit():
+            headers.append((b"retry-after-ms", str(int(retry_after) * 1000).encode()))
         self.x.status = resp.status_code
         await send({
             "type": "http.response.start", "status": resp.status_code,
@@ -329,9 +330,13 @@ class ProxyResponse(Response):
                     for raw in splitter.feed(chunk):
                         if self._inspect_event(raw, state):
                             await send({"type": "http.response.body", "body": raw, "more_body": True})
+        except EventTooLarge as too_large:
+            m.upstream_errors.labels(name, "stream_aborted").inc()
+            exc3 = UpstreamError(f"Backend {name!r} sent an event too large to relay: {too_large}.")
+            await send({"type": "http.response.body", "body": sse_error_event(exc3), "more_body": True})
+            state.errored = True
         except GatewayError as exc:
-            kind = "timeout" if isinstance(exc, UpstreamTimeout) else "stream_aborted"
-            m.upstream_errors.labels(name, kind).inc()
+            m.upstream_errors.labels(name, _failure_kind(exc)).inc()
             await send({"type": "http.response.body", "body": sse_error_event(exc), "more_body": True})
         else:
             if not state.done and not state.errored:
@@ -380,6 +385,33 @@ class ProxyResponse(Response):
         if choices == [] and state.usage is obj.get("usage") and not self.x.client_wants_usage:
             return False
         return True
+
+
+def _failure_kind(exc: GatewayError) -> str:
+    """Label for gateway_upstream_errors_total{kind} of a transport failure."""
+    if isinstance(exc, UpstreamTimeout):
+        return "timeout"
+    if isinstance(exc, UpstreamUnavailable):
+        return "connect"
+    return "stream_aborted"  # the connection broke after the request was sent
+
+
+_THREAD_PARSE_BYTES = 256 * 1024
+
+
+async def _usage_of(body: bytes) -> Any:
+    """The ``usage`` object of a JSON answer, or ``None``. Large bodies (logprobs can make
+    them megabytes) are parsed in a worker thread so the event loop keeps serving."""
+
+    def parse() -> Any:
+        try:
+            return json.loads(body).get("usage")
+        except (ValueError, AttributeError, RecursionError):
+            return None
+
+    if len(body) > _THREAD_PARSE_BYTES:
+        return await anyio.to_thread.run_sync(parse)
+    return parse()
 
 
 @dataclass

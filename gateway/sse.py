@@ -11,32 +11,53 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["EventSplitter", "event_data"]
+__all__ = ["EventSplitter", "EventTooLarge", "event_data"]
 
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE = re.compile(rb"\r\n|\n|\r")
 
 
-class EventSplitter:
-    """Feed chunks in, get complete raw events (each with its terminating blank line) out."""
+class EventTooLarge(ValueError):
+    """Raised when one event grows past the splitter's ``max_event_bytes``."""
 
-    def __init__(self) -> None:
-        self._buffer = b""
+
+class EventSplitter:
+    """Feed chunks in, get complete raw events (each with its terminating blank line) out.
+
+    Work is linear in the bytes fed: each call scans only the new bytes (plus the 3 before
+    them, where a boundary may have started).
+
+    :param max_event_bytes: largest event accepted; a longer one raises
+        :class:`EventTooLarge` so that one response cannot hold unbounded memory.
+    """
+
+    def __init__(self, max_event_bytes: int = 8 * 1024 * 1024) -> None:
+        self._buffer = bytearray()
+        self._scanned = 0  # bytes of the buffer already searched for a boundary
+        self._max = max_event_bytes
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        """Add ``chunk``; return the events it completed, in order."""
+        """Add ``chunk``; return the events it completed, in order.
+
+        :raises EventTooLarge: the unterminated event is longer than ``max_event_bytes``.
+        """
         self._buffer += chunk
         events: list[bytes] = []
         start = 0
-        for match in _BOUNDARY.finditer(self._buffer):
-            events.append(self._buffer[start : match.end()])
-            start = match.end()
-        self._buffer = self._buffer[start:]
+        pos = max(0, self._scanned - 3)
+        while (match := _BOUNDARY.search(self._buffer, pos)) is not None:
+            events.append(bytes(self._buffer[start : match.end()]))
+            start = pos = match.end()
+        if start:
+            del self._buffer[:start]
+        self._scanned = len(self._buffer)
+        if self._scanned > self._max:
+            raise EventTooLarge(f"an SSE event exceeded {self._max} bytes")
         return events
 
     def rest(self) -> bytes:
         """Bytes of an unterminated last event (empty when the stream ended cleanly)."""
-        return self._buffer
+        return bytes(self._buffer)
 
 
 def event_data(raw: bytes) -> str | None:

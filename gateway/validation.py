@@ -1,17 +1,33 @@
 """Checks on a client's request before anything is counted, queued or forwarded.
 
 Every failure raises a 4xx :class:`~gateway.errors.ClientError` naming the field.
+
+Besides the OpenAI fields, llama-server reads aliases that change how much KV a request
+uses (``tools/server/server-schema.cpp``): ``n_predict`` (takes precedence over
+``max_tokens``) and ``n_cmpl`` (over ``n``). They are treated as the same quantities, so
+that a client cannot get past its reservation with them; and ``n_probs``/``top_logprobs``
+are bounded, since each one multiplies the size of every streamed event.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import InvalidRequest, UnsupportedMediaType
 
 __all__ = ["ParsedRequest", "check_content_type", "parse_body"]
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's documented maximum for top_logprobs
+MAX_N_PROBS = 100  # llama-server n_probs; each adds an entry to every token event
+MAX_TOKEN_ID = 2**31 - 1
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                  "repeat_penalty", "typical_p")
+_INT_FIELDS = ("top_k", "seed")
 
 
 @dataclass(frozen=True)
@@ -21,9 +37,10 @@ class ParsedRequest:
     :param route: ``"chat"`` or ``"completions"``.
     :param body: the JSON object, as sent (unknown fields kept).
     :param max_tokens: requested output cap in tokens, or ``None``.
-    :param n: completions requested (≥ 1).
+    :param n: completions requested per prompt (≥ 1).
     :param stream: whether SSE streaming was requested.
     :param cap_field: which field gave ``max_tokens`` (for error messages).
+    :param prompts: for completions, the prompts (one, or a batch); empty for chat.
     """
 
     route: str
@@ -32,31 +49,45 @@ class ParsedRequest:
     n: int
     stream: bool
     cap_field: str = "max_tokens"
+    prompts: tuple[str | tuple[int, ...], ...] = ()
 
 
-def check_content_type(value: str | None) -> None:
-    """Accept ``application/json`` (any parameters) or no Content-Type at all.
+def check_content_type(value: str | None, encoding: str | None = None) -> None:
+    """Accept ``application/json`` (any parameters) or no Content-Type, unencoded.
 
-    :raises UnsupportedMediaType: any other media type (415).
+    :raises UnsupportedMediaType: another media type, or a Content-Encoding (415).
     """
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise UnsupportedMediaType(
+            f"Content-Encoding {encoding!r} is not supported; send the JSON body uncompressed."
+        )
     if value is None:
         return
     media = value.split(";", 1)[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
-        raise UnsupportedMediaType(
-            f"Content-Type must be application/json, got {value!r}."
-        )
+        raise UnsupportedMediaType(f"Content-Type must be application/json, got {value!r}.")
 
 
-def _int_field(body: dict[str, Any], key: str, minimum: int) -> int | None:
+def _int_field(body: dict[str, Any], key: str, minimum: int, maximum: int | None = None
+               ) -> int | None:
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequest(f"{key} must be an integer, got {value!r}.", param=key)
-    if value < minimum:
-        raise InvalidRequest(f"{key} must be >= {minimum}, got {value}.", param=key)
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+        raise InvalidRequest(f"{key} must be {bound}, got {value}.", param=key)
     return value
+
+
+def _check_parts(parts: list[Any], where: str) -> None:
+    for j, part in enumerate(parts):
+        param = f"{where}[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise InvalidRequest(f"{param} must be an object with a string type.", param=param)
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{param}.text must be a string.", param=f"{param}.text")
 
 
 def _check_messages(body: dict[str, Any]) -> None:
@@ -71,25 +102,115 @@ def _check_messages(body: dict[str, Any]) -> None:
                 f"messages[{i}].role must be a string.", param=f"messages[{i}].role"
             )
         content = message.get("content")
-        if content is not None and not isinstance(content, (str, list)):
+        if isinstance(content, list):
+            _check_parts(content, f"messages[{i}].content")
+        elif content is not None and not isinstance(content, str):
             raise InvalidRequest(
                 f"messages[{i}].content must be a string, an array of parts, or null.",
                 param=f"messages[{i}].content",
             )
+        calls = message.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise InvalidRequest(f"messages[{i}].tool_calls must be an array.",
+                                 param=f"messages[{i}].tool_calls")
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools
+        ):
+            raise InvalidRequest("tools must be an array of {type, function} objects.",
+                                 param="tools")
 
 
-def _check_prompt(body: dict[str, Any]) -> None:
+def _token_ids(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, list) and value and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        if not all(0 <= t <= MAX_TOKEN_ID for t in value):
+            raise InvalidRequest("prompt token ids must be non-negative vocabulary ids.",
+                                 param="prompt")
+        return tuple(value)
+    return None
+
+
+def _prompts(body: dict[str, Any]) -> tuple[str | tuple[int, ...], ...]:
     prompt = body.get("prompt")
-    ok = (isinstance(prompt, str) and prompt != "") or (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if isinstance(prompt, str) and prompt:
+        return (prompt,)
+    ids = _token_ids(prompt)
+    if ids is not None:
+        return (ids,)
+    if isinstance(prompt, list) and prompt:  # a batch: strings or token-id arrays
+        batch: list[str | tuple[int, ...]] = []
+        for item in prompt:
+            ids = _token_ids(item)
+            if isinstance(item, str) and item:
+                batch.append(item)
+            elif ids is not None:
+                batch.append(ids)
+            else:
+                batch = []
+                break
+        if batch:
+            return tuple(batch)
+    raise InvalidRequest(
+        "prompt must be a non-empty string, an array of token ids, or an array of those.",
+        param="prompt",
     )
-    if not ok:
-        raise InvalidRequest(
-            "prompt must be a non-empty string or a non-empty array of token ids.",
-            param="prompt",
-        )
+
+
+def _check_sampling(body: dict[str, Any], route: str) -> None:
+    for key in _NUMBER_FIELDS:
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise InvalidRequest(f"{key} must be a number, got {value!r}.", param=key)
+    for key in _INT_FIELDS:
+        _int_field(body, key, -(2**63))
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+        isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+    ):
+        raise InvalidRequest("stop must be a string or an array of strings.", param="stop")
+    _int_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    _int_field(body, "n_probs", 0, MAX_N_PROBS)
+    logprobs = body.get("logprobs")
+    if route == "chat" and logprobs is not None and not isinstance(logprobs, bool):
+        raise InvalidRequest("logprobs must be a boolean.", param="logprobs")
+    if route == "completions" and logprobs is not None:
+        _int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidRequest(f"The body is not valid JSON: {name} is not a JSON number.")
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"The body is not valid UTF-8 (byte {exc.start}).") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"The body is not valid JSON: {exc}.") from None
+    except RecursionError:
+        raise InvalidRequest("The body's JSON is nested too deeply.") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest("The body has an unpaired UTF-16 surrogate escape.") from None
+        except RecursionError:
+            raise InvalidRequest("The body's JSON is nested too deeply.") from None
+    return body
+
+
+def _same(keys: tuple[str, ...], values: list[int | None]) -> int | None:
+    given = [v for v in values if v is not None]
+    if len(set(given)) > 1:
+        sent = [k for k, v in zip(keys, values, strict=True) if v is not None]
+        raise InvalidRequest(f"{' and '.join(sent)} disagree; send one of them.", param=sent[0])
+    return given[0] if given else None
 
 
 def parse_body(route: str, raw: bytes) -> ParsedRequest:
@@ -97,40 +218,31 @@ def parse_body(route: str, raw: bytes) -> ParsedRequest:
 
     :param route: ``"chat"`` or ``"completions"``.
     :param raw: the body bytes (already size-checked).
-    :raises InvalidRequest: not UTF-8, not JSON, not an object, a required field is
-        missing or empty, or a field has the wrong type or range.
+    :raises InvalidRequest: not UTF-8, not JSON (NaN/Infinity included), too deeply
+        nested, not an object, a required field missing or empty, or a field with the
+        wrong type or range.
     """
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidRequest(f"The body is not valid UTF-8 (byte {exc.start}).") from None
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"The body is not valid JSON: {exc}.") from None
+    body = _decode(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("The body must be a JSON object.")
+    prompts: tuple[str | tuple[int, ...], ...] = ()
     if route == "chat":
         _check_messages(body)
     else:
-        _check_prompt(body)
+        prompts = _prompts(body)
     for key, kind in (("model", str), ("stream", bool), ("stream_options", dict)):
         if body.get(key) is not None and not isinstance(body[key], kind):
             raise InvalidRequest(f"{key} has the wrong type: {body[key]!r}.", param=key)
-    max_tokens = _int_field(body, "max_tokens", 1)
-    max_completion = _int_field(body, "max_completion_tokens", 1)
-    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
-        raise InvalidRequest(
-            "max_tokens and max_completion_tokens disagree; send one of them.",
-            param="max_tokens",
-        )
-    n = _int_field(body, "n", 1) or 1
+    _check_sampling(body, route)
+    n_predict = _int_field(body, "n_predict", -1)
+    cap_keys = ("max_tokens", "max_completion_tokens", "n_predict")
+    caps = [_int_field(body, "max_tokens", 1), _int_field(body, "max_completion_tokens", 1),
+            None if n_predict in (None, -1) else _int_field(body, "n_predict", 1)]
+    max_tokens = _same(cap_keys, caps)
+    cap_field = next((k for k, v in zip(cap_keys, caps, strict=True) if v is not None),
+                     "max_tokens")
+    n = _same(("n", "n_cmpl"), [_int_field(body, "n", 1), _int_field(body, "n_cmpl", 1)])
     return ParsedRequest(
-        route=route,
-        body=body,
-        max_tokens=max_tokens if max_tokens is not None else max_completion,
-        n=n,
-        stream=bool(body.get("stream")),
-        cap_field="max_tokens" if max_tokens is not None or max_completion is None
-        else "max_completion_tokens",
+        route=route, body=body, max_tokens=max_tokens, n=n or 1,
+        stream=bool(body.get("stream")), cap_field=cap_field, prompts=prompts,
     )
