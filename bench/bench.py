@@ -9,8 +9,9 @@ Starts (each in its own process):
 * a load generator (aiohttp, closed loop) at 4 and at 64 connections, for a fixed time,
   first straight at the upstream, then at the gateway.
 
-Prints requests/s and p50/p99 latency for each, and the gateway's added latency and
-throughput ratio. Figures, not asserts: the machine is noisy, compare within one run.
+Also measured, as floors: two bare Starlette pass-through proxies, one on httpx's default
+transport and one on the httpx-aiohttp transport the gateway uses. Prints requests/s and
+p50/p99 latency for each, the latency added over a direct call, and throughput ratios. Figures, not asserts: the machine is noisy, compare within one run.
 
 Run: ``make bench`` (``python bench/bench.py --seconds 5``).
 """
@@ -63,6 +64,34 @@ def run_upstream(port: int) -> None:
     app.router.add_post("/v1/chat/completions/input_tokens", count)
     app.router.add_get("/props", props)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def run_bare_proxy(port: int, upstream_port: int, transport: str) -> None:
+    """A bare Starlette pass-through proxy: the floor any httpx-based gateway starts from."""
+    import httpx
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    if transport == "aiohttp":
+        from httpx_aiohttp import AiohttpTransport
+
+        client = httpx.AsyncClient(transport=AiohttpTransport())
+    else:
+        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=256))
+    target = f"http://127.0.0.1:{upstream_port}/v1/chat/completions"
+
+    async def forward(request: Request) -> Response:
+        body = await request.body()
+        r = await client.post(target, content=body, headers={"content-type": "application/json"})
+        return Response(r.content, r.status_code, media_type="application/json")
+
+    app = Starlette(routes=[Route("/v1/chat/completions", forward, methods=["POST"]),
+                            Route("/props", lambda r: Response("{}"), methods=["GET"])])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop="uvloop",
+                http="httptools")
 
 
 async def _load(url: str, connections: int, seconds: float) -> tuple[int, list[float], int]:
@@ -144,27 +173,40 @@ def main() -> int:
                                       "kv_unified": False}]),
     )
     gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env=env)
+    bare = {}
+    for transport in ("httpx", "aiohttp"):
+        port = free_port()
+        proc = mp.Process(target=run_bare_proxy, args=(port, up_port, transport), daemon=True)
+        proc.start()
+        bare[transport] = (port, proc)
+    targets = [("direct", up_port)] + [(f"bare proxy, {t}", p) for t, (p, _) in bare.items()]
+    targets.append(("gateway", gw_port))
+    rows = []
     try:
         wait_http(f"http://127.0.0.1:{gw_port}/ready")
-        rows = []
+        for port, _ in bare.values():
+            wait_http(f"http://127.0.0.1:{port}/props")
         for connections in (4, 64):
-            direct = measure(f"http://127.0.0.1:{up_port}/v1/chat/completions", connections,
-                             args.seconds)
-            via = measure(f"http://127.0.0.1:{gw_port}/v1/chat/completions", connections,
-                          args.seconds)
-            rows.append((connections, direct, via))
+            for label, port in targets:
+                result = measure(f"http://127.0.0.1:{port}/v1/chat/completions", connections,
+                                 args.seconds)
+                rows.append((connections, label, result))
     finally:
         gateway.terminate()
         gateway.wait(10)
+        for _, proc in bare.values():
+            proc.terminate()
         upstream.terminate()
-    print(f"{'conns':>5} | {'direct req/s':>12} {'p50 ms':>7} {'p99 ms':>7} | "  # noqa: T201
-          f"{'gateway req/s':>13} {'p50 ms':>7} {'p99 ms':>7} | {'added p50 ms':>12} "
-          f"{'added p99 ms':>12} {'rps ratio':>9} | errors")
-    for c, d, g in rows:
-        print(f"{c:>5} | {d['rps']:>12.0f} {d['p50_ms']:>7.2f} {d['p99_ms']:>7.2f} | "  # noqa: T201
-              f"{g['rps']:>13.0f} {g['p50_ms']:>7.2f} {g['p99_ms']:>7.2f} | "
-              f"{g['p50_ms'] - d['p50_ms']:>12.2f} {g['p99_ms'] - d['p99_ms']:>12.2f} "
-              f"{g['rps'] / d['rps']:>9.2f} | {int(d['errors'])}/{int(g['errors'])}")
+    print(f"{'conns':>5}  {'target':<20} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "  # noqa: T201
+          f"{'added p50':>9} {'added p99':>9} {'rps vs direct':>13} {'rps vs bare aiohttp':>19}"
+          f" errors")
+    for connections, label, r in rows:
+        same = {lab: res for c, lab, res in rows if c == connections}
+        d, b = same["direct"], same["bare proxy, aiohttp"]
+        print(f"{connections:>5}  {label:<20} {r['rps']:>7.0f} {r['p50_ms']:>7.2f} "  # noqa: T201
+              f"{r['p99_ms']:>7.2f} {r['p50_ms'] - d['p50_ms']:>9.2f} "
+              f"{r['p99_ms'] - d['p99_ms']:>9.2f} {r['rps'] / d['rps']:>13.2f} "
+              f"{r['rps'] / b['rps']:>19.2f} {int(r['errors'])}")
     return 0
 
 

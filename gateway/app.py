@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
 from gateway.admission import AdmissionStats, Clock, MonotonicClock
-from gateway.backends import Backend, build_backend
+from gateway.backends import SIDE_CONNECTIONS, Backend, build_backend
 from gateway.config import Settings
 from gateway.errors import GatewayError, error_body, error_headers
 from gateway.metrics import GatewayMetrics
@@ -91,9 +91,14 @@ def create_app(
     """
     owns_client = http_client is None
     client = http_client or build_client()
+    side_clients = (
+        {b.name: build_client(max_connections=SIDE_CONNECTIONS) for b in settings.backends}
+        if owns_client else {}
+    )
     clock = clock or MonotonicClock()
     backends = {
-        b.name: build_backend(b, settings.admission, client, clock) for b in settings.backends
+        b.name: build_backend(b, settings.admission, client, clock, side_clients.get(b.name))
+        for b in settings.backends
     }
     state = GatewayState(settings, client, clock, backends)
     state.metrics = GatewayMetrics(registry or CollectorRegistry(), state.stats)
@@ -109,7 +114,8 @@ def create_app(
                 task.cancel()
             await asyncio.gather(*state.tasks, return_exceptions=True)
             if owns_client:
-                await client.aclose()
+                for owned in (client, *side_clients.values()):
+                    await owned.aclose()
 
     app = FastAPI(
         title="LLM admission gateway", lifespan=lifespan, docs_url=None, redoc_url=None,

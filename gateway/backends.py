@@ -32,10 +32,12 @@ log = logging.getLogger(__name__)
 
 CONTEXT_OVERFLOW_TEXT = "Context size has been exceeded"
 
-# Side calls (discovery, counting) close their connection: llama-server's HTTP server
-# keeps a worker thread per open connection (n_parallel + 2 by default), so pooled idle
-# connections from a burst of counts would starve later requests until keep-alive ends.
-_SIDE_CALL = {"Connection": "close"}
+# Side calls (discovery, counting) go through their own small pool (SIDE_CONNECTIONS).
+# llama-server's HTTP server keeps a worker thread per open connection, and it has
+# n_parallel + 2 of them by default (tools/server/server.cpp); generations are bounded by
+# the slots through admission, so slots + 2 connections never starve it, while a burst of
+# counts over one big pool would park idle connections on every thread until keep-alive ends.
+SIDE_CONNECTIONS = 2
 
 # Route name -> upstream path (OpenAI-compatible in llama-server, tools/server/server.cpp).
 ROUTE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -58,8 +60,10 @@ class LlamaCppBackend:
 
     :param settings: the ``[[backends]]`` entry.
     :param admission_settings: queue bounds shared by all backends.
-    :param client: the shared upstream client.
+    :param client: the shared upstream client (generations).
     :param clock: time source for the admission queue.
+    :param side_client: client for discovery and counting calls, with at most
+        ``SIDE_CONNECTIONS`` connections; defaults to ``client``.
     """
 
     kind = "llama.cpp"
@@ -70,10 +74,12 @@ class LlamaCppBackend:
         admission_settings: AdmissionSettings,
         client: httpx.AsyncClient,
         clock: Clock | None = None,
+        side_client: httpx.AsyncClient | None = None,
     ) -> None:
         self.settings = settings
         self.name = settings.name
         self.client = client
+        self.side_client = side_client or client
         self.reachable = False
         self.discovered: Discovered | None = None
         self._input_tokens_route = True  # cleared when the build lacks it (404)
@@ -120,9 +126,7 @@ class LlamaCppBackend:
         """
         try:
             with map_upstream_errors(self.name):
-                resp = await self.client.get(
-                    self.url("/props"), timeout=self.timeout, headers=_SIDE_CALL
-                )
+                resp = await self.side_client.get(self.url("/props"), timeout=self.timeout)
         except GatewayError:
             self.reachable = False
             raise
@@ -217,9 +221,7 @@ class LlamaCppBackend:
         return await self._tokenize(resp.json()["prompt"])
 
     async def _side_post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        return await self.client.post(
-            self.url(path), json=body, timeout=self.timeout, headers=_SIDE_CALL
-        )
+        return await self.side_client.post(self.url(path), json=body, timeout=self.timeout)
 
     def _refused(self, resp: httpx.Response) -> None:
         """A 4xx from a counting call is the client's mistake; anything else is not."""
@@ -324,6 +326,7 @@ def build_backend(
     admission_settings: AdmissionSettings,
     client: httpx.AsyncClient,
     clock: Clock | None = None,
+    side_client: httpx.AsyncClient | None = None,
 ) -> Backend:
     """Return the backend object for ``settings.kind``."""
-    return LlamaCppBackend(settings, admission_settings, client, clock)
+    return LlamaCppBackend(settings, admission_settings, client, clock, side_client)
