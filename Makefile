@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: install run test test-fast demo bench backend clean
+.PHONY: install run test test-fast lint demo bench backend clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ test: backend             ## the whole suite, real-backend tests included
 
 test-fast: install        ## everything but the real-backend tests
 	$(PY) -m pytest -m "not llama"
+
+lint: install             ## ruff over the code and tests
+	$(VENV)/bin/ruff check gateway tests bench scripts
 
 demo: backend             ## the shared-KV overflow, straight vs through the gateway
 	$(PY) scripts/demo.py

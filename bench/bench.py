@@ -11,7 +11,8 @@ Starts (each in its own process):
 
 Also measured, as floors: two bare Starlette pass-through proxies, one on httpx's default
 transport and one on the httpx-aiohttp transport the gateway uses. Prints requests/s and
-p50/p99 latency for each, the latency added over a direct call, and throughput ratios. Figures, not asserts: the machine is noisy, compare within one run.
+p50/p99 latency for each, the latency added over a direct call, and throughput ratios.
+Figures, not asserts: the machine is noisy, compare within one run.
 
 Run: ``make bench`` (``python bench/bench.py --seconds 5``).
 """
@@ -197,9 +198,9 @@ def main() -> int:
         for _, proc in bare.values():
             proc.terminate()
         upstream.terminate()
-    print(f"{'conns':>5}  {'target':<20} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "  # noqa: T201
-          f"{'added p50':>9} {'added p99':>9} {'rps vs direct':>13} {'rps vs bare aiohttp':>19}"
-          f" errors")
+    print(f"{'conns':>5}  {'target':<20} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+          f"{'added p50':>9} {'added p99':>9} {'rps vs direct':>13} "
+          f"{'rps vs bare aiohttp':>19} errors")
     for connections, label, r in rows:
         same = {lab: res for c, lab, res in rows if c == connections}
         d, b = same["direct"], same["bare proxy, aiohttp"]

@@ -27,7 +27,7 @@ llama-server gives each of the ``n`` completions its own slot (``server-schema.c
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from enum import Enum
+from enum import StrEnum
 
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 
-class CapPolicy(str, Enum):
+class CapPolicy(StrEnum):
     """What :func:`plan_charge` does when prompt + requested cap exceeds the slot."""
 
     reject = "reject"  # raise ContextLengthExceeded

@@ -10,7 +10,7 @@ Environment overrides use ``__`` between levels, for example
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +41,14 @@ class ConfigError(Exception):
     """
 
 
-class OverlongPolicy(str, Enum):
+class OverlongPolicy(StrEnum):
     """What to do when prompt + requested ``max_tokens`` exceeds the slot context."""
 
     reject = "reject"  # answer 400 context_length_exceeded
     clamp = "clamp"  # lower the output cap to the room left, and say so in a header
 
 
-class BackendKind(str, Enum):
+class BackendKind(StrEnum):
     """The kind of server behind a backend entry. Only llama.cpp is implemented."""
 
     llama_cpp = "llama.cpp"

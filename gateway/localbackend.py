@@ -229,7 +229,9 @@ class LlamaServer:
         self.model = model or ensure_model()
         self.port = port or free_port()
         self.args = list(args)
-        self.log_path = log_path or Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
+        self.log_path = log_path or Path(
+            tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1]
+        )
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -250,7 +252,9 @@ class LlamaServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise BuildError(f"llama-server exited ({self.proc.returncode}); see {self.log_path}")
+                raise BuildError(
+                    f"llama-server exited ({self.proc.returncode}); see {self.log_path}"
+                )
             with contextlib.suppress(OSError):
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
                     if resp.status == 200:

@@ -26,7 +26,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.admission import Clock, Lease
+from gateway.admission import Clock
 from gateway.backends import ROUTE_PATHS, Backend
 from gateway.capacity import Charge
 from gateway.errors import (
@@ -329,22 +329,20 @@ class ProxyResponse(Response):
                 async for chunk in resp.aiter_raw():
                     for raw in splitter.feed(chunk):
                         if self._inspect_event(raw, state):
-                            await send({"type": "http.response.body", "body": raw, "more_body": True})
+                            await send(_body(raw))
         except EventTooLarge as too_large:
             m.upstream_errors.labels(name, "stream_aborted").inc()
-            exc3 = UpstreamError(f"Backend {name!r} sent an event too large to relay: {too_large}.")
-            await send({"type": "http.response.body", "body": sse_error_event(exc3), "more_body": True})
+            await send(_body(sse_error_event(UpstreamError(
+                f"Backend {name!r} sent an event too large to relay: {too_large}."))))
             state.errored = True
         except GatewayError as exc:
             m.upstream_errors.labels(name, _failure_kind(exc)).inc()
-            await send({"type": "http.response.body", "body": sse_error_event(exc), "more_body": True})
+            await send(_body(sse_error_event(exc)))
         else:
             if not state.done and not state.errored:
                 m.upstream_errors.labels(name, "stream_aborted").inc()
                 exc2 = UpstreamError(f"Backend {name!r} closed the stream before it finished.")
-                await send({
-                    "type": "http.response.body", "body": sse_error_event(exc2), "more_body": True,
-                })
+                await send(_body(sse_error_event(exc2)))
         self._record_usage(state.usage)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -385,6 +383,11 @@ class ProxyResponse(Response):
         if choices == [] and state.usage is obj.get("usage") and not self.x.client_wants_usage:
             return False
         return True
+
+
+def _body(chunk: bytes) -> Message:
+    """An ASGI body message that keeps the response open."""
+    return {"type": "http.response.body", "body": chunk, "more_body": True}
 
 
 def _failure_kind(exc: GatewayError) -> str:

@@ -115,9 +115,9 @@ def render_sizing(result: dict[str, Any]) -> str:
             f"(p95 of prompt + completion, +{r['margin']:.0%}, rounded up to 256)")
         if r["recommended_slots"]:
             lines.append(
-                f"  recommended slots {r['recommended_slots']} "
-                f"(KV capacity {int(r['kv_capacity_tokens'])} tokens / {r['recommended_ctx_per_slot']})"
-                f"; now {int(r['current_slots'] or 0)} x {int(r['current_ctx_per_slot'] or 0)}")
+                f"  recommended slots {r['recommended_slots']} (KV capacity "
+                f"{int(r['kv_capacity_tokens'])} tokens / {r['recommended_ctx_per_slot']}); "
+                f"now {int(r['current_slots'] or 0)} x {int(r['current_ctx_per_slot'] or 0)}")
             lines.append(
                 f"  llama-server -c {r['recommended_slots'] * r['recommended_ctx_per_slot']} "
                 f"-np {r['recommended_slots']} --no-kv-unified")

@@ -12,7 +12,6 @@ are bounded, since each one multiplies the size of every streamed event.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
