@@ -67,3 +67,25 @@ def test_chat_text_includes_parts_tools_and_tool_calls() -> None:
     assert n == 3
     for piece in ("be brief", "look", '"name": "f"', "get_weather"):
         assert piece in text
+
+
+async def test_without_an_encoding_the_byte_bound_is_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tiktoken
+
+    def broken(name: str) -> None:
+        raise ValueError(f"Unknown encoding {name}")
+
+    load_encoder.cache_clear()
+    monkeypatch.setattr(tiktoken, "get_encoding", broken)
+    try:
+        assert load_encoder() is None
+        assert await estimate_tokens("héllo") == 6 + PROMPT_OVERHEAD_TOKENS
+    finally:
+        load_encoder.cache_clear()
+
+
+async def test_digits_are_not_undercounted() -> None:
+    text = "1234567890" * 60  # a per-digit tokenizer makes 600 tokens of this
+    assert await estimate_tokens(text, margin=1.0) >= 600
