@@ -163,19 +163,14 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.get("/ready")
     async def ready() -> Response:
-        rows = {
-            name: {
-                "ready": b.ready,
-                "slots": b.admission.stats().slots,
-                "ctx_per_slot": b.admission.stats().ctx_per_slot,
-                "capacity_tokens": b.admission.stats().capacity_tokens,
-            }
-            for name, b in state.backends.items()
-        }
+        rows = {}
         for name, b in state.backends.items():
-            layout = b.admission.layout
-            rows[name]["kv_unified"] = layout.unified if layout else b.settings.kv_unified
-            rows[name]["kind"] = b.kind
+            stats, layout = b.admission.stats(), b.admission.layout
+            rows[name] = {
+                "ready": b.ready, "kind": b.kind, "slots": stats.slots,
+                "ctx_per_slot": stats.ctx_per_slot, "capacity_tokens": stats.capacity_tokens,
+                "kv_unified": layout.unified if layout else b.settings.kv_unified,
+            }
         ok = any(b.ready for b in state.backends.values())
         return JSONResponse({"ready": ok, "backends": rows}, 200 if ok else 503)
 
