@@ -104,6 +104,7 @@ class Admission:
         self._queue: deque[_Waiter] = deque()
         self._releases: deque[float] = deque(maxlen=64)
         self._durations: deque[float] = deque(maxlen=64)
+        self._delayed: set[asyncio.Task[None]] = set()
 
     @property
     def layout(self) -> Layout | None:
@@ -246,6 +247,20 @@ class Admission:
         if served:
             self._releases.append(self._clock.now())
         self._wake()
+
+    def release_later(self, lease: Lease, delay_s: float, *, served: bool = True) -> None:
+        """Release ``lease`` after ``delay_s`` seconds (on the injected clock), in the
+        background. It is released even if that wait is cancelled (shutdown)."""
+
+        async def later() -> None:
+            try:
+                await self._clock.sleep(delay_s)
+            finally:
+                self.release(lease, served=served)
+
+        task = asyncio.ensure_future(later())
+        self._delayed.add(task)
+        task.add_done_callback(self._delayed.discard)
 
     def record_duration(self, seconds: float) -> None:
         """Record how long a served lease was held (feeds :meth:`retry_after_s`)."""

@@ -12,9 +12,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.app import GatewayState
 from gateway.backends import Backend
 from gateway.capacity import CapPolicy, Charge, plan_charge
-from gateway.errors import BackendNotReady, InvalidRequest, PayloadTooLarge, error_body
+from gateway.errors import (
+    BackendNotReady,
+    ContextLengthExceeded,
+    InvalidRequest,
+    PayloadTooLarge,
+    UpstreamUnavailable,
+    error_body,
+)
 from gateway.proxy import Exchange, ProxyResponse
-from gateway.tokens import chat_text, estimate_tokens
+from gateway.tokens import chat_text, estimate_tokens, tokens_at_least
 from gateway.validation import ParsedRequest, check_content_type, parse_body
 
 __all__ = ["register_routes"]
@@ -67,6 +74,22 @@ async def count_prompt(state: GatewayState, backend: Backend, req: ParsedRequest
     return counted
 
 
+def _prompt_floor(req: ParsedRequest) -> int:
+    """Tokens the prompt has at least, from its size alone (no backend call)."""
+    if req.route == "completions":
+        ids = [len(p) for p in req.prompts if isinstance(p, tuple)]
+        texts = [p for p in req.prompts if isinstance(p, str)]
+        return max([tokens_at_least(texts), *ids])
+    texts = []
+    for message in req.body["messages"]:
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [p["text"] for p in content if isinstance(p.get("text"), str)]
+    return tokens_at_least(["".join(texts)])
+
+
 def upstream_body(req: ParsedRequest, charge: Charge) -> dict[str, Any]:
     """The body sent upstream: the client's, with the charged cap and usage option set.
 
@@ -93,9 +116,11 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
     async def handle(request: Request, route: str) -> Response:
         started = state.clock.now()
         request.state.route = route
-        retry = request.headers.get("x-stainless-retry-count", "0")
-        if retry != "0" and retry.isascii() and retry.isdigit():
-            state.metrics.client_retries.labels(retry if len(retry) == 1 else "10+").inc()
+        retry = request.headers.get("x-stainless-retry-count", "")
+        if retry.isascii() and retry.isdigit():
+            attempt = int(retry) if len(retry) < 4 else 999
+            if attempt:
+                state.metrics.client_retries.labels(str(attempt) if attempt < 10 else "10+").inc()
         check_content_type(
             request.headers.get("content-type"), request.headers.get("content-encoding")
         )
@@ -112,7 +137,18 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
                 retry_after_s=1.0,
             )
         backend.admission.check_queue_room()  # a full queue answers before any counting
-        prompt_tokens = await count_prompt(state, backend, req)
+        floor = _prompt_floor(req)
+        if floor > layout.usable_per_slot:
+            raise ContextLengthExceeded(
+                f"This prompt has at least {floor} tokens, more than a slot of "
+                f"{layout.ctx_per_slot} tokens holds. Shorten the prompt.",
+                param="messages" if route == "chat" else "prompt",
+            )
+        try:
+            prompt_tokens = await count_prompt(state, backend, req)
+        except UpstreamUnavailable:
+            state.metrics.upstream_errors.labels(backend.name, "connect").inc()
+            raise
         batch = max(1, len(req.prompts))
         charge = plan_charge(
             layout, prompt_tokens, req.max_tokens, n=req.n * batch,
@@ -135,7 +171,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         )
         return ProxyResponse(
             exchange, client=state.client, metrics=state.metrics, clock=state.clock,
-            on_upstream_error=Backend.request_rediscovery,
+            disconnect_grace_s=settings.admission.disconnect_grace_s,
         )
 
     @app.post("/v1/chat/completions")

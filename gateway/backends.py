@@ -23,6 +23,7 @@ from gateway.errors import (
     InvalidRequest,
     UpstreamContextOverflow,
     UpstreamError,
+    UpstreamUnavailable,
 )
 from gateway.upstream import map_upstream_errors
 
@@ -84,6 +85,7 @@ class LlamaCppBackend:
         self.discovered: Discovered | None = None
         self._input_tokens_route = True  # cleared when the build lacks it (404)
         self._rediscovery: asyncio.Task[None] | None = None
+        self._pool_penalty = 0  # tokens taken off the unified pool after overflows
         self.admission = Admission(
             self._configured_layout(None),
             max_queue=admission_settings.max_queue,
@@ -115,7 +117,29 @@ class LlamaCppBackend:
             return None
         if not s.kv_unified:
             return Layout(slots, ctx)
-        return Layout(slots, ctx, pool_tokens=s.pool_tokens or ctx)
+        pool = max(ctx, (s.pool_tokens or ctx) - self._pool_penalty)
+        return Layout(slots, ctx, pool_tokens=pool)
+
+    def upstream_failed(self, kind: str) -> None:
+        """React to an upstream failure of ``kind`` (a gateway_upstream_errors_total kind):
+        re-read capacity; after a context overflow, also shrink the unified pool model."""
+        if kind == "context_overflow":
+            self._shrink_pool()
+        self.request_rediscovery()
+
+    def _shrink_pool(self) -> None:
+        """The backend overflowed its pool, so the model of P was too large: take 10 % off
+        (never below one slot's context; ``shared/design/backends.md`` §4.10)."""
+        layout = self.admission.layout
+        if layout is None or layout.pool_tokens is None:
+            return
+        if layout.pool_tokens <= layout.ctx_per_slot:
+            return
+        self._pool_penalty += max(1, layout.pool_tokens // 10)
+        smaller = self._configured_layout(self.discovered)
+        log.warning("backend %s overflowed its KV pool; pool model %d -> %s tokens", self.name,
+                    layout.pool_tokens, smaller.pool_tokens if smaller else None)
+        self.admission.set_layout(smaller)
 
     async def discover(self) -> Layout | None:
         """Read ``/props`` and update the admission layout.
@@ -193,15 +217,23 @@ class LlamaCppBackend:
         ``POST /tokenize`` with ``add_special`` and ``parse_special``, as the completion
         path tokenizes (``server-context.cpp``). Token-id prompts are counted directly.
 
-        :raises InvalidRequest: the backend refused the body with a 4xx (other than a
-            missing route): it would refuse the generation too.
+        :raises InvalidRequest: the backend refused the body (a 4xx, or a 500 with an error
+            message: llama-server answers 500 for a request it cannot parse or template,
+            such as an image for a text-only model); the generation would fail the same way.
+        :raises BackendNotReady: the backend is loading.
+        :raises UpstreamUnavailable: the backend cannot be connected to (a re-discovery is
+            started, so the next requests get 503 until it answers again).
         """
         try:
             with map_upstream_errors(self.name):
                 if route == "chat":
                     return await self._count_chat(body)
                 return await self._count_completion(body.get("prompt"))
-        except InvalidRequest:
+        except (InvalidRequest, BackendNotReady):
+            raise
+        except UpstreamUnavailable:
+            self.reachable = False
+            self.request_rediscovery()
             raise
         except (GatewayError, ValueError, KeyError, TypeError) as exc:
             log.info("backend %s could not count tokens: %s", self.name, exc)
@@ -224,11 +256,15 @@ class LlamaCppBackend:
         return await self.side_client.post(self.url(path), json=body, timeout=self.timeout)
 
     def _refused(self, resp: httpx.Response) -> None:
-        """A 4xx from a counting call is the client's mistake; anything else is not."""
-        if 400 <= resp.status_code < 500 and resp.status_code not in (404, 405, 501):
-            raise InvalidRequest(
-                f"Backend {self.name!r} refused the request: {_error_message(resp.content)}"
-            )
+        """Classify a failed counting call: the client's mistake (raise), loading
+        (raise), or a backend that just cannot count (``None``: estimate instead)."""
+        status = resp.status_code
+        if status == 503:
+            raise BackendNotReady(f"Backend {self.name!r} is loading.")
+        message = _error_message(resp.content)
+        client_fault = 400 <= status < 500 and status not in (404, 405, 501)
+        if client_fault or (status == 500 and _is_error_object(resp.content)):
+            raise InvalidRequest(f"Backend {self.name!r} refused the request: {message}")
         return None
 
     async def _count_completion(self, prompt: Any) -> int | None:
@@ -302,6 +338,14 @@ def _seconds(header: str | None) -> float | None:
     except ValueError:
         return None
     return value if value is not None and value > 0 else None
+
+
+def _is_error_object(body: bytes) -> bool:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and isinstance(data.get("error"), dict)
 
 
 def _error_message(body: bytes) -> str:

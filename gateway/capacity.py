@@ -168,7 +168,8 @@ def plan_charge(
         )
     if n > layout.slots:
         raise InvalidRequest(
-            f"n={n} needs {n} slots but the backend has {layout.slots}.", param="n"
+            f"This request asks for {n} completions (n × prompts), each of which needs its "
+            f"own slot, but the backend has {layout.slots} slots.", param="n"
         )
     clamped = defaulted = False
     if requested_max_tokens is None:

@@ -76,6 +76,10 @@ class AdmissionSettings(_Strict):
     overlong: OverlongPolicy = OverlongPolicy.reject
     # Multiplier applied to the local tiktoken estimate when the backend cannot count.
     estimate_margin: float = Field(1.25, ge=1.0)
+    # How long a reservation outlives an upstream request the gateway abandoned (client
+    # gone, timeout): llama-server notices a closed connection only when it next writes or
+    # polls (HTTP_POLLING_SECONDS = 1 in tools/server/server-queue.cpp).
+    disconnect_grace_s: float = Field(2.0, ge=0.0)
 
 
 class BackendSettings(_Strict):

@@ -156,6 +156,7 @@ class UpstreamUnavailable(ServiceError):
 
     status_code = 502
     code = "upstream_unavailable"
+    rejection_reason = "backend_unavailable"  # when it happens before forwarding
 
 
 class UpstreamTimeout(ServiceError):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -154,13 +154,15 @@ class ProxyResponse(Response):
 
     def __init__(
         self, exchange: Exchange, *, client: httpx.AsyncClient, metrics: GatewayMetrics,
-        clock: Clock, on_upstream_error: Callable[[Backend], None] | None = None,
+        clock: Clock, disconnect_grace_s: float = 0.0,
     ) -> None:
         self.x = exchange
         self.client = client
         self.metrics = metrics
         self.clock = clock
-        self.on_upstream_error = on_upstream_error
+        self.grace_s = disconnect_grace_s
+        self._sent = False  # the generation request went upstream
+        self._done = False  # ... and its answer was read to the end
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -203,14 +205,24 @@ class ProxyResponse(Response):
             log.info("client left %s request on backend %s; upstream closed", x.route, name)
         finally:
             served = 200 <= x.status < 400
-            x.backend.admission.release(lease, served=served)
             if served:
                 x.backend.admission.record_duration(self.clock.now() - held_since)
+            if self._sent and not self._done and self.grace_s > 0:
+                # The gateway left before the backend finished (client gone, timeout).
+                # llama-server notices a closed connection only when it next writes or
+                # polls (about once a second), so its slot and KV stay taken meanwhile.
+                x.backend.admission.release_later(lease, self.grace_s, served=served)
+            else:
+                x.backend.admission.release(lease, served=served)
 
     def _upstream_request(self) -> httpx.Request:
         x = self.x
         headers = [(k, v) for k, v in x.headers if k.lower() not in _DROP_REQUEST_HEADERS]
         headers.append((b"content-type", b"application/json"))
+        if x.stream:
+            # llama-server closes the connection after a chunked answer despite announcing
+            # keep-alive; reusing that pooled connection would fail the next request.
+            headers.append((b"connection", b"close"))
         return self.client.build_request(
             "POST", x.backend.url(ROUTE_PATHS[x.route]), headers=headers,
             content=json.dumps(x.body).encode(), timeout=x.backend.timeout,
@@ -220,12 +232,14 @@ class ProxyResponse(Response):
         x, m, name = self.x, self.metrics, self.x.backend.name
         try:
             with map_upstream_errors(name):
-                resp = await watcher.race(self.client.send(self._upstream_request(), stream=True))
+                request = self._upstream_request()
+                self._sent = True
+                resp = await watcher.race(self.client.send(request, stream=True))
         except GatewayError as exc:
             kind = _failure_kind(exc)
+            self._done = kind == "connect"  # nothing reached the backend
             m.upstream_errors.labels(name, kind).inc()
-            if self.on_upstream_error is not None:
-                self.on_upstream_error(x.backend)
+            x.backend.upstream_failed(kind)
             await self._send_error(send, exc)
             return
         try:
@@ -242,7 +256,9 @@ class ProxyResponse(Response):
         """Read the whole upstream body. Counts and re-raises upstream failures."""
         try:
             with map_upstream_errors(self.x.backend.name):
-                return await watcher.race(resp.aread())
+                body = await watcher.race(resp.aread())
+                self._done = True
+                return body
         except GatewayError as exc:
             kind = _failure_kind(exc)
             self.metrics.upstream_errors.labels(self.x.backend.name, kind).inc()
@@ -262,8 +278,7 @@ class ProxyResponse(Response):
         )
         if exc is not None:
             m.upstream_errors.labels(x.backend.name, kind).inc()
-            if self.on_upstream_error is not None:
-                self.on_upstream_error(x.backend)
+            x.backend.upstream_failed(kind)
             await self._send_error(send, exc)
             return
         await self._send_whole(send, resp, body)
@@ -339,6 +354,7 @@ class ProxyResponse(Response):
             m.upstream_errors.labels(name, _failure_kind(exc)).inc()
             await send(_body(sse_error_event(exc)))
         else:
+            self._done = True
             if not state.done and not state.errored:
                 m.upstream_errors.labels(name, "stream_aborted").inc()
                 exc2 = UpstreamError(f"Backend {name!r} closed the stream before it finished.")
@@ -366,8 +382,8 @@ class ProxyResponse(Response):
             overflow = backend.is_overflow_event(obj)
             kind = "context_overflow" if overflow else "stream_aborted"
             self.metrics.upstream_errors.labels(backend.name, kind).inc()
-            if overflow and self.on_upstream_error is not None:
-                self.on_upstream_error(backend)
+            if overflow:
+                backend.upstream_failed(kind)
             return True
         if isinstance(obj.get("usage"), dict):
             state.usage = obj["usage"]

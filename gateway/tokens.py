@@ -29,11 +29,13 @@ from typing import Any
 import anyio.to_thread
 
 __all__ = [
+    "MAX_BYTES_PER_TOKEN",
     "MESSAGE_OVERHEAD_TOKENS",
     "PROMPT_OVERHEAD_TOKENS",
     "chat_text",
     "estimate_tokens",
     "load_encoder",
+    "tokens_at_least",
 ]
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,18 @@ PROMPT_OVERHEAD_TOKENS = 8
 # Texts longer than this (characters) are encoded in a worker thread.
 _THREAD_THRESHOLD_CHARS = 16_384
 
+# No vocabulary token of the tokenizers served here covers more bytes than this, so a text
+# of B bytes has at least B / MAX_BYTES_PER_TOKEN tokens. Used only to refuse prompts that
+# are hopelessly large without asking the backend to template and tokenize megabytes.
+MAX_BYTES_PER_TOKEN = 128
+
 Encoder = Callable[[str], int]
+
+
+def tokens_at_least(texts: list[str]) -> int:
+    """A lower bound on the tokens of the longest of ``texts`` (UTF-8 bytes / 128)."""
+    return max((len(t.encode("utf-8", errors="replace")) for t in texts), default=0) \
+        // MAX_BYTES_PER_TOKEN
 
 
 @lru_cache(maxsize=1)

@@ -12,6 +12,7 @@ are bounded, since each one multiplies the size of every streamed event.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -179,6 +180,13 @@ def _check_sampling(body: dict[str, Any], route: str) -> None:
         _int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise InvalidRequest(f"The body has a number out of range: {text[:40]}.")
+    return value
+
+
 def _reject_constant(name: str) -> Any:
     raise InvalidRequest(f"The body is not valid JSON: {name} is not a JSON number.")
 
@@ -189,9 +197,11 @@ def _decode(raw: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise InvalidRequest(f"The body is not valid UTF-8 (byte {exc.start}).") from None
     try:
-        body = json.loads(text, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"The body is not valid JSON: {exc}.") from None
+    except ValueError as exc:  # e.g. an integer longer than Python's digit limit
+        raise InvalidRequest(f"The body has a number that cannot be read: {exc}.") from None
     except RecursionError:
         raise InvalidRequest("The body's JSON is nested too deeply.") from None
     if _SURROGATE_ESCAPE.search(raw):

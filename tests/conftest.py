@@ -38,7 +38,10 @@ def make_settings() -> SettingsFactory:
 
     def make(admission: dict[str, Any] | None = None, **backend: Any) -> Settings:
         entry: dict[str, Any] = {"name": "local", "url": "http://upstream:8080", **backend}
-        return load_settings(admission=admission or {}, backends=[entry])
+        # The fake upstream stops the moment it is closed, so no release grace is needed
+        # unless a test is about that grace.
+        admission = {"disconnect_grace_s": 0.0, **(admission or {})}
+        return load_settings(admission=admission, backends=[entry])
 
     return make
 

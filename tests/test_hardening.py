@@ -225,3 +225,43 @@ async def test_fast_failures_do_not_shorten_retry_after() -> None:
         failed = await adm.admit(Charge(10, 10))
         adm.release(failed, served=False)
     assert adm.retry_after_s() >= 20.0
+
+
+async def test_hopelessly_large_prompt_is_refused_without_counting(harness: Harness) -> None:
+    r = await harness.chat("x" * 400_000, max_tokens=5)  # >= 3125 tokens for a 2048 slot
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert not any(q.url.path.endswith("input_tokens") for q in harness.fake.requests)
+    r = await harness.client.post("/v1/completions", json={"prompt": list(range(3000)),
+                                                           "max_tokens": 5})
+    assert r.status_code == 400 and generations(harness) == []
+
+
+async def test_huge_numbers_are_400(harness: Harness) -> None:
+    for raw in (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": ' + b"9" * 5000
+                + b"}", b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}'):
+        r = await harness.client.post(CHAT, content=raw,
+                                      headers={"content-type": "application/json"})
+        assert r.status_code == 400
+    assert generations(harness) == []
+
+
+async def test_backend_500_on_counting_a_bad_body_is_400(harness: Harness, fake: Any) -> None:
+    async def refuse(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions/input_tokens":
+            return httpx.Response(500, json={"error": {
+                "code": 500, "message": "image input is not supported - hint: if this is "
+                "unexpected, you may need to provide the mmproj", "type": "server_error"}})
+        return await fake.handle(request)
+
+    harness.state.client._transport = httpx.MockTransport(refuse)
+    r = await harness.chat("hi", max_tokens=5)
+    assert r.status_code == 400 and "mmproj" in r.json()["error"]["message"]
+    assert generations(harness) == []
+
+
+async def test_streams_ask_upstream_to_close_the_connection(harness: Harness) -> None:
+    from tests.test_proxy_asgi import AsgiCall, chat
+
+    await AsgiCall(harness, chat()).run()
+    gen = [q for q in harness.fake.requests if q.url.path == CHAT][-1]
+    assert gen.headers["connection"] == "close"

@@ -212,3 +212,30 @@ async def test_event_split_across_reads_is_forwarded_whole(harness: Harness, fak
     call = AsgiCall(harness, chat())
     await call.run()
     assert call.chunks[0] == b'data: {"choices": [{"index": 0, "delta": {"content": "hello"}}]}\n\n'
+
+
+async def test_reservation_outlives_an_abandoned_request_by_the_grace(
+    harness_factory: Any, fake: Any
+) -> None:
+    # llama-server frees a slot only when it notices the closed connection (up to ~1 s
+    # for a non-streamed answer); releasing at once let the next request overflow the pool.
+    fake.hold = asyncio.Event()
+    h = await harness_factory({"disconnect_grace_s": 0.3})
+    call = AsgiCall(h, chat(stream=False, max_tokens=1500))
+    task = asyncio.ensure_future(call.run())
+    while fake.active < 1:
+        await asyncio.sleep(0.001)
+    call.gone.set()
+    await asyncio.wait_for(task, 2)
+    assert h.sample("gateway_kv_reserved_tokens", backend="local") > 0  # still held
+    await asyncio.sleep(0.4)
+    assert h.sample("gateway_kv_reserved_tokens", backend="local") == 0
+
+
+async def test_finished_requests_release_at_once_despite_the_grace(
+    harness_factory: Any,
+) -> None:
+    h = await harness_factory({"disconnect_grace_s": 30})
+    call = AsgiCall(h, chat())
+    await call.run()
+    assert h.sample("gateway_kv_reserved_tokens", backend="local") == 0

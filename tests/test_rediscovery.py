@@ -48,3 +48,13 @@ async def test_upstream_error_triggers_rediscovery(harness: Any, fake: Any) -> N
         await asyncio.sleep(0.001)
     assert sum(q.url.path == "/props" for q in fake.requests) == before + 1
     assert harness.sample("gateway_backend_ctx_per_slot", backend="local") == 1024
+
+
+async def test_overflow_shrinks_the_pool_model(harness_factory: Any, fake: Any) -> None:
+    h = await harness_factory(pool_tokens=8192)
+    fake.mode = "overflow"
+    r = await h.chat("hi", max_tokens=10)
+    assert r.status_code == 503
+    assert h.sample("gateway_kv_capacity_tokens", backend="local") == 8192 - 819
+    await h.backend.discover()  # re-discovery keeps the lowered pool
+    assert h.sample("gateway_kv_capacity_tokens", backend="local") == 8192 - 819

@@ -204,3 +204,27 @@ def test_llama_server_dies_with_its_parent(llama_parts: tuple[Any, Any]) -> None
     else:
         os.kill(child, signal.SIGKILL)
         raise AssertionError("llama-server outlived its parent")
+
+
+async def test_abandoned_request_keeps_its_reservation_until_the_slot_is_free(
+    default_server: LlamaServer,
+) -> None:
+    # A client gives up on a long non-streamed chat while another waits for the pool.
+    # llama-server notices the closed connection only at its next poll (about 1 s), so
+    # releasing the reservation at once let the waiting one overflow the shared pool.
+    big = {"messages": [{"role": "user", "content": long_prompt(100)}], "max_tokens": 400,
+           "ignore_eos": True}
+    with GatewayThread({"url": default_server.url}) as gw:
+        async with httpx.AsyncClient(timeout=300) as patient:
+            async with httpx.AsyncClient(timeout=2.5) as impatient:
+                first = asyncio.ensure_future(
+                    impatient.post(gw.url + "/v1/chat/completions", json=big))
+                await asyncio.sleep(0.3)
+                second = asyncio.ensure_future(
+                    patient.post(gw.url + "/v1/chat/completions", json=big))
+                with pytest.raises(httpx.TimeoutException):
+                    await first
+                r = await second
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 400
+        assert gw.metric("gateway_upstream_errors_total", kind="context_overflow") == 0
