@@ -133,18 +133,28 @@ def _build(target: Path) -> Path:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _named_file(variable: str) -> Path | None:
+    """The file an environment variable names, ``None`` when unset.
+
+    :raises BuildError: it is set but names no file.
+    """
+    named = os.environ.get(variable)
+    if not named:
+        return None
+    if not Path(named).is_file():
+        raise BuildError(f"{variable}={named} is not a file")
+    return Path(named)
+
+
 def ensure_llama_server() -> Path:
     """Return a llama-server binary: ``$LLAMA_SERVER``, else ``PATH``, else the cache
     (building it on first use).
 
     :raises BuildError: ``LLAMA_SERVER`` names no file, or the build cannot run.
     """
-    named = os.environ.get("LLAMA_SERVER")
+    named = _named_file("LLAMA_SERVER")
     if named:
-        path = Path(named)
-        if not path.is_file():
-            raise BuildError(f"LLAMA_SERVER={named} is not a file")
-        return path
+        return named
     on_path = shutil.which("llama-server")
     if on_path:
         return Path(on_path)
@@ -161,12 +171,9 @@ def ensure_model() -> Path:
 
     :raises BuildError: ``GATEWAY_MODEL`` names no file, or the packages cannot be had.
     """
-    named = os.environ.get("GATEWAY_MODEL")
+    named = _named_file("GATEWAY_MODEL")
     if named:
-        path = Path(named)
-        if not path.is_file():
-            raise BuildError(f"GATEWAY_MODEL={named} is not a file")
-        return path
+        return named
     target = cache_dir() / "models" / MODEL_FILE
     if target.is_file():
         return target
