@@ -14,12 +14,10 @@ failure becomes one final ``data: {"error": …}`` event, and no ``[DONE]`` is i
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio.to_thread
 import httpx
@@ -42,11 +40,11 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.sse import EventSplitter, EventTooLarge, event_data
 from gateway.upstream import map_upstream_errors
+from gateway.watcher import DisconnectWatcher
 
-__all__ = ["DisconnectWatcher", "Exchange", "ProxyResponse", "error_response_messages"]
+__all__ = ["Exchange", "ProxyResponse", "error_response_messages"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # Request headers never forwarded: hop-by-hop ones, ones httpx sets, and
 # X-Conversation-Id, which makes llama-server keep generating after a disconnect
@@ -63,56 +61,6 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-class DisconnectWatcher:
-    """Reads ASGI ``receive`` in the background and notes ``http.disconnect``.
-
-    The request body must already have been read.
-    """
-
-    def __init__(self, receive: Receive) -> None:
-        self._receive = receive
-        self.disconnected = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._watch())
-
-    async def _watch(self) -> None:
-        while True:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                self.disconnected.set()
-                return
-
-    async def stop(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-
-    async def race(self, work: Awaitable[T]) -> T:
-        """Await ``work``; cancel it and raise :class:`ClientDisconnected` if the client
-        goes away first (the watcher task itself is the other side of the race)."""
-        task = asyncio.ensure_future(work)
-        watcher = self._task
-        try:
-            if watcher is None or self.disconnected.is_set():
-                raise ClientDisconnected()
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if task.done():
-                return task.result()
-            raise ClientDisconnected()
-        finally:
-            if not task.done():
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):
-                    pass
 
 
 def error_response_messages(exc: GatewayError) -> tuple[Message, Message]:

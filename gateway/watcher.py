@@ -1,0 +1,71 @@
+"""Noticing that an HTTP client went away, and cancelling work when it does.
+
+After the request body is read, the only ASGI message left for a request is
+``http.disconnect``; a background task waits for it. :meth:`DisconnectWatcher.race` runs
+a piece of work against that task, so that a queue wait, an upstream request or a relay
+is cancelled the moment the client leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from starlette.types import Receive
+
+from gateway.errors import ClientDisconnected
+
+__all__ = ["DisconnectWatcher"]
+
+T = TypeVar("T")
+
+
+class DisconnectWatcher:
+    """Reads ASGI ``receive`` in the background and notes ``http.disconnect``.
+
+    The request body must already have been read.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self.disconnected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected.set()
+                return
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def race(self, work: Awaitable[T]) -> T:
+        """Await ``work``; cancel it and raise :class:`ClientDisconnected` if the client
+        goes away first (the watcher task itself is the other side of the race)."""
+        task = asyncio.ensure_future(work)
+        watcher = self._task
+        try:
+            if watcher is None or self.disconnected.is_set():
+                raise ClientDisconnected()
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            raise ClientDisconnected()
+        finally:
+            if not task.done():
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
