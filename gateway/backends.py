@@ -99,6 +99,13 @@ class LlamaCppBackend:
         s = self.settings
         return httpx.Timeout(s.read_timeout_s, connect=s.connect_timeout_s)
 
+    @property
+    def side_timeout(self) -> httpx.Timeout:
+        """Timeout of discovery and counting calls: these answer in milliseconds, so a
+        backend silent for 30 s is treated as unable to answer (seconds)."""
+        return httpx.Timeout(min(30.0, self.settings.read_timeout_s),
+                             connect=self.settings.connect_timeout_s)
+
     def url(self, path: str) -> str:
         """Absolute upstream URL for ``path``."""
         return self.settings.url + path
@@ -150,7 +157,7 @@ class LlamaCppBackend:
         """
         try:
             with map_upstream_errors(self.name):
-                resp = await self.side_client.get(self.url("/props"), timeout=self.timeout)
+                resp = await self.side_client.get(self.url("/props"), timeout=self.side_timeout)
         except GatewayError:
             self.reachable = False
             raise
@@ -253,7 +260,9 @@ class LlamaCppBackend:
         return await self._tokenize(resp.json()["prompt"])
 
     async def _side_post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        return await self.side_client.post(self.url(path), json=body, timeout=self.timeout)
+        return await self.side_client.post(
+            self.url(path), json=body, timeout=self.side_timeout
+        )
 
     def _refused(self, resp: httpx.Response) -> None:
         """Classify a failed counting call: the client's mistake (raise), loading
