@@ -114,10 +114,14 @@ def render_sizing(result: dict[str, Any]) -> str:
             f"  recommended ctx_per_slot {r['recommended_ctx_per_slot']} "
             f"(p95 of prompt + completion, +{r['margin']:.0%}, rounded up to 256)")
         if r["recommended_slots"]:
+            slots, ctx = int(r["current_slots"] or 0), int(r["current_ctx_per_slot"] or 0)
+            capacity = int(r["kv_capacity_tokens"])
+            now = (f"{slots} slots sharing a {capacity}-token pool" if capacity < slots * ctx
+                   else f"{slots} x {ctx}")
             lines.append(
-                f"  recommended slots {r['recommended_slots']} (KV capacity "
-                f"{int(r['kv_capacity_tokens'])} tokens / {r['recommended_ctx_per_slot']}); "
-                f"now {int(r['current_slots'] or 0)} x {int(r['current_ctx_per_slot'] or 0)}")
+                f"  recommended slots {r['recommended_slots']} (KV capacity {capacity} tokens"
+                f" / {r['recommended_ctx_per_slot']}, so that every slot holds a p95 request "
+                f"at once); now {now}")
             lines.append(
                 f"  llama-server -c {r['recommended_slots'] * r['recommended_ctx_per_slot']} "
                 f"-np {r['recommended_slots']} --no-kv-unified")

@@ -22,7 +22,7 @@ def test_histogram_quantile_interpolates_like_prometheus() -> None:
 
 
 def test_recommendation_from_recorded_metrics() -> None:
-    # Recorded: 90 requests of 600 + 100 tokens, 10 of 2500 + 500; capacity 16384, 4 x 4096.
+    # Recorded: 90 requests of 600 + 300 tokens, 10 of 1200 + 1500; capacity 16384, 4 x 4096.
     r = recommend(RECORDED.read_text(), margin=0.1)["local"]
     assert r["requests"] == 100
     q = r["quantiles"]["request_tokens"]
