@@ -197,7 +197,7 @@ async def test_p12_openai_sdk_honours_the_gateway_retry_after(
     assert info.value.status_code == 503
     gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
     assert len(attempts) == 3
-    assert all(0.9 <= g <= 1.6 for g in gaps), gaps  # Retry-After 1 s, not 0.5 s backoff
+    assert all(0.9 <= g <= 3.0 for g in gaps), gaps  # Retry-After 1 s, not the 0.4-1 s backoff
     assert h.sample("gateway_client_retries_total", attempt="1") == 1
     assert h.sample("gateway_client_retries_total", attempt="2") == 1
     fake.hold.set()
