@@ -21,7 +21,7 @@ from gateway.errors import (
     error_body,
 )
 from gateway.proxy import Exchange, ProxyResponse
-from gateway.tokens import chat_text, estimate_tokens, tokens_at_least
+from gateway.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
 from gateway.validation import ParsedRequest, check_content_type, parse_body
 
 __all__ = ["register_routes"]
@@ -80,13 +80,7 @@ def _prompt_floor(req: ParsedRequest) -> int:
         ids = [len(p) for p in req.prompts if isinstance(p, tuple)]
         texts = [p for p in req.prompts if isinstance(p, str)]
         return max([tokens_at_least(texts), *ids])
-    texts = []
-    for message in req.body["messages"]:
-        content = message.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            texts += [p["text"] for p in content if isinstance(p.get("text"), str)]
+    texts = [t for message in req.body["messages"] for t in content_texts(message)]
     return tokens_at_least(["".join(texts)])
 
 

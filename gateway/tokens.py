@@ -33,6 +33,7 @@ __all__ = [
     "MESSAGE_OVERHEAD_TOKENS",
     "PROMPT_OVERHEAD_TOKENS",
     "chat_text",
+    "content_texts",
     "estimate_tokens",
     "load_encoder",
     "tokens_at_least",
@@ -79,6 +80,17 @@ def load_encoder() -> Encoder | None:
     return lambda text: len(enc.encode(text, disallowed_special=()))
 
 
+def content_texts(message: dict[str, Any]) -> list[str]:
+    """The text of one chat message's content: the string, or its text parts."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [part["text"] for part in content
+                if isinstance(part, dict) and isinstance(part.get("text"), str)]
+    return []
+
+
 def chat_text(body: dict[str, Any]) -> tuple[str, int]:
     """Return (all text a chat template would render, number of messages).
 
@@ -90,13 +102,7 @@ def chat_text(body: dict[str, Any]) -> tuple[str, int]:
     for message in messages:
         if not isinstance(message, dict):
             continue
-        content = message.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    parts.append(part["text"])
+        parts += content_texts(message)
         extra = {k: v for k, v in message.items() if k not in ("role", "content")}
         if extra:
             parts.append(json.dumps(extra, ensure_ascii=False))
