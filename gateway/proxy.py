@@ -191,9 +191,8 @@ class ProxyResponse(Response):
             await self._send_error(send, exc)
             return
         try:
-            if resp.status_code >= 400:
-                await self._relay_error(watcher, send, resp)
-            elif x.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
+            is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+            if x.stream and is_sse and resp.status_code < 400:
                 await watcher.race(self._relay_stream(send, resp))
             else:
                 await self._relay_whole(watcher, send, resp)
@@ -212,34 +211,27 @@ class ProxyResponse(Response):
             self.metrics.upstream_errors.labels(self.x.backend.name, kind).inc()
             raise
 
-    async def _relay_error(
-        self, watcher: DisconnectWatcher, send: Send, resp: httpx.Response
-    ) -> None:
-        x, m = self.x, self.metrics
-        try:
-            body = await self._read_all(watcher, resp)
-        except GatewayError as failed:
-            await self._send_error(send, failed)
-            return
-        exc, kind = x.backend.translate_error(
-            resp.status_code, body, resp.headers.get("retry-after")
-        )
-        if exc is not None:
-            m.upstream_errors.labels(x.backend.name, kind).inc()
-            x.backend.upstream_failed(kind)
-            await self._send_error(send, exc)
-            return
-        await self._send_whole(send, resp, body)
-
     async def _relay_whole(
         self, watcher: DisconnectWatcher, send: Send, resp: httpx.Response
     ) -> None:
+        """Read a whole answer, translate backend errors, record usage, and send it."""
+        x = self.x
         try:
             body = await self._read_all(watcher, resp)
         except GatewayError as failed:
             await self._send_error(send, failed)
             return
-        self._record_usage(await _usage_of(body))
+        if resp.status_code >= 400:
+            exc, kind = x.backend.translate_error(
+                resp.status_code, body, resp.headers.get("retry-after")
+            )
+            if exc is not None:
+                self.metrics.upstream_errors.labels(x.backend.name, kind).inc()
+                x.backend.upstream_failed(kind)
+                await self._send_error(send, exc)
+                return
+        else:
+            self._record_usage(await _usage_of(body))
         await self._send_whole(send, resp, body)
 
     async def _send_whole(self, send: Send, resp: httpx.Response, body: bytes) -> None:
@@ -297,7 +289,6 @@ class ProxyResponse(Response):
             m.upstream_errors.labels(name, "stream_aborted").inc()
             await send(_body(sse_error_event(UpstreamError(
                 f"Backend {name!r} sent an event too large to relay: {too_large}."))))
-            state.errored = True
         except GatewayError as exc:
             m.upstream_errors.labels(name, _failure_kind(exc)).inc()
             await send(_body(sse_error_event(exc)))
