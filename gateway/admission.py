@@ -48,11 +48,19 @@ class MonotonicClock:
 
 @dataclass
 class Lease:
-    """A granted reservation. ``waited_s`` is the time spent queued, in seconds."""
+    """A granted reservation.
+
+    :param waited_s: time spent queued, seconds.
+    :param slot_ids: the backend slot ids this lease holds in the gateway's slot map
+        (``n`` of them when that many were free; fewer only after a layout change).
+        The first is sent upstream as llama-server's ``id_slot``, so that the gateway
+        knows which slot to watch when it must confirm that a request has ended.
+    """
 
     charge: Charge
     waited_s: float = 0.0
     released: bool = False
+    slot_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,8 @@ class Admission:
         self._releases: deque[float] = deque(maxlen=64)
         self._durations: deque[float] = deque(maxlen=64)
         self._delayed: set[asyncio.Task[None]] = set()
+        self._held_slots: set[int] = set()
+        self._slot_last_used: dict[int, float] = {}
 
     @property
     def layout(self) -> Layout | None:
@@ -186,8 +196,19 @@ class Admission:
         """Grant a lease now, or return ``None``: refuses while others wait (fairness).
 
         :raises BackendNotReady: the layout is not known yet.
+        :raises ContextLengthExceeded: the charge can never fit the current layout (it
+            was planned against a layout that changed meanwhile); nothing waits for it.
         """
         layout = self._require_layout()
+        if not capacity.fits_alone(layout, charge):
+            raise ContextLengthExceeded(
+                f"This request needs {charge.prompt_tokens + charge.max_tokens} tokens "
+                f"(prompt {charge.prompt_tokens} + max_tokens {charge.max_tokens}) x n "
+                f"{charge.n}, but the backend's layout changed while it was being counted "
+                f"and is now {layout.slots} slots of {layout.ctx_per_slot} tokens "
+                f"(at most {layout.usable_per_slot} usable per slot, "
+                f"{layout.capacity_tokens} in all). Lower max_tokens or shorten the prompt."
+            )
         if self._queue or not capacity.fits(layout, self._budget, charge):
             return None
         return self._grant(charge, waited_s=0.0)
@@ -198,7 +219,8 @@ class Admission:
         :raises BackendNotReady: the layout is not known yet.
         :raises QueueFull: ``max_queue`` requests already wait (immediately).
         :raises QueueTimeout: the wait passed ``max_wait_s``.
-        :raises ContextLengthExceeded: the layout changed and the charge no longer fits.
+        :raises ContextLengthExceeded: the charge does not fit the current layout (at
+            once), or the layout changed while it waited and it no longer fits.
         """
         lease = self.try_admit(charge)
         if lease is not None:
@@ -242,10 +264,14 @@ class Admission:
         if lease.released:
             return
         lease.released = True
+        now = self._clock.now()
+        for slot in lease.slot_ids:
+            self._held_slots.discard(slot)
+            self._slot_last_used[slot] = now
         self._budget = capacity.release(self._budget, lease.charge)
         self._inflight -= 1
         if served:
-            self._releases.append(self._clock.now())
+            self._releases.append(now)
         self._wake()
 
     def release_later(self, lease: Lease, delay_s: float, *, served: bool = True) -> None:
@@ -266,6 +292,21 @@ class Admission:
         """Record how long a served lease was held (feeds :meth:`retry_after_s`)."""
         self._durations.append(seconds)
 
+    @property
+    def held_slots(self) -> frozenset[int]:
+        """Slot ids held by leases in flight (abandoned ones awaiting release included)."""
+        return frozenset(self._held_slots)
+
+    def _pick_slots(self, n: int) -> tuple[int, ...]:
+        """The ``n`` least recently used slot ids that no lease holds (as llama-server
+        itself falls back to its least recently used slot, ``server-context.cpp``)."""
+        slots = self._layout.slots if self._layout else 0
+        free = [i for i in range(slots) if i not in self._held_slots]
+        free.sort(key=lambda i: self._slot_last_used.get(i, float("-inf")))
+        chosen = tuple(free[:n])
+        self._held_slots.update(chosen)
+        return chosen
+
     def _require_layout(self) -> Layout:
         if self._layout is None:
             raise BackendNotReady(
@@ -278,7 +319,7 @@ class Admission:
     def _grant(self, charge: Charge, *, waited_s: float) -> Lease:
         self._budget = capacity.reserve(self._budget, charge)
         self._inflight += 1
-        return Lease(charge, waited_s=waited_s)
+        return Lease(charge, waited_s=waited_s, slot_ids=self._pick_slots(charge.slots))
 
     def _abandon(self, waiter: _Waiter) -> None:
         fut = waiter.future

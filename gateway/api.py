@@ -156,17 +156,16 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
             state.metrics.max_tokens_clamped.labels(backend.name).inc()
             extra.append((b"x-gateway-max-tokens-clamped", str(charge.max_tokens).encode()))
         options = req.body.get("stream_options") or {}
+        body = upstream_body(req, charge)
         exchange = Exchange(
-            backend=backend, route=route, body=upstream_body(req, charge), charge=charge,
+            backend=backend, route=route, body=body, charge=charge,
             stream=req.stream, started=started,
             headers=list(request.headers.raw),
             client_wants_usage=bool(options.get("include_usage")),
-            extra_headers=extra,
+            extra_headers=extra, seed_tag=backend.tag_request(body), prompts=batch,
         )
-        return ProxyResponse(
-            exchange, client=state.client, metrics=state.metrics, clock=state.clock,
-            disconnect_grace_s=settings.admission.disconnect_grace_s,
-        )
+        return ProxyResponse(exchange, client=state.client, metrics=state.metrics,
+                             clock=state.clock)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

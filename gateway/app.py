@@ -113,6 +113,8 @@ def create_app(
             for task in state.tasks:
                 task.cancel()
             await asyncio.gather(*state.tasks, return_exceptions=True)
+            for backend in backends.values():
+                await backend.slot_watch.close()
             if owns_client:
                 for owned in (client, *side_clients.values()):
                     await owned.aclose()

@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from gateway.admission import Admission, Clock
+from gateway.admission import Admission, Clock, Lease, MonotonicClock
 from gateway.capacity import Layout
 from gateway.config import AdmissionSettings, BackendSettings
 from gateway.errors import (
@@ -25,6 +26,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamUnavailable,
 )
+from gateway.slotwatch import SlotsUnsupported, SlotView, SlotWatch, Ticket, parse_slots
 from gateway.upstream import map_upstream_errors
 
 __all__ = ["Backend", "Discovered", "LlamaCppBackend", "build_backend"]
@@ -32,6 +34,9 @@ __all__ = ["Backend", "Discovered", "LlamaCppBackend", "build_backend"]
 log = logging.getLogger(__name__)
 
 CONTEXT_OVERFLOW_TEXT = "Context size has been exceeded"
+# llama-server's "no seed given": LLAMA_DEFAULT_SEED (0xFFFFFFFF) draws a random one; -1
+# in JSON reads as the same value (tools/server/server-schema.cpp, common/common.h).
+_RANDOM_SEED = 0xFFFFFFFF
 
 # Side calls (discovery, counting) go through their own small pool (SIDE_CONNECTIONS).
 # llama-server's HTTP server keeps a worker thread per open connection, and it has
@@ -86,11 +91,18 @@ class LlamaCppBackend:
         self._input_tokens_route = True  # cleared when the build lacks it (404)
         self._rediscovery: asyncio.Task[None] | None = None
         self._pool_penalty = 0  # tokens taken off the unified pool after overflows
+        self._rng = random.Random()
+        self.clock = clock or MonotonicClock()
         self.admission = Admission(
             self._configured_layout(None),
             max_queue=admission_settings.max_queue,
             max_wait_s=admission_settings.max_queue_wait_s,
-            clock=clock,
+            clock=self.clock,
+        )
+        self.slot_watch = SlotWatch(
+            self.name, self.read_slots, self.admission, self.clock,
+            unseen_timeout_s=admission_settings.abandon_confirm_timeout_s,
+            fallback_grace_s=admission_settings.disconnect_grace_s,
         )
 
     @property
@@ -105,6 +117,57 @@ class LlamaCppBackend:
         backend silent for 30 s is treated as unable to answer (seconds)."""
         return httpx.Timeout(min(30.0, self.settings.read_timeout_s),
                              connect=self.settings.connect_timeout_s)
+
+    def tag_request(self, body: dict[str, Any]) -> int | None:
+        """Give ``body`` a random ``seed`` when the client set none, and return it.
+
+        The seed is what makes the request recognisable in ``GET /slots`` if the gateway
+        must later confirm that it ended (:mod:`gateway.slotwatch`); a random seed samples
+        exactly as llama-server's own default does. Returns ``None`` (and changes
+        nothing) when the client chose a seed.
+        """
+        seed = body.get("seed")
+        if seed is not None and seed != -1 and seed != _RANDOM_SEED:
+            return None
+        tag = self._rng.randrange(_RANDOM_SEED)
+        body["seed"] = tag
+        return tag
+
+    @staticmethod
+    def pin(body: dict[str, Any], lease: Lease, prompts: int) -> dict[str, Any]:
+        """``body`` with ``id_slot`` set to the lease's first slot, for a single prompt.
+
+        llama-server runs a task on the slot it names, or defers it until that slot is
+        free (``get_available_slot``/``process_single_task`` in ``server-context.cpp``).
+        A batch of prompts is not pinned: every task of a batch reads the same
+        ``id_slot``, so they would run one after another.
+        """
+        if prompts > 1 or not lease.slot_ids or "id_slot" in body:
+            return body
+        return {**body, "id_slot": lease.slot_ids[0]}
+
+    def release_abandoned(self, lease: Lease, ticket: Ticket, *, served: bool) -> None:
+        """Keep ``lease`` until ``GET /slots`` shows the abandoned request ended."""
+        self.slot_watch.hold(lease, ticket, served=served)
+
+    async def read_slots(self) -> list[SlotView]:
+        """Read ``GET /slots`` (``tools/server/server-context.cpp``, ``get_slots``).
+
+        :raises SlotsUnsupported: the server answers 501 (started with ``--no-slots``)
+            or 404 (a build without the endpoint).
+        :raises UpstreamUnavailable: the backend cannot be connected to.
+        :raises UpstreamError: any other failure or an answer of the wrong shape.
+        """
+        with map_upstream_errors(self.name):
+            resp = await self.side_client.get(self.url("/slots"), timeout=self.side_timeout)
+        if resp.status_code in (404, 501):
+            raise SlotsUnsupported(self.name)
+        try:
+            if resp.status_code != 200:
+                raise ValueError(f"HTTP {resp.status_code}")
+            return parse_slots(resp.json())
+        except ValueError as exc:
+            raise UpstreamError(f"Backend {self.name!r} answered /slots oddly: {exc}") from exc
 
     def url(self, path: str) -> str:
         """Absolute upstream URL for ``path``."""

@@ -76,10 +76,14 @@ class AdmissionSettings(_Strict):
     overlong: OverlongPolicy = OverlongPolicy.reject
     # Multiplier applied to the local tiktoken estimate when the backend cannot count.
     estimate_margin: float = Field(1.25, ge=1.0)
-    # How long a reservation outlives an upstream request the gateway abandoned (client
-    # gone, timeout): llama-server notices a closed connection only when it next writes or
-    # polls (HTTP_POLLING_SECONDS = 1 in tools/server/server-queue.cpp).
+    # How long a reservation outlives an upstream request the gateway abandoned when the
+    # backend cannot show its slots (llama-server --no-slots): then llama-server notices
+    # the closed connection only when it next writes or polls. With /slots (the default)
+    # the reservation is held until the request's slot is seen free instead.
     disconnect_grace_s: float = Field(2.0, ge=0.0)
+    # Longest hold of an abandoned request that /slots never shows (seconds): it may still
+    # be queued inside the backend, or may never have reached it.
+    abandon_confirm_timeout_s: float = Field(30.0, gt=0.0)
 
 
 class BackendSettings(_Strict):

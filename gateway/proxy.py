@@ -24,7 +24,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.admission import Clock
+from gateway.admission import Clock, Lease
 from gateway.backends import ROUTE_PATHS, Backend
 from gateway.capacity import Charge
 from gateway.errors import (
@@ -38,6 +38,7 @@ from gateway.errors import (
     sse_error_event,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.slotwatch import Ticket
 from gateway.sse import EventSplitter, EventTooLarge, event_data
 from gateway.upstream import map_upstream_errors
 from gateway.watcher import DisconnectWatcher
@@ -83,6 +84,9 @@ class Exchange:
     :param headers: raw client request headers (forwarded, bytes as received, minus the
         dropped ones).
     :param client_wants_usage: the client asked for the streamed usage chunk itself.
+    :param seed_tag: the ``seed`` the gateway added to identify the request upstream, or
+        ``None`` when the client chose one (:mod:`gateway.slotwatch`).
+    :param prompts: prompts in the body (a completions batch has several).
     """
 
     backend: Backend
@@ -95,6 +99,8 @@ class Exchange:
     client_wants_usage: bool
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     status: int = 0
+    seed_tag: int | None = None
+    prompts: int = 1
 
 
 class ProxyResponse(Response):
@@ -102,13 +108,13 @@ class ProxyResponse(Response):
 
     def __init__(
         self, exchange: Exchange, *, client: httpx.AsyncClient, metrics: GatewayMetrics,
-        clock: Clock, disconnect_grace_s: float = 0.0,
+        clock: Clock,
     ) -> None:
         self.x = exchange
         self.client = client
         self.metrics = metrics
         self.clock = clock
-        self.grace_s = disconnect_grace_s
+        self._lease: Lease | None = None
         self._sent = False  # the generation request went upstream
         self._done = False  # ... and its answer was read to the end
         self.background = None
@@ -145,6 +151,7 @@ class ProxyResponse(Response):
             await self._send_error(send, exc)
             return
         m.queue_wait.labels(name).observe(lease.waited_s)
+        self._lease = lease
         held_since = self.clock.now()
         try:
             await self._forward(watcher, send)
@@ -155,13 +162,21 @@ class ProxyResponse(Response):
             served = 200 <= x.status < 400
             if served:
                 x.backend.admission.record_duration(self.clock.now() - held_since)
-            if self._sent and not self._done and self.grace_s > 0:
-                # The gateway left before the backend finished (client gone, timeout).
-                # llama-server notices a closed connection only when it next writes or
-                # polls (about once a second), so its slot and KV stay taken meanwhile.
-                x.backend.admission.release_later(lease, self.grace_s, served=served)
+            if self._sent and not self._done:
+                # The gateway left before the backend finished (client gone, timeout). The
+                # backend may go on using the slot's cells for a while: keep the
+                # reservation until it is seen to end (gateway.slotwatch).
+                x.backend.release_abandoned(lease, self._ticket(lease), served=served)
             else:
                 x.backend.admission.release(lease, served=served)
+
+    def _ticket(self, lease: Lease) -> Ticket:
+        x = self.x
+        pinned = x.prompts == 1 and bool(lease.slot_ids)
+        return Ticket(
+            slot=lease.slot_ids[0] if pinned else None, tasks=x.charge.n,
+            seed=x.seed_tag, n_predict=x.charge.max_tokens, since=self.clock.now(),
+        )
 
     def _upstream_request(self) -> httpx.Request:
         x = self.x
@@ -171,9 +186,10 @@ class ProxyResponse(Response):
             # llama-server closes the connection after a chunked answer despite announcing
             # keep-alive; reusing that pooled connection would fail the next request.
             headers.append((b"connection", b"close"))
+        body = x.body if self._lease is None else x.backend.pin(x.body, self._lease, x.prompts)
         return self.client.build_request(
             "POST", x.backend.url(ROUTE_PATHS[x.route]), headers=headers,
-            content=json.dumps(x.body).encode(), timeout=x.backend.timeout,
+            content=json.dumps(body).encode(), timeout=x.backend.timeout,
         )
 
     async def _forward(self, watcher: DisconnectWatcher, send: Send) -> None:

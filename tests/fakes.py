@@ -66,12 +66,18 @@ class FakeLlamaServer:
     token_delay: float = 0.0
     hold: asyncio.Event | None = None  # when set, generation waits for it
     input_tokens_route: bool = True
+    slots_route: bool = True
+    # When set, a generation the gateway abandons keeps its slot busy (as llama-server
+    # does until it notices the closed connection) until this event is set.
+    linger: asyncio.Event | None = None
+    slot_state: dict[int, dict[str, Any]] = field(default_factory=dict)
     count_fails: bool = False
     requests: list[httpx.Request] = field(default_factory=list)
     generations: list[dict[str, Any]] = field(default_factory=list)
     active: int = 0
     peak: int = 0
     closed_streams: int = 0
+    lingering: set[asyncio.Task[None]] = field(default_factory=set)
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -91,6 +97,17 @@ class FakeLlamaServer:
                 "total_slots": self.slots,
                 "default_generation_settings": {"n_ctx": self.n_ctx, "params": {}},
             })
+        if path == "/slots":
+            if not self.slots_route:
+                return _error(501, "This server does not support slots endpoint.",
+                              "not_supported_error")
+            return httpx.Response(200, json=[
+                {"id": i, "n_ctx": self.n_ctx, "is_processing": st["processing"],
+                 "params": {"seed": st["seed"], "n_predict": st["n_predict"]}}
+                for i, st in ((i, self.slot_state.get(i, {"processing": False, "seed": None,
+                                                          "n_predict": None}))
+                              for i in range(self.slots))
+            ])
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": "fake.gguf"}]})
         if path == "/v1/chat/completions/input_tokens":
@@ -116,6 +133,9 @@ class FakeLlamaServer:
         body = json.loads(request.content)
         self.generations.append(body)
         if self.mode == "timeout":
+            # The task took a slot and ran past the gateway's read timeout; here it has
+            # ended by the time /slots is read.
+            self._leave(await self._enter(body), True)
             raise httpx.ReadTimeout("timed out", request=request)
         if self.mode == "overflow":
             return _error(500, "Context size has been exceeded.", "server_error")
@@ -135,13 +155,15 @@ class FakeLlamaServer:
                 200, headers={"content-type": "text/event-stream"},
                 stream=_Stream(self, body, n, prompt),
             )
-        await self._enter()
+        slot = await self._enter(body)
+        finished = False
         try:
             await self._wait()
             for _ in range(n):
                 await asyncio.sleep(self.token_delay)
+            finished = True
         finally:
-            self.active -= 1
+            self._leave(slot, finished)
         return httpx.Response(200, json={
             "object": "chat.completion",
             "choices": [{"index": 0, "finish_reason": "length",
@@ -150,9 +172,36 @@ class FakeLlamaServer:
                       "total_tokens": prompt + n},
         })
 
-    async def _enter(self) -> None:
+    async def _enter(self, body: dict[str, Any]) -> int:
+        """Take the slot named by ``id_slot`` (else the first idle one), as llama-server
+        does, and record the task's seed and n_predict for ``/slots``."""
         self.active += 1
         self.peak = max(self.peak, self.active)
+        slot = body.get("id_slot")
+        if not isinstance(slot, int) or slot < 0:
+            idle = [i for i in range(self.slots)
+                    if not self.slot_state.get(i, {}).get("processing")]
+            slot = idle[0] if idle else 0
+        self.slot_state[slot] = {"processing": True, "seed": body.get("seed", 0xFFFFFFFF),
+                                 "n_predict": body.get("max_tokens", -1)}
+        return slot
+
+    def _leave(self, slot: int, finished: bool) -> None:
+        self.active -= 1
+
+        def free() -> None:
+            self.slot_state[slot]["processing"] = False
+
+        if finished or self.linger is None:
+            free()
+            return
+        linger = self.linger
+
+        async def later() -> None:
+            await linger.wait()
+            free()
+
+        self.lingering.add(asyncio.ensure_future(later()))
 
     async def _wait(self) -> None:
         if self.hold is not None:
@@ -165,7 +214,8 @@ class _Stream(httpx.AsyncByteStream):
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         fake = self.fake
-        await fake._enter()
+        slot = await fake._enter(self.body)
+        finished = False
         try:
             await fake._wait()
             yield _chunk({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
@@ -186,8 +236,9 @@ class _Stream(httpx.AsyncByteStream):
                     "prompt_tokens": self.prompt, "completion_tokens": self.n,
                     "total_tokens": self.prompt + self.n}})
             yield b"data: [DONE]\n\n"
+            finished = True
         finally:
-            fake.active -= 1
+            fake._leave(slot, finished)
 
     async def aclose(self) -> None:
         self.fake.closed_streams += 1

@@ -148,6 +148,11 @@ async def test_upstream_failures_map_to_clean_5xx(
     if status == 503:
         assert "retry-after" in r.headers
     assert harness.sample("gateway_upstream_errors_total", backend="local", kind=kind) == 1
+    if mode == "timeout":
+        # The gateway gave up on a request the backend had taken: its reservation stays
+        # until /slots shows the slot free (one poll, POLL_INTERVAL_S later).
+        assert harness.sample("gateway_kv_reserved_tokens", backend="local") > 0
+        await asyncio.wait_for(harness.backend.slot_watch._task, 5)
     assert harness.sample("gateway_kv_reserved_tokens", backend="local") == 0
     assert harness.sample("gateway_inflight_requests", backend="local") == 0
 

@@ -168,8 +168,12 @@ async def test_full_queue_answers_before_counting(harness_factory: Any, fake: An
     assert (await running).status_code == 200 and (await queued).status_code == 200
 
 
-async def test_oversized_event_ends_the_stream_with_an_error(harness: Harness, fake: Any) -> None:
+async def test_oversized_event_ends_the_stream_with_an_error(
+    harness_factory: Any, fake: Any
+) -> None:
     from tests.test_proxy_asgi import AsgiCall, chat
+
+    harness = await harness_factory({"abandon_confirm_timeout_s": 0.2})
 
     async def huge(request: httpx.Request) -> httpx.Response:
         if request.url.path != CHAT:
@@ -185,6 +189,10 @@ async def test_oversized_event_ends_the_stream_with_an_error(harness: Harness, f
     call = AsgiCall(harness, chat())
     await call.run()
     assert b'"error"' in call.chunks[-1] and b"too large" in call.chunks[-1]
+    # The gateway stopped reading: the reservation waits for /slots, which never shows
+    # this request, so it goes after abandon_confirm_timeout_s.
+    assert harness.sample("gateway_kv_reserved_tokens", backend="local") > 0
+    await asyncio.wait_for(harness.backend.slot_watch._task, 5)
     assert harness.sample("gateway_kv_reserved_tokens", backend="local") == 0
 
 

@@ -129,7 +129,7 @@ async def test_client_disconnect_frees_the_slot(default_server: LlamaServer) -> 
                 break
             await asyncio.sleep(0.05)
         assert not any(s["is_processing"] for s in slots), "slot still busy 2 s after disconnect"
-        # The reservation is held disconnect_grace_s (2 s) past the disconnect, then freed.
+        # The reservation is held until /slots shows the slot free, then released.
         for _ in range(80):
             if gw.metric("gateway_kv_reserved_tokens") == 0:
                 break

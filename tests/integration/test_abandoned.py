@@ -1,0 +1,87 @@
+"""Issue 15, point 1, against the real llama-server: a non-streamed request whose client
+leaves keeps decoding inside llama-server for many seconds while other slots produce
+results, so its reservation must last until /slots shows its slot free.
+
+The sequence is the issue's reproduction: llama-server -c 2048 (4 slots, one pool):
+C streams 36 + 1000 tokens; A (36 + 970) starts 0.5 s later and its client leaves after
+1.5 s; B (36 + 970) arrives 2.5 s after that. Released on a fixed grace, A's reservation
+let B in beside C and A, and the three overflowed the pool at about 23 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.localbackend import LlamaServer
+from tests.integration.conftest import GatewayThread
+
+pytestmark = [pytest.mark.llama, pytest.mark.anyio]
+
+PROMPT = "Count from 1 to 2000 separated by commas."
+
+
+def body(route: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": True, **extra}
+    if route == "chat":
+        return {"messages": [{"role": "user", "content": PROMPT}], **base}
+    return {"prompt": PROMPT, **base}
+
+
+def path(route: str) -> str:
+    return "/v1/chat/completions" if route == "chat" else "/v1/completions"
+
+
+async def stream_events(client: httpx.AsyncClient, url: str, payload: dict[str, Any]
+                        ) -> list[str]:
+    events = []
+    async with client.stream("POST", url, json=payload) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    return events
+
+
+async def abandoned(url: str, payload: dict[str, Any], after_s: float) -> None:
+    async with httpx.AsyncClient(timeout=600) as client:
+        try:
+            await asyncio.wait_for(client.post(url, json=payload), after_s)
+        except asyncio.TimeoutError:
+            return  # the client closes its connection here
+    raise AssertionError("the abandoned request finished before its client left")
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+async def test_abandoned_non_stream_request_does_not_overflow_the_pool(
+    default_server: LlamaServer, route: str
+) -> None:
+    with GatewayThread({"url": default_server.url}) as gw:
+        url = gw.url + path(route)
+        async with httpx.AsyncClient(timeout=600) as client:
+            c = asyncio.ensure_future(stream_events(client, url, body(route, 1000, stream=True)))
+            await asyncio.sleep(0.5)
+            await abandoned(url, body(route, 970), after_s=1.5)
+            await asyncio.sleep(2.5)
+            # A is still decoding upstream, so its reservation is still held.
+            slots = httpx.get(default_server.url + "/slots", timeout=5).json()
+            assert sum(s["is_processing"] for s in slots) == 2, slots
+            assert gw.metric("gateway_kv_reserved_tokens") >= 1000 + 970
+            b = await client.post(url, json=body(route, 970))
+            events = await c
+        assert b.status_code == 200, b.text
+        assert b.json()["usage"]["completion_tokens"] == 970
+        assert events[-1] == "[DONE]", events[-3:]
+        assert not any("error" in json.loads(e) for e in events[:-1])
+        assert gw.metric("gateway_upstream_errors_total", kind="context_overflow") == 0
+        # B waited for A's slot to be seen free, not for a fixed grace.
+        assert gw.metric("gateway_queue_wait_seconds_sum") > 5
+        for _ in range(100):
+            if gw.metric("gateway_kv_reserved_tokens") == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert gw.metric("gateway_kv_reserved_tokens") == 0

@@ -1,0 +1,181 @@
+"""Abandoned requests keep their reservation until llama-server's /slots shows them ended.
+
+The decision (:func:`where_is`) is tested on plain values; the loop over a fake upstream
+whose slots can be made to linger after the gateway closes the connection, as
+llama-server's do (issue 15: 18–23 s for a non-streamed request under load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from gateway.slotwatch import Seen, SlotView, Ticket, parse_slots, where_is
+from tests.conftest import Harness
+from tests.fakes import ManualClock
+from tests.test_proxy_asgi import AsgiCall, chat
+
+pytestmark = pytest.mark.anyio
+
+
+def ticket(slot: int | None = 1, seed: int | None = 77, n_predict: int = 970,
+           tasks: int = 1) -> Ticket:
+    return Ticket(slot=slot, tasks=tasks, seed=seed, n_predict=n_predict, since=0.0)
+
+
+def view(i: int, processing: bool, seed: int | None = 77, n_predict: int | None = 970
+         ) -> SlotView:
+    return SlotView(id=i, processing=processing, seed=seed, n_predict=n_predict)
+
+
+def test_pinned_request_running_then_finished() -> None:
+    t = ticket()
+    assert where_is(t, [view(0, True, 5), view(1, True)]) is Seen.running
+    assert where_is(t, [view(0, True, 5), view(1, False)]) is Seen.finished
+
+
+def test_pinned_slot_showing_another_task_is_unseen() -> None:
+    # The request has not reached the slot yet (queued inside llama-server), whether the
+    # slot is idle with its previous task or busy with one that is not ours.
+    assert where_is(ticket(), [view(1, False, seed=3)]) is Seen.unseen
+    assert where_is(ticket(), [view(1, True, seed=3)]) is Seen.unseen
+    assert where_is(ticket(), [view(1, False, n_predict=12)]) is Seen.unseen
+
+
+def test_a_client_seed_matches_on_the_cap_and_the_pinned_slot() -> None:
+    t = ticket(seed=None)
+    assert where_is(t, [view(1, True, seed=1234)]) is Seen.running
+    assert where_is(t, [view(1, False, seed=1234)]) is Seen.finished
+    assert where_is(t, [view(1, False, n_predict=5)]) is Seen.unseen
+
+
+def test_pinned_slot_gone_after_a_restart_is_finished() -> None:
+    assert where_is(ticket(slot=3), [view(0, False), view(1, False)]) is Seen.finished
+
+
+def test_batches_need_every_task_seen_ended() -> None:
+    t = ticket(slot=None, tasks=2)
+    assert where_is(t, [view(0, False), view(2, True)]) is Seen.running
+    assert where_is(t, [view(0, False), view(2, False, seed=1)]) is Seen.unseen
+    assert where_is(t, [view(0, False), view(2, False)]) is Seen.finished
+
+
+def test_parse_slots_reads_llama_server_shape() -> None:
+    data = [{"id": 0, "n_ctx": 2048, "is_processing": True, "id_task": 9,
+             "params": {"seed": 4294967295, "n_predict": -1, "temperature": 0.8}},
+            {"id": 1, "n_ctx": 2048, "is_processing": False}]
+    assert parse_slots(data) == [view(0, True, 4294967295, -1), view(1, False, None, None)]
+    for bad in ({"slots": []}, [{"id": "0"}], ["x"]):
+        with pytest.raises(ValueError):
+            parse_slots(bad)
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def tick(clock: ManualClock, seconds: float = 0.25, times: int = 1) -> None:
+    for _ in range(times):
+        clock.advance(seconds)
+        await settle()
+
+
+def reserved(h: Harness) -> float:
+    return h.sample("gateway_kv_reserved_tokens", backend="local")
+
+
+async def abandon(h: Harness, **body: Any) -> None:
+    """Send a request, wait until the fake runs it, then drop the client."""
+    call = AsgiCall(h, chat(**body))
+    task = asyncio.ensure_future(call.run())
+    for _ in range(100):
+        await settle()
+        if h.fake.active:
+            break
+    assert h.fake.active == 1
+    call.gone.set()
+    await asyncio.wait_for(task, 2)
+
+
+async def test_abandoned_request_holds_until_its_slot_is_seen_free(
+    harness_factory: Any, fake: Any
+) -> None:
+    clock = ManualClock()
+    h = await harness_factory({"disconnect_grace_s": 0.5}, clock=clock)
+    fake.hold, fake.linger = asyncio.Event(), asyncio.Event()
+    await abandon(h, stream=False, max_tokens=970)
+    sent = fake.generations[-1]
+    assert sent["id_slot"] == 0 and isinstance(sent["seed"], int)
+    assert fake.slot_state[0]["processing"]  # the backend goes on after the client left
+    await tick(clock, times=40)  # 10 s: far past any fixed grace
+    assert reserved(h) > 0 and h.backend.slot_watch.waiting == 1
+    fake.linger.set()  # the backend notices and frees the slot
+    await settle()
+    await tick(clock)
+    assert reserved(h) == 0 and h.backend.slot_watch.waiting == 0
+    assert h.backend.admission.held_slots == frozenset()
+
+
+async def test_next_request_is_pinned_to_another_slot_while_one_is_held(
+    harness_factory: Any, fake: Any
+) -> None:
+    clock = ManualClock()
+    h = await harness_factory(clock=clock)
+    fake.hold, fake.linger = asyncio.Event(), asyncio.Event()
+    await abandon(h, stream=False, max_tokens=100)
+    fake.hold = None
+    r = await h.chat("next", max_tokens=10)
+    assert r.status_code == 200
+    assert fake.generations[-1]["id_slot"] == 1
+
+
+async def test_backend_without_slots_falls_back_to_the_grace(
+    harness_factory: Any, fake: Any
+) -> None:
+    clock = ManualClock()
+    h = await harness_factory({"disconnect_grace_s": 2.0}, clock=clock)
+    fake.hold, fake.slots_route = asyncio.Event(), False
+    await abandon(h, stream=False, max_tokens=100)
+    await tick(clock)  # the first /slots read says 501
+    assert reserved(h) > 0 and not h.backend.slot_watch.supported
+    await tick(clock, 1.0)
+    assert reserved(h) > 0
+    await tick(clock, 1.0)
+    assert reserved(h) == 0
+
+
+async def test_request_never_seen_is_released_after_the_confirm_timeout(
+    harness_factory: Any, fake: Any
+) -> None:
+    clock = ManualClock()
+    h = await harness_factory({"abandon_confirm_timeout_s": 5.0}, clock=clock)
+    fake.hold = asyncio.Event()
+    await abandon(h, stream=False, max_tokens=100)
+    fake.slot_state.clear()  # as if it had never reached a slot
+    await tick(clock, times=19)
+    assert reserved(h) > 0
+    await tick(clock, times=2)
+    assert reserved(h) == 0
+
+
+async def test_client_seed_is_kept_and_batches_are_not_pinned(harness: Harness, fake: Any
+                                                              ) -> None:
+    assert (await harness.chat("x", max_tokens=5, seed=42)).status_code == 200
+    assert fake.generations[-1]["seed"] == 42
+    r = await harness.client.post("/v1/completions", json={"prompt": ["a b", "c d"],
+                                                           "max_tokens": 5})
+    assert r.status_code == 200
+    assert "id_slot" not in fake.generations[-1]
+
+
+async def test_shutdown_releases_what_is_held(harness_factory: Any, fake: Any) -> None:
+    clock = ManualClock()
+    h = await harness_factory(clock=clock)
+    fake.hold, fake.linger = asyncio.Event(), asyncio.Event()
+    await abandon(h, stream=False, max_tokens=100)
+    assert reserved(h) > 0
+    await h.backend.slot_watch.close()
+    assert reserved(h) == 0
