@@ -3,7 +3,7 @@
 Starts (each in its own process):
 * an upstream that answers instantly with fixed JSON, shaped like llama-server
   (``/props``, ``/v1/chat/completions/input_tokens``, ``/v1/chat/completions``);
-* the gateway in front of it (``gateway serve``, uvloop + httptools), configured with
+* the gateway in front of it (``gateway serve``, uvloop + h11), configured with
   enough slots that admission never queues, so what is measured is the proxy path:
   validation, the exact-count call upstream, reservation, forwarding, metrics;
 * a load generator (aiohttp, closed loop) at 4 and at 64 connections, for a fixed time,
@@ -92,7 +92,7 @@ def run_bare_proxy(port: int, upstream_port: int, transport: str) -> None:
     app = Starlette(routes=[Route("/v1/chat/completions", forward, methods=["POST"]),
                             Route("/props", lambda r: Response("{}"), methods=["GET"])])
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop="uvloop",
-                http="httptools")
+                http="h11")
 
 
 async def _load(url: str, connections: int, seconds: float) -> tuple[int, list[float], int]:

@@ -17,7 +17,7 @@ __all__ = ["main"]
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.app import create_app, uvicorn_options
 
     settings = load_settings(args.config)
     server = settings.server.model_copy(
@@ -29,7 +29,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
     uvicorn.run(
         app, host=server.host, port=server.port, log_level=server.log_level,
-        loop="uvloop", http="httptools", timeout_graceful_shutdown=5,
+        loop="uvloop", **uvicorn_options(),
     )
     return 0
 

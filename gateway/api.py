@@ -130,6 +130,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
                 "is not known yet); retry after the Retry-After delay.",
                 retry_after_s=1.0,
             )
+        backend.check_token_ids(req.prompts)
         backend.admission.check_queue_room()  # a full queue answers before any counting
         floor = _prompt_floor(req)
         if floor > layout.usable_per_slot:
@@ -180,7 +181,8 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         data: list[Any] = []
         for backend in state.backends.values():
             try:
-                resp = await state.client.get(backend.url("/v1/models"), timeout=backend.timeout)
+                resp = await state.client.get(backend.url("/v1/models"), timeout=backend.timeout,
+                                              headers=backend.settings.auth_headers)
                 data.extend(resp.json().get("data", []))
             except Exception:  # an unreachable backend lists nothing
                 continue

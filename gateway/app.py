@@ -11,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -22,9 +23,10 @@ from gateway.backends import SIDE_CONNECTIONS, Backend, build_backend
 from gateway.config import Settings
 from gateway.errors import GatewayError, error_body, error_headers
 from gateway.metrics import GatewayMetrics
+from gateway.middleware import RequestAccounting
 from gateway.upstream import build_client
 
-__all__ = ["GatewayState", "create_app"]
+__all__ = ["GatewayState", "create_app", "uvicorn_options"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,18 @@ async def _discovery_loop(backend: Backend) -> None:
             log.exception("discovery of backend %s failed", backend.name)
             delay = 1.0
         await asyncio.sleep(delay)
+
+
+def uvicorn_options() -> dict[str, Any]:
+    """How uvicorn serves the gateway, shared by ``gateway serve``, ``make run`` and the
+    tests.
+
+    The HTTP implementation is h11: it frames a response by the client's HTTP version, so
+    an HTTP/1.0 client gets a close-delimited stream. uvicorn's httptools protocol always
+    adds ``Transfer-Encoding: chunked`` to a body of unknown length, which an HTTP/1.0
+    client cannot read (``uvicorn/protocols/http/httptools_impl.py``).
+    """
+    return {"http": "h11", "timeout_graceful_shutdown": 5}
 
 
 def create_app(
@@ -124,14 +138,13 @@ def create_app(
         openapi_url=None, redirect_slashes=False,
     )
     app.state.gateway = state
+    app.add_middleware(RequestAccounting, metrics=state.metrics)
 
     @app.exception_handler(GatewayError)
     async def _render(request: Request, exc: GatewayError) -> Response:
         backend = getattr(request.state, "backend", "none")
-        route = getattr(request.state, "route", "other")
         if exc.rejection_reason:
             state.metrics.rejections.labels(backend, exc.rejection_reason).inc()
-        state.metrics.requests.labels(backend, route, str(exc.status_code)).inc()
         return JSONResponse(error_body(exc), exc.status_code, headers=error_headers(exc))
 
     from gateway.api import register_routes

@@ -22,8 +22,10 @@ from gateway.errors import (
     BackendNotReady,
     GatewayError,
     InvalidRequest,
+    UpstreamAuthFailed,
     UpstreamContextOverflow,
     UpstreamError,
+    UpstreamRefused,
     UpstreamUnavailable,
 )
 from gateway.slotwatch import SlotsUnsupported, SlotView, SlotWatch, Ticket, parse_slots
@@ -92,6 +94,7 @@ class LlamaCppBackend:
         self._rediscovery: asyncio.Task[None] | None = None
         self._pool_penalty = 0  # tokens taken off the unified pool after overflows
         self._rng = random.Random()
+        self.n_vocab: int | None = None  # /v1/models meta.n_vocab, once read
         self.clock = clock or MonotonicClock()
         self.admission = Admission(
             self._configured_layout(None),
@@ -159,7 +162,7 @@ class LlamaCppBackend:
         :raises UpstreamError: any other failure or an answer of the wrong shape.
         """
         with map_upstream_errors(self.name):
-            resp = await self.side_client.get(self.url("/slots"), timeout=self.side_timeout)
+            resp = await self.side_get("/slots")
         if resp.status_code in (404, 501):
             raise SlotsUnsupported(self.name)
         try:
@@ -168,6 +171,11 @@ class LlamaCppBackend:
             return parse_slots(resp.json())
         except ValueError as exc:
             raise UpstreamError(f"Backend {self.name!r} answered /slots oddly: {exc}") from exc
+
+    async def side_get(self, path: str) -> httpx.Response:
+        """``GET path`` on the side pool, with the backend's API key when configured."""
+        return await self.side_client.get(self.url(path), timeout=self.side_timeout,
+                                          headers=self.settings.auth_headers)
 
     def url(self, path: str) -> str:
         """Absolute upstream URL for ``path``."""
@@ -220,13 +228,16 @@ class LlamaCppBackend:
         """
         try:
             with map_upstream_errors(self.name):
-                resp = await self.side_client.get(self.url("/props"), timeout=self.side_timeout)
+                resp = await self.side_get("/props")
         except GatewayError:
             self.reachable = False
             raise
         if resp.status_code == 503:
             self.reachable = False
             raise BackendNotReady(f"Backend {self.name!r} is loading its model.")
+        if resp.status_code in (401, 403):
+            self.reachable = False
+            raise UpstreamAuthFailed(self._auth_problem(resp.status_code))
         try:
             props = resp.json()
             found = Discovered(
@@ -242,6 +253,8 @@ class LlamaCppBackend:
         self.reachable = True
         self._warn_disagreement(found)
         self.discovered = found
+        if self.n_vocab is None:
+            self.n_vocab = await self._read_n_vocab()
         layout = self._configured_layout(found)
         old = self.admission.layout
         if layout != old:
@@ -251,6 +264,37 @@ class LlamaCppBackend:
             )
             self.admission.set_layout(layout)
         return layout
+
+    async def _read_n_vocab(self) -> int | None:
+        """``meta.n_vocab`` of the model in ``GET /v1/models``, or ``None``."""
+        try:
+            with map_upstream_errors(self.name):
+                resp = await self.side_get("/v1/models")
+            n_vocab = resp.json()["data"][0]["meta"]["n_vocab"]
+        except (GatewayError, ValueError, KeyError, IndexError, TypeError):
+            return None
+        return n_vocab if isinstance(n_vocab, int) and n_vocab > 0 else None
+
+    def check_token_ids(self, prompts: tuple[str | tuple[int, ...], ...]) -> None:
+        """Refuse token-id prompts with ids outside the model's vocabulary, as
+        llama-server would (``server_tokens::validate``, ``tools/server/server-common.cpp``).
+
+        :raises InvalidRequest: an id is ``>= n_vocab`` (when the vocabulary is known).
+        """
+        if self.n_vocab is None:
+            return
+        for prompt in prompts:
+            if isinstance(prompt, tuple) and prompt and max(prompt) >= self.n_vocab:
+                raise InvalidRequest(
+                    f"prompt token id {max(prompt)} is outside the model's vocabulary of "
+                    f"{self.n_vocab} tokens.", param="prompt",
+                )
+
+    def _auth_problem(self, status: int) -> str:
+        given = "was refused" if self.settings.api_key else "is needed and none is configured"
+        return (f"Backend {self.name!r} answered HTTP {status}: an API key {given}. "
+                "Set backends[].api_key (or api_key_file) to the key llama-server was "
+                "started with (--api-key).")
 
     def request_rediscovery(self) -> None:
         """Re-read capacity soon (after an upstream error); at most one read at a time."""
@@ -299,7 +343,7 @@ class LlamaCppBackend:
                 if route == "chat":
                     return await self._count_chat(body)
                 return await self._count_completion(body.get("prompt"))
-        except (InvalidRequest, BackendNotReady):
+        except (InvalidRequest, BackendNotReady, UpstreamAuthFailed):
             raise
         except UpstreamUnavailable:
             self.reachable = False
@@ -324,7 +368,8 @@ class LlamaCppBackend:
 
     async def _side_post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         return await self.side_client.post(
-            self.url(path), json=body, timeout=self.side_timeout
+            self.url(path), json=body, timeout=self.side_timeout,
+            headers=self.settings.auth_headers,
         )
 
     def _refused(self, resp: httpx.Response) -> None:
@@ -333,6 +378,9 @@ class LlamaCppBackend:
         status = resp.status_code
         if status == 503:
             raise BackendNotReady(f"Backend {self.name!r} is loading.")
+        if status in (401, 403):
+            log.error("%s", self._auth_problem(status))
+            raise UpstreamAuthFailed(self._auth_problem(status))
         message = _error_message(resp.content)
         client_fault = 400 <= status < 500 and status not in (404, 405, 501)
         if client_fault or (status == 500 and _is_error_object(resp.content)):
@@ -365,7 +413,10 @@ class LlamaCppBackend:
         :returns: (error or None, kind label for ``gateway_upstream_errors_total``).
         500 "Context size has been exceeded." becomes a retryable 503 (the KV model was
         wrong); 503 (model loading) stays a 503 with Retry-After; other 5xx become 502.
-        4xx answers pass through unchanged.
+        401/403 (the gateway's API key) become 502 ``upstream_error`` naming the key to
+        set. Other 4xx answers pass through unchanged when they carry an OpenAI-style
+        ``{"error": {...}}`` object, and are put in that shape (status kept) when empty
+        or plain text.
         """
         message = _error_message(body)
         if status >= 500 and CONTEXT_OVERFLOW_TEXT in message:
@@ -389,6 +440,16 @@ class LlamaCppBackend:
                 UpstreamError(f"Backend {self.name!r} failed with HTTP {status}: {message}"),
                 "status_5xx",
             )
+        if status in (401, 403):  # the gateway's key, not the client's (the client's
+            # Authorization header is never forwarded)
+            log.error("%s", self._auth_problem(status))
+            return UpstreamAuthFailed(self._auth_problem(status)), "auth"
+        if not _is_error_object(body):
+            shown = message.strip() or "no error message"
+            return UpstreamRefused(
+                f"Backend {self.name!r} refused the request with HTTP {status}: {shown}.",
+                status_code=status, retry_after=retry_after,
+            ), ""
         return None, ""
 
     def is_overflow_event(self, data: dict[str, Any]) -> bool:

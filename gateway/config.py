@@ -14,7 +14,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -105,6 +113,10 @@ class BackendSettings(_Strict):
     # Longest silence allowed while reading the upstream response (prefill included).
     read_timeout_s: float = Field(600.0, gt=0)
     discovery_interval_s: float = Field(30.0, gt=0)
+    # The key llama-server was started with (--api-key), sent as "Authorization: Bearer"
+    # on every upstream call; or a file holding it (read once, at load).
+    api_key: SecretStr | None = None
+    api_key_file: Path | None = None
 
     @field_validator("url")
     @classmethod
@@ -112,6 +124,29 @@ class BackendSettings(_Strict):
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"must start with http:// or https://, got {value!r}")
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _key_from_file(self) -> BackendSettings:
+        if self.api_key_file is None:
+            return self
+        if self.api_key is not None:
+            raise ValueError("set api_key or api_key_file, not both")
+        try:
+            key = self.api_key_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ValueError(f"api_key_file {str(self.api_key_file)!r} cannot be read: "
+                             f"{exc.strerror or exc}") from None
+        if not key:
+            raise ValueError(f"api_key_file {str(self.api_key_file)!r} is empty")
+        object.__setattr__(self, "api_key", SecretStr(key))
+        return self
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """``Authorization: Bearer KEY`` when a key is configured, else nothing."""
+        if self.api_key is None:
+            return {}
+        return {"Authorization": f"Bearer {self.api_key.get_secret_value()}"}
 
     @model_validator(mode="after")
     def _pool_vs_slot(self) -> BackendSettings:

@@ -7,7 +7,9 @@ Tree::
     │   ├── InvalidRequest            400 invalid_request
     │   ├── ContextLengthExceeded     400 context_length_exceeded
     │   ├── PayloadTooLarge           413
-    │   └── UnsupportedMediaType      415
+    │   ├── UnsupportedMediaType      415
+    │   ├── HeadersTooLarge           431
+    │   └── UpstreamRefused           4xx kept from the backend, body put in shape
     └── ServiceError (5xx)
         ├── Overloaded                503 (carries Retry-After)
         │   ├── QueueFull             503 queue_full
@@ -17,6 +19,7 @@ Tree::
         ├── UpstreamUnavailable       502 (connect failure)
         ├── UpstreamTimeout           504
         └── UpstreamError             502 (the backend answered a 5xx)
+            └── UpstreamAuthFailed    502 (the backend refused the gateway's API key)
 
 No module here does I/O. :func:`error_body` and :func:`error_headers` give the body and
 headers; the ASGI code sends them. Every error the gateway answers goes through these two.
@@ -40,8 +43,11 @@ __all__ = [
     "QueueFull",
     "QueueTimeout",
     "ServiceError",
+    "HeadersTooLarge",
     "UnsupportedMediaType",
+    "UpstreamRefused",
     "UpstreamContextOverflow",
+    "UpstreamAuthFailed",
     "UpstreamError",
     "UpstreamTimeout",
     "UpstreamUnavailable",
@@ -103,6 +109,27 @@ class UnsupportedMediaType(ClientError):
 
     status_code = 415
     code = "unsupported_media_type"
+
+
+class HeadersTooLarge(ClientError):
+    """Raised when the request headers exceed the gateway's bounds (HTTP 431)."""
+
+    status_code = 431
+    code = "request_header_fields_too_large"
+
+
+class UpstreamRefused(ClientError):
+    """Raised when the backend refused a request with a 4xx whose body is not an OpenAI
+    error object (empty or plain text). The status is kept; the body is put in shape."""
+
+    code = "upstream_refused"
+    rejection_reason = None  # it was forwarded
+
+    def __init__(self, message: str, *, status_code: int, retry_after: str | None = None
+                 ) -> None:
+        super().__init__(message)
+        self.status_code = status_code  # type: ignore[misc]
+        self.retry_after = retry_after  # the backend's Retry-After header, kept as sent
 
 
 class ServiceError(GatewayError):
@@ -173,6 +200,13 @@ class UpstreamError(ServiceError):
     code = "upstream_error"
 
 
+class UpstreamAuthFailed(UpstreamError):
+    """Raised when the backend answers 401/403: the gateway's ``api_key`` is missing or
+    wrong (a configuration problem, not the client's)."""
+
+    code = "upstream_auth_failed"
+
+
 class ClientDisconnected(Exception):
     """Raised inside the gateway when the client went away; nothing is sent back."""
 
@@ -197,7 +231,12 @@ def error_headers(exc: GatewayError) -> dict[str, str]:
     if isinstance(exc, Overloaded):
         seconds = min(60.0, max(1.0, exc.retry_after_s))
         return {"Retry-After": str(math.ceil(seconds)), "retry-after-ms": str(int(seconds * 1000))}
-    if isinstance(exc, ClientError):
+    if isinstance(exc, UpstreamRefused) and exc.retry_after is not None:
+        headers = {"Retry-After": exc.retry_after}
+        if exc.retry_after.isdigit():
+            headers["retry-after-ms"] = str(int(exc.retry_after) * 1000)
+        return headers
+    if isinstance(exc, ClientError) and exc.status_code not in (408, 409, 429):
         return {"x-should-retry": "false"}
     return {}
 

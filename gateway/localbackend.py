@@ -298,7 +298,7 @@ class LlamaServer:
 def _run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.app import create_app, uvicorn_options
     from gateway.config import load_settings
 
     settings = load_settings(args.config)
@@ -314,8 +314,7 @@ def _run(args: argparse.Namespace) -> int:
         _say(f"llama-server ready; gateway on http://{settings.server.host}:{settings.server.port}")
         uvicorn.run(
             create_app(settings), host=settings.server.host, port=settings.server.port,
-            log_level=settings.server.log_level, loop="uvloop", http="httptools",
-            timeout_graceful_shutdown=5,
+            log_level=settings.server.log_level, loop="uvloop", **uvicorn_options(),
         )
     return 0
 

@@ -33,27 +33,25 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnavailable,
-    error_body,
-    error_headers,
     sse_error_event,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.middleware import error_messages
 from gateway.slotwatch import Ticket
 from gateway.sse import EventSplitter, EventTooLarge, event_data
 from gateway.upstream import map_upstream_errors
 from gateway.watcher import DisconnectWatcher
 
-__all__ = ["Exchange", "ProxyResponse", "error_response_messages"]
+__all__ = ["Exchange", "ProxyResponse"]
 
 log = logging.getLogger(__name__)
 
-# Request headers never forwarded: hop-by-hop ones, ones httpx sets, and
-# X-Conversation-Id, which makes llama-server keep generating after a disconnect
-# (tools/server/server-stream.cpp; shared/design/backends.md §1.5).
-_DROP_REQUEST_HEADERS = {
-    b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"upgrade",
-    b"te", b"trailer", b"proxy-authorization", b"proxy-connection", b"accept-encoding",
-    b"x-conversation-id", b"expect", b"content-type", b"content-encoding",
+# Client request headers forwarded upstream; every other one is dropped (cookies, the
+# client's own Authorization, hop-by-hop headers, and X-Conversation-Id, which makes
+# llama-server keep generating after a disconnect: shared/design/backends.md §1.5).
+_FORWARD_REQUEST_HEADERS = {
+    b"accept", b"user-agent", b"x-request-id", b"x-correlation-id", b"traceparent",
+    b"tracestate",
 }
 # Upstream response headers relayed on whole (non-SSE) answers.
 _PASS_RESPONSE_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
@@ -62,18 +60,6 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-def error_response_messages(exc: GatewayError) -> tuple[Message, Message]:
-    """The two ASGI messages of an OpenAI-style JSON error response."""
-    body = json.dumps(error_body(exc), separators=(",", ":")).encode()
-    headers = [(b"content-type", b"application/json")]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc).items()]
-    headers.append((b"content-length", str(len(body)).encode()))
-    return (
-        {"type": "http.response.start", "status": exc.status_code, "headers": headers},
-        {"type": "http.response.body", "body": body},
-    )
 
 
 @dataclass
@@ -128,11 +114,12 @@ class ProxyResponse(Response):
             await self._admit_and_forward(watcher, send)
         finally:
             await watcher.stop()
-            self.metrics.requests.labels(name, x.route, str(x.status or 499)).inc()
+            # gateway.middleware counts the request with this status (499: client left).
+            scope.setdefault("state", {})["final_status"] = x.status or 499
             self.metrics.duration.labels(name).observe(self.clock.now() - x.started)
 
     async def _send_error(self, send: Send, exc: GatewayError) -> None:
-        start, body = error_response_messages(exc)
+        start, body = error_messages(exc)
         self.x.status = exc.status_code
         await send(start)
         await send(body)
@@ -180,8 +167,9 @@ class ProxyResponse(Response):
 
     def _upstream_request(self) -> httpx.Request:
         x = self.x
-        headers = [(k, v) for k, v in x.headers if k.lower() not in _DROP_REQUEST_HEADERS]
+        headers = [(k, v) for k, v in x.headers if k.lower() in _FORWARD_REQUEST_HEADERS]
         headers.append((b"content-type", b"application/json"))
+        headers += [(k.encode(), v.encode()) for k, v in x.backend.settings.auth_headers.items()]
         if x.stream:
             # llama-server closes the connection after a chunked answer despite announcing
             # keep-alive; reusing that pooled connection would fail the next request.
@@ -242,8 +230,9 @@ class ProxyResponse(Response):
                 resp.status_code, body, resp.headers.get("retry-after")
             )
             if exc is not None:
-                self.metrics.upstream_errors.labels(x.backend.name, kind).inc()
-                x.backend.upstream_failed(kind)
+                if kind:
+                    self.metrics.upstream_errors.labels(x.backend.name, kind).inc()
+                    x.backend.upstream_failed(kind)
                 await self._send_error(send, exc)
                 return
         else:

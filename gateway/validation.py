@@ -26,8 +26,23 @@ MAX_N_PROBS = 100  # llama-server n_probs; each adds an entry to every token eve
 MAX_TOKEN_ID = 2**31 - 1
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                  "repeat_penalty", "typical_p")
-_INT_FIELDS = ("top_k", "seed")
+                  "repeat_penalty", "typical_p", "dynatemp_range", "dynatemp_exponent",
+                  "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
+                  "mirostat_tau", "mirostat_eta", "top_n_sigma")
+INT32 = (-(2**31), 2**31 - 1)
+# Integer sampling fields and their bounds: llama-server stores these as int32
+# (tools/server/server-schema.cpp, common/common.h); seed as uint32 from an integer that
+# OpenAI allows to be any int64.
+_INT_FIELDS: dict[str, tuple[int, int]] = {
+    "seed": (-(2**63), 2**64 - 1), "top_k": INT32, "min_keep": (0, INT32[1]),
+    "n_keep": INT32, "repeat_last_n": INT32, "mirostat": (0, 2), "n_indent": (0, INT32[1]),
+    "dry_allowed_length": INT32, "dry_penalty_last_n": INT32,
+    "t_max_predict_ms": (0, INT32[1]), "id_slot": INT32,
+}
+# Any integer in a body must fit what a JSON parser in C++ reads exactly (int64/uint64);
+# llama-server's parser refuses larger ones (nlohmann::json reads them as doubles).
+_INT_RANGE = (-(2**63), 2**64 - 1)
+MAX_DEPTH = 64  # objects and arrays nested deeper than this are refused
 
 
 @dataclass(frozen=True)
@@ -164,8 +179,8 @@ def _check_sampling(body: dict[str, Any], route: str) -> None:
         value = body.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise InvalidRequest(f"{key} must be a number, got {value!r}.", param=key)
-    for key in _INT_FIELDS:
-        _int_field(body, key, -(2**63))
+    for key, (low, high) in _INT_FIELDS.items():
+        _int_field(body, key, low, high)
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
         isinstance(stop, list) and all(isinstance(s, str) for s in stop)
@@ -187,6 +202,34 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _bounded_int(text: str) -> int:
+    value = int(text)
+    if not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+        raise InvalidRequest(
+            f"The body has an integer out of the 64-bit range: {text[:40]}"
+            f"{'…' if len(text) > 40 else ''}."
+        )
+    return value
+
+
+def _check_depth(value: Any) -> None:
+    """Refuse objects/arrays nested deeper than :data:`MAX_DEPTH` (iteratively, so that
+    no depth can exhaust the stack here or when the body is re-encoded later)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > MAX_DEPTH:
+            raise InvalidRequest(f"The body's JSON is nested deeper than {MAX_DEPTH} levels.")
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+
+
 def _reject_constant(name: str) -> Any:
     raise InvalidRequest(f"The body is not valid JSON: {name} is not a JSON number.")
 
@@ -197,13 +240,15 @@ def _decode(raw: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise InvalidRequest(f"The body is not valid UTF-8 (byte {exc.start}).") from None
     try:
-        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
+                          parse_int=_bounded_int)
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"The body is not valid JSON: {exc}.") from None
     except ValueError as exc:  # e.g. an integer longer than Python's digit limit
         raise InvalidRequest(f"The body has a number that cannot be read: {exc}.") from None
     except RecursionError:
         raise InvalidRequest("The body's JSON is nested too deeply.") from None
+    _check_depth(body)
     if _SURROGATE_ESCAPE.search(raw):
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")

@@ -67,6 +67,8 @@ class FakeLlamaServer:
     hold: asyncio.Event | None = None  # when set, generation waits for it
     input_tokens_route: bool = True
     slots_route: bool = True
+    api_key: str | None = None  # as llama-server --api-key: 401 without it
+    n_vocab: int = 262144
     # When set, a generation the gateway abandons keeps its slot busy (as llama-server
     # does until it notices the closed connection) until this event is set.
     linger: asyncio.Event | None = None
@@ -90,6 +92,10 @@ class FakeLlamaServer:
         path = request.url.path
         if self.mode == "connect":
             raise httpx.ConnectError("connection refused", request=request)
+        if self.api_key is not None and path not in ("/health", "/v1/health"):
+            given = request.headers.get("authorization", "").removeprefix("Bearer ")
+            if given != self.api_key:  # tools/server/server-http.cpp
+                return _error(401, "Invalid API Key", "authentication_error")
         if path == "/props":
             if self.mode == "loading":
                 return _error(503, "Loading model", "unavailable_error")
@@ -109,7 +115,8 @@ class FakeLlamaServer:
                               for i in range(self.slots))
             ])
         if path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "fake.gguf"}]})
+            return httpx.Response(200, json={"object": "list", "data": [
+                {"id": "fake.gguf", "meta": {"n_vocab": self.n_vocab, "n_ctx_train": 32768}}]})
         if path == "/v1/chat/completions/input_tokens":
             if not self.input_tokens_route:
                 return httpx.Response(404, text="Not Found")

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import uvicorn
 
-from gateway.app import create_app
+from gateway.app import create_app, uvicorn_options
 from gateway.config import load_settings
 from gateway.localbackend import LlamaServer, ensure_llama_server, ensure_model, free_port
 
@@ -48,7 +48,7 @@ class GatewayThread:
         self.port = free_port()
         config = uvicorn.Config(
             create_app(self.settings), host="127.0.0.1", port=self.port, log_level="warning",
-            loop="asyncio", timeout_graceful_shutdown=2,
+            loop="asyncio", **{**uvicorn_options(), "timeout_graceful_shutdown": 2},
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -1,0 +1,116 @@
+"""The outermost layer of every request: header bounds, one count per request, and an
+OpenAI-shaped 500 for anything that escapes the handlers.
+
+:class:`RequestAccounting` is a pure ASGI middleware. It
+
+* refuses requests with more than :data:`MAX_HEADERS` headers or more than
+  :data:`MAX_HEADER_BYTES` bytes of them (431), before any route runs;
+* counts each HTTP request exactly once in ``gateway_requests_total`` with the status
+  it ended with: the status sent, a status a handler recorded after the response had
+  started (``scope["state"]["final_status"]``: 499 when a streaming client left), or
+  499 when nothing was sent because the client went away;
+* turns a client that disconnects while its body is read into a quiet 499, and any
+  other unhandled exception into a logged 500 in the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import GatewayError, HeadersTooLarge, error_body, error_headers
+from gateway.metrics import GatewayMetrics
+
+__all__ = ["MAX_HEADERS", "MAX_HEADER_BYTES", "RequestAccounting", "error_messages",
+           "route_of"]
+
+log = logging.getLogger(__name__)
+
+MAX_HEADERS = 64  # llama-server (cpp-httplib) itself refuses more than 100
+MAX_HEADER_BYTES = 16 * 1024  # names + values, all headers together
+
+_ROUTES = {
+    "/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models",
+    "/health": "health", "/ready": "ready", "/metrics": "metrics",
+}
+
+
+def route_of(path: str) -> str:
+    """The ``route`` label of a request path (``other`` for unknown paths)."""
+    return _ROUTES.get(path, "other")
+
+
+def error_messages(exc: GatewayError) -> tuple[Message, Message]:
+    """The two ASGI messages of an OpenAI-style JSON error response."""
+    body = json.dumps(error_body(exc), separators=(",", ":")).encode()
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc).items()]
+    headers.append((b"content-length", str(len(body)).encode()))
+    return (
+        {"type": "http.response.start", "status": exc.status_code, "headers": headers},
+        {"type": "http.response.body", "body": body},
+    )
+
+
+class _InternalError(GatewayError):
+    status_code = 500
+    code = "internal_error"
+
+
+class RequestAccounting:
+    """ASGI middleware; see the module docstring.
+
+    :param app: the wrapped ASGI app.
+    :param metrics: where ``gateway_requests_total`` lives.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state: dict[str, Any] = scope.setdefault("state", {})
+        status = 0
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            headers = scope["headers"]
+            size = sum(len(k) + len(v) for k, v in headers)
+            if len(headers) > MAX_HEADERS or size > MAX_HEADER_BYTES:
+                raise HeadersTooLarge(
+                    f"The request has {len(headers)} headers of {size} bytes in all; the "
+                    f"gateway accepts at most {MAX_HEADERS} headers and {MAX_HEADER_BYTES} "
+                    "bytes. Drop cookies and other headers the API does not need."
+                )
+            await self.app(scope, receive, tracking_send)
+        except GatewayError as exc:
+            if not status:
+                for message in error_messages(exc):
+                    await tracking_send(message)
+        except ClientDisconnect:
+            log.info("client left while sending its body (%s)", scope.get("path"))
+        except Exception:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if not status:
+                for message in error_messages(_InternalError(
+                    "The gateway failed on this request; the error is in its log."
+                )):
+                    await tracking_send(message)
+        finally:
+            final = state.get("final_status") or status or 499
+            self.metrics.requests.labels(
+                state.get("backend", "none"), state.get("route") or route_of(scope["path"]),
+                str(final),
+            ).inc()
