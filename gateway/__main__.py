@@ -37,6 +37,14 @@ def _serve(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
     print(json.dumps(settings.model_dump(mode="json"), indent=2))  # noqa: T201
+    for backend in settings.backends:
+        if backend.api_key is not None:
+            source = f"from {backend.api_key_file}" if backend.api_key_file else "inline"
+            note = f"an API key ({source}) is sent on every upstream call"
+        else:
+            note = ("no API key: a llama-server started with --api-key will answer 401 "
+                    "(set api_key or api_key_file)")
+        print(f"backend {backend.name}: {note}", file=sys.stderr)  # noqa: T201
     return 0
 
 
@@ -86,7 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _probe(args: argparse.Namespace) -> int:
     from gateway.probe import probe, render_probe
 
-    found = probe(args.url)
+    found = probe(args.url, api_key=args.api_key)
     print(json.dumps(found, indent=2) if args.json else render_probe(found))  # noqa: T201
     return 0 if found["kind"] != "unknown" else 1
 
@@ -128,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_plan)
     probe = sub.add_parser("probe", help="detect a backend and read its capacity")
     probe.add_argument("url")
+    probe.add_argument("--api-key", help="the key the backend was started with (--api-key)")
     probe.add_argument("--json", action="store_true")
     probe.set_defaults(func=_probe)
     return parser

@@ -55,6 +55,8 @@ def _llama(client: httpx.Client, url: str, props: dict[str, Any]) -> dict[str, A
         "[[backends]]", 'name = "local"', f'url = "{url}"', 'kind = "llama.cpp"',
         f"slots = {slots}", f"ctx_per_slot = {ctx}",
         "kv_unified = true   # set false if llama-server runs with -np N (no --kv-unified)",
+        *(['api_key = "..."   # the key given to llama-server --api-key']
+          if client.headers.get("authorization") else []),
         f"# pool_tokens = {ctx}   # the -c value, when unified and larger than one slot",
     ])
     return found
@@ -119,16 +121,29 @@ def _vllm(client: httpx.Client, url: str, models: dict[str, Any]) -> dict[str, A
     return found
 
 
-def probe(url: str, client: httpx.Client | None = None) -> dict[str, Any]:
+def probe(url: str, client: httpx.Client | None = None, api_key: str | None = None
+          ) -> dict[str, Any]:
     """Detect the server kind at ``url`` and read its capacity.
 
+    :param api_key: sent as ``Authorization: Bearer`` (llama-server ``--api-key``).
     :returns: a dict with ``kind`` (``llama.cpp``, ``ollama``, ``vllm`` or ``unknown``),
         the values found, ``undiscoverable`` notes and a ``backend_block`` for the config.
     """
     url = url.rstrip("/")
     own = client is None
-    client = client or httpx.Client(timeout=10)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    client = client or httpx.Client(timeout=10, headers=headers)
     try:
+        try:
+            status = client.get(url + "/props").status_code
+        except httpx.HTTPError:
+            status = None
+        if status in (401, 403):
+            given = "was refused" if api_key else "is needed"
+            return {"kind": "unknown", "error": (
+                f"{url} answered HTTP {status} to /props: an API key {given} (llama-server "
+                "started with --api-key). Pass --api-key KEY here, and set api_key or "
+                "api_key_file in the [[backends]] entry.")}
         props = _json(client, "GET", url + "/props")
         if isinstance(props, dict) and "total_slots" in props:
             return _llama(client, url, props)

@@ -38,7 +38,9 @@ def default_server(llama_parts: tuple[Any, Any]) -> Iterator[LlamaServer]:
 class GatewayThread:
     """The real gateway (uvicorn) on a free loopback port, in a background thread."""
 
-    def __init__(self, backend: dict[str, Any], admission: dict[str, Any] | None = None):
+    def __init__(self, backend: dict[str, Any], admission: dict[str, Any] | None = None,
+                 ready_timeout: float = 30):
+        self.ready_timeout = ready_timeout
         # Requests here queue behind real generations; on a busy 2-core machine that can
         # take minutes, so the queue wait is generous unless a test sets its own.
         self.settings = load_settings(
@@ -59,7 +61,7 @@ class GatewayThread:
 
     def __enter__(self) -> GatewayThread:
         self.thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             try:
                 if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
@@ -67,6 +69,7 @@ class GatewayThread:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        self.__exit__()
         raise RuntimeError("gateway did not become ready")
 
     def __exit__(self, *exc: object) -> None:
