@@ -75,6 +75,7 @@ class AdmissionStats:
     slots: int
     ctx_per_slot: int
     layout_changes: int = 0
+    abandoned_held: int = 0  # filled in by the backend: held until /slots shows them ended
 
 
 @dataclass

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -44,7 +44,9 @@ class GatewayState:
 
     def stats(self) -> Iterable[tuple[str, AdmissionStats, bool]]:
         for name, backend in self.backends.items():
-            yield name, backend.admission.stats(), backend.ready
+            stats = replace(backend.admission.stats(),
+                            abandoned_held=backend.slot_watch.waiting)
+            yield name, stats, backend.ready
 
     def pick_backend(self, model: object) -> Backend:
         """The backend named like ``model``, else the first configured one."""

@@ -45,6 +45,10 @@ class _AdmissionCollector(Collector):
             "slots_total": ("Slots of the backend.", lambda s: s.slots),
             "slots_busy": ("Slots held by requests in flight.", lambda s: s.busy_slots),
             "backend_ctx_per_slot": ("Context of one slot, tokens.", lambda s: s.ctx_per_slot),
+            "abandoned_reservations": (
+                "Reservations of abandoned requests held until /slots shows them ended.",
+                lambda s: s.abandoned_held,
+            ),
         }
         rows = list(self._source())
         for suffix, (doc, get) in families.items():

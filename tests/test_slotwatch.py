@@ -112,6 +112,7 @@ async def test_abandoned_request_holds_until_its_slot_is_seen_free(
     assert fake.slot_state[0]["processing"]  # the backend goes on after the client left
     await tick(clock, times=40)  # 10 s: far past any fixed grace
     assert reserved(h) > 0 and h.backend.slot_watch.waiting == 1
+    assert h.sample("gateway_abandoned_reservations", backend="local") == 1
     fake.linger.set()  # the backend notices and frees the slot
     await settle()
     await tick(clock)
