@@ -193,6 +193,21 @@ async def test_each_answered_request_is_counted_once(harness: Harness) -> None:
 
 
 # 7. HTTP/1.0 clients get a close-delimited stream, not a chunked one.
+def http10_post(port: int, path: str, payload: dict[str, Any]) -> tuple[bytes, bytes]:
+    """POST as an HTTP/1.0 client over a raw socket; read until the server closes.
+    Returns the response head and body bytes."""
+    body = json.dumps(payload).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(b"POST " + path.encode() + b" HTTP/1.0\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    return head, rest
+
+
 def test_http_1_0_stream_is_close_delimited(make_settings: Any) -> None:
     fake = FakeLlamaServer()
     app = create_app(make_settings(), http_client=fake.client(), registry=CollectorRegistry())
@@ -211,16 +226,8 @@ def test_http_1_0_stream_is_close_delimited(make_settings: Any) -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
-        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                           "stream": True}).encode()
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.0\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body)
-            raw = b""
-            while chunk := sock.recv(65536):
-                raw += chunk
-        head, _, payload = raw.partition(b"\r\n\r\n")
+        head, payload = http10_post(port, CHAT, {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
         assert b" 200 " in head.split(b"\r\n")[0]
         assert b"transfer-encoding" not in head.lower()
         assert payload.startswith(b"data: {") and payload.endswith(b"data: [DONE]\n\n")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import socket
 from typing import Any
 
 import httpx
@@ -12,6 +10,7 @@ import pytest
 from gateway.localbackend import LlamaServer
 from gateway.probe import probe
 from tests.integration.conftest import GatewayThread
+from tests.test_edges import http10_post
 
 pytestmark = [pytest.mark.llama]
 
@@ -36,15 +35,7 @@ def test_headers_llama_server_refuses_are_not_forwarded(default_server: LlamaSer
 
 def test_http_1_0_client_reads_a_stream(default_server: LlamaServer) -> None:
     with GatewayThread({"url": default_server.url}) as gw:
-        body = json.dumps({**BODY, "stream": True}).encode()
-        with socket.create_connection(("127.0.0.1", gw.port), timeout=60) as sock:
-            sock.sendall(b"POST " + CHAT.encode() + b" HTTP/1.0\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body)
-            raw = b""
-            while chunk := sock.recv(65536):
-                raw += chunk
-        head, _, payload = raw.partition(b"\r\n\r\n")
+        head, payload = http10_post(gw.port, CHAT, {**BODY, "stream": True})
         assert b"transfer-encoding" not in head.lower()
         assert payload.rstrip().endswith(b"data: [DONE]")
 
