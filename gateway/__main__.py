@@ -1,4 +1,5 @@
-"""Command line: ``gateway serve``, ``gateway check-config`` (also ``python -m gateway``)."""
+"""Command line: ``gateway serve``, ``check-config``, ``plan`` and ``probe`` (also
+``python -m gateway``)."""
 
 from __future__ import annotations
 
@@ -40,11 +41,8 @@ def _check(args: argparse.Namespace) -> int:
     for backend in settings.backends:
         if backend.api_key is not None:
             source = f"from {backend.api_key_file}" if backend.api_key_file else "inline"
-            note = f"an API key ({source}) is sent on every upstream call"
-        else:
-            note = ("no API key: a llama-server started with --api-key will answer 401 "
-                    "(set api_key or api_key_file)")
-        print(f"backend {backend.name}: {note}", file=sys.stderr)  # noqa: T201
+            print(f"backend {backend.name}: an API key ({source}) is sent as "  # noqa: T201
+                  "Authorization: Bearer on every upstream call", file=sys.stderr)
     return 0
 
 

@@ -311,7 +311,8 @@ def _run(args: argparse.Namespace) -> int:
     # ``running()`` stops llama-server on the way out.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with server.running():
-        _say(f"llama-server ready; gateway on http://{settings.server.host}:{settings.server.port}")
+        _say(f"llama-server ready; starting the gateway on "
+             f"http://{settings.server.host}:{settings.server.port}")
         uvicorn.run(
             create_app(settings), host=settings.server.host, port=settings.server.port,
             log_level=settings.server.log_level, loop="uvloop", **uvicorn_options(),
