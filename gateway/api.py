@@ -163,7 +163,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
             stream=req.stream, started=started,
             headers=list(request.headers.raw),
             client_wants_usage=bool(options.get("include_usage")),
-            extra_headers=extra, seed_tag=backend.tag_request(body), prompts=batch,
+            extra_headers=extra, tag=backend.tag_request(body), prompts=batch,
         )
         return ProxyResponse(exchange, client=state.client, metrics=state.metrics,
                              clock=state.clock)

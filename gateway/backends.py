@@ -121,32 +121,37 @@ class LlamaCppBackend:
         return httpx.Timeout(min(30.0, self.settings.read_timeout_s),
                              connect=self.settings.connect_timeout_s)
 
-    def tag_request(self, body: dict[str, Any]) -> int | None:
-        """Give ``body`` a random ``seed`` when the client set none, and return it.
+    def tag_request(self, body: dict[str, Any]) -> tuple[str, int] | None:
+        """Tag ``body`` so that the request can be recognised in ``GET /slots``, and
+        return the tag as ``(param, value)`` (:mod:`gateway.slotwatch`).
 
-        The seed is what makes the request recognisable in ``GET /slots`` if the gateway
-        must later confirm that it ended (:mod:`gateway.slotwatch`); a random seed samples
-        exactly as llama-server's own default does. Returns ``None`` (and changes
-        nothing) when the client chose a seed.
+        The tag is a random ``n_discard``: llama-server reads it only for a context
+        shift (``server-context.cpp``, clamped there), and a request inside its
+        reservation never reaches the end of its slot. If the client set ``n_discard``,
+        a random ``seed`` instead, when the client set none (``-1`` and 0xFFFFFFFF mean
+        "random" to llama-server too). ``None`` when the client set both.
         """
-        seed = body.get("seed")
-        if seed is not None and seed != -1 and seed != _RANDOM_SEED:
+        if "n_discard" not in body:
+            name, value = "n_discard", self._rng.randrange(1, 2**31 - 1)
+        elif body.get("seed") in (None, -1, _RANDOM_SEED):
+            name, value = "seed", self._rng.randrange(_RANDOM_SEED)
+        else:
             return None
-        tag = self._rng.randrange(_RANDOM_SEED)
-        body["seed"] = tag
-        return tag
+        body[name] = value
+        return name, value
 
     @staticmethod
     def pin(body: dict[str, Any], lease: Lease, prompts: int) -> dict[str, Any]:
-        """``body`` with ``id_slot`` set to the lease's first slot, for a single prompt.
+        """``body`` with ``id_slot`` set to the lease's first slot, for a single prompt;
+        a client's own ``id_slot`` is overwritten (the gateway assigns the slots).
 
         llama-server runs a task on the slot it names, or defers it until that slot is
         free (``get_available_slot``/``process_single_task`` in ``server-context.cpp``).
-        A batch of prompts is not pinned: every task of a batch reads the same
-        ``id_slot``, so they would run one after another.
+        A batch of prompts is not pinned, and loses any ``id_slot``: every task of a
+        batch reads the same one, so they would run one after another.
         """
-        if prompts > 1 or not lease.slot_ids or "id_slot" in body:
-            return body
+        if prompts > 1 or not lease.slot_ids:
+            return {k: v for k, v in body.items() if k != "id_slot"}
         return {**body, "id_slot": lease.slot_ids[0]}
 
     def release_abandoned(self, lease: Lease, ticket: Ticket, *, served: bool) -> None:

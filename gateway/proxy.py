@@ -70,8 +70,8 @@ class Exchange:
     :param headers: raw client request headers (forwarded, bytes as received, minus the
         dropped ones).
     :param client_wants_usage: the client asked for the streamed usage chunk itself.
-    :param seed_tag: the ``seed`` the gateway added to identify the request upstream, or
-        ``None`` when the client chose one (:mod:`gateway.slotwatch`).
+    :param tag: the ``(param, value)`` the gateway added to identify the request
+        upstream, or ``None`` (:mod:`gateway.slotwatch`).
     :param prompts: prompts in the body (a completions batch has several).
     """
 
@@ -85,7 +85,7 @@ class Exchange:
     client_wants_usage: bool
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     status: int = 0
-    seed_tag: int | None = None
+    tag: tuple[str, int] | None = None
     prompts: int = 1
 
 
@@ -162,7 +162,7 @@ class ProxyResponse(Response):
         pinned = x.prompts == 1 and bool(lease.slot_ids)
         return Ticket(
             slot=lease.slot_ids[0] if pinned else None, tasks=x.charge.n,
-            seed=x.seed_tag, n_predict=x.charge.max_tokens, since=self.clock.now(),
+            tag=x.tag, n_predict=x.charge.max_tokens, since=self.clock.now(),
         )
 
     def _upstream_request(self) -> httpx.Request:

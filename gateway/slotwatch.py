@@ -12,12 +12,24 @@ prefill. Either way a fixed grace can release the reservation while the cells ar
 So the reservation is released only once llama-server's ``GET /slots`` shows that the
 request has ended. Two things make a request recognisable there:
 
-* the gateway pins it to a slot it holds (``id_slot``, the lease's first slot id), so no
-  other request of the gateway can take that slot meanwhile;
-* it carries a tag: a random ``seed`` when the client set none (sampling is as random as
-  llama-server's own default seed), and its ``n_predict``, the cap the gateway charged.
-  ``/slots`` shows both under ``params`` for the running or the last task of each slot
-  (``server_slot::to_json`` in ``tools/server/server-context.cpp``).
+* the gateway pins it to a slot it holds (``id_slot``, the lease's first slot id,
+  overwriting any the client sent), so no other request of the gateway can take that
+  slot meanwhile;
+* it carries a tag: a random ``n_discard``, which llama-server reads only for a context
+  shift, and a request inside its reservation never shifts (prompt + cap ≤ S − 1); if
+  the client set ``n_discard`` itself, a random ``seed`` instead, when the client set
+  none. ``/slots`` shows both, and ``n_predict`` (the cap the gateway charged), under
+  ``params`` for the running or the last task of each slot (``server_slot::to_json`` in
+  ``tools/server/server-context.cpp``).
+
+A request the gateway could not tag is finished only once it was seen running on its
+slot and then not. A request ``/slots`` never shows is released once every slot has been
+idle for :data:`IDLE_POLLS` readings in a row (an idle server has no queued task: it
+would have started it), or after the confirm timeout at the latest.
+
+Polls are :data:`POLL_INTERVAL_S` apart, more than llama-server's one-second wait: every
+``/slots`` answer wakes every waiting HTTP thread, and polling faster would stop a lone
+abandoned request's thread from ever timing out and noticing its closed connection.
 
 :func:`where_is` is the pure decision; :class:`SlotWatch` polls and releases.
 """
@@ -46,7 +58,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 0.25  # how often /slots is read while a reservation waits on it
+POLL_INTERVAL_S = 1.5  # how often /slots is read while a reservation waits on it
+UNSUPPORTED_RETRY_S = 60.0  # how long a "no /slots" answer is believed
+IDLE_POLLS = 2  # readings with every slot idle after which an unseen request is gone
+TAG_FIELDS = ("n_discard", "seed")  # the params a tag may use, in order of preference
 
 
 class SlotsUnsupported(Exception):
@@ -59,14 +74,17 @@ class SlotView:
 
     :param id: the slot id.
     :param processing: ``is_processing``.
-    :param seed: ``params.seed`` of the running task, or of the last one when idle.
-    :param n_predict: ``params.n_predict`` of that task (tokens).
+    :param params: the integer ``params`` of the running task, or of the last one when
+        idle, among ``n_predict`` (tokens) and :data:`TAG_FIELDS`.
     """
 
     id: int
     processing: bool
-    seed: int | None = None
-    n_predict: int | None = None
+    params: tuple[tuple[str, int], ...] = ()
+
+    def param(self, name: str) -> int | None:
+        """The value of one integer param, or ``None`` when absent."""
+        return dict(self.params).get(name)
 
 
 @dataclass(frozen=True)
@@ -76,15 +94,15 @@ class Ticket:
     :param slot: the pinned slot id (``id_slot`` sent upstream), or ``None`` for a batch
         of prompts, which llama-server spreads over slots of its choosing.
     :param tasks: upstream tasks the request started (prompts × ``n``).
-    :param seed: the seed tag the gateway added, or ``None`` when the client chose its
-        own seed (then only ``n_predict`` and the pinned slot identify it).
+    :param tag: ``(param name, value)`` the gateway added to the body, or ``None`` when
+        the client had set both tag fields itself.
     :param n_predict: the cap charged and sent upstream (tokens).
     :param since: when it was abandoned, seconds on the injected clock.
     """
 
     slot: int | None
     tasks: int
-    seed: int | None
+    tag: tuple[str, int] | None
     n_predict: int
     since: float
 
@@ -109,36 +127,45 @@ def parse_slots(data: Any) -> list[SlotView]:
         if not isinstance(entry, dict) or not isinstance(entry.get("id"), int):
             raise ValueError("/slots entry without an integer id")
         params = entry.get("params") if isinstance(entry.get("params"), dict) else {}
-        seed, n_predict = params.get("seed"), params.get("n_predict")
-        views.append(SlotView(
-            id=entry["id"], processing=bool(entry.get("is_processing")),
-            seed=seed if isinstance(seed, int) else None,
-            n_predict=n_predict if isinstance(n_predict, int) else None,
-        ))
+        ints = tuple((name, params[name]) for name in ("n_predict", *TAG_FIELDS)
+                     if isinstance(params.get(name), int))
+        views.append(SlotView(id=entry["id"], processing=bool(entry.get("is_processing")),
+                              params=ints))
     return views
 
 
 def _matches(ticket: Ticket, view: SlotView) -> bool:
-    if view.n_predict != ticket.n_predict:
+    if ticket.tag is None or view.param("n_predict") != ticket.n_predict:
         return False
-    return ticket.seed is None or view.seed == ticket.seed
+    name, value = ticket.tag
+    return view.param(name) == value
 
 
-def where_is(ticket: Ticket, slots: list[SlotView]) -> Seen:
+def where_is(ticket: Ticket, slots: list[SlotView], *, seen_running: bool = False) -> Seen:
     """Decide from one ``/slots`` reading whether an abandoned request has ended.
 
-    Running when any slot processes a task carrying its tag. Otherwise, for a pinned
-    request, finished when its slot's last task carries the tag (or the slot no longer
-    exists: the backend restarted smaller), unseen when it carries another. For a batch,
-    finished once as many idle slots carry the tag as it started tasks.
+    Tagged: running when any slot processes a task carrying the tag; else, pinned,
+    finished when its slot's last task carries it, unseen when it carries another; a
+    batch is finished once as many idle slots carry the tag as it started tasks.
+    Untagged (pinned): running while its slot processes a task with its cap; finished
+    once ``seen_running`` was true and the slot is idle. A pinned slot that no longer
+    exists (the backend restarted smaller) means finished.
     """
-    mine = [view for view in slots if _matches(ticket, view)]
-    if any(view.processing for view in mine):
-        return Seen.running
+    pinned = None
     if ticket.slot is not None:
         pinned = next((view for view in slots if view.id == ticket.slot), None)
         if pinned is None:
             return Seen.finished
+    if ticket.tag is None:
+        if pinned is None:
+            return Seen.unseen
+        if pinned.processing and pinned.param("n_predict") == ticket.n_predict:
+            return Seen.running
+        return Seen.finished if seen_running and not pinned.processing else Seen.unseen
+    mine = [view for view in slots if _matches(ticket, view)]
+    if any(view.processing for view in mine):
+        return Seen.running
+    if pinned is not None:
         return Seen.finished if pinned in mine else Seen.unseen
     return Seen.finished if len(mine) >= ticket.tasks else Seen.unseen
 
@@ -148,6 +175,8 @@ class _Held:
     lease: Lease
     ticket: Ticket
     served: bool
+    seen_running: bool = False
+    idle_polls: int = 0  # consecutive readings with every slot idle while unseen
 
 
 class SlotWatch:
@@ -159,8 +188,8 @@ class SlotWatch:
         cannot be reached, another :class:`~gateway.errors.GatewayError` otherwise.
     :param admission: where reservations are released.
     :param clock: injected time source.
-    :param unseen_timeout_s: longest hold of a request ``/slots`` never shows (seconds);
-        then it is released with a warning.
+    :param unseen_timeout_s: longest hold of a request ``/slots`` does not show running
+        (seconds); then it is released with a warning.
     :param fallback_grace_s: hold used when the backend has no ``/slots`` (seconds).
     """
 
@@ -176,7 +205,14 @@ class SlotWatch:
         self._grace_s = fallback_grace_s
         self._held: list[_Held] = []
         self._task: asyncio.Task[None] | None = None
-        self.supported = True  # cleared once the backend says it has no /slots
+        self._unsupported_at: float | None = None  # when the backend said it has no /slots
+
+    @property
+    def supported(self) -> bool:
+        """False for :data:`UNSUPPORTED_RETRY_S` after the backend answered that it has
+        no ``/slots``; then it is asked again (it may have been restarted with them)."""
+        at = self._unsupported_at
+        return at is None or self._clock.now() - at >= UNSUPPORTED_RETRY_S
 
     @property
     def waiting(self) -> int:
@@ -221,7 +257,7 @@ class SlotWatch:
                 "keep their reservation for disconnect_grace_s = %g s instead of until "
                 "their slot is seen free", self.name, self._grace_s,
             )
-            self.supported = False
+            self._unsupported_at = self._clock.now()
             self._held, held = [], self._held
             for h in held:
                 self._admission.release_later(h.lease, self._grace_s, served=h.served)
@@ -234,14 +270,20 @@ class SlotWatch:
             log.debug("backend %s: /slots failed: %s", self.name, exc.message)
             slots = None
         now = self._clock.now()
+        idle = slots is not None and not any(view.processing for view in slots)
         for held in list(self._held):
-            seen = where_is(held.ticket, slots) if slots is not None else Seen.unseen
+            seen = Seen.unseen
+            if slots is not None:
+                seen = where_is(held.ticket, slots, seen_running=held.seen_running)
+            held.seen_running = held.seen_running or seen is Seen.running
+            held.idle_polls = held.idle_polls + 1 if seen is Seen.unseen and idle else 0
             late = now - held.ticket.since >= self._unseen_timeout_s
-            if seen is Seen.finished or (seen is Seen.unseen and late):
-                if seen is Seen.unseen:
+            gone = held.idle_polls >= IDLE_POLLS
+            if seen is Seen.finished or (seen is Seen.unseen and (gone or late)):
+                if seen is Seen.unseen and not gone:
                     log.warning(
-                        "backend %s: an abandoned request (slot %s) never showed in /slots "
-                        "within %g s; releasing its reservation", self.name,
+                        "backend %s: an abandoned request (slot %s) was not seen to end in "
+                        "/slots within %g s; releasing its reservation", self.name,
                         held.ticket.slot, self._unseen_timeout_s,
                     )
                 self._held.remove(held)

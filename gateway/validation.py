@@ -35,7 +35,8 @@ INT32 = (-(2**31), 2**31 - 1)
 # OpenAI allows to be any int64.
 _INT_FIELDS: dict[str, tuple[int, int]] = {
     "seed": (-(2**63), 2**64 - 1), "top_k": INT32, "min_keep": (0, INT32[1]),
-    "n_keep": INT32, "repeat_last_n": INT32, "mirostat": (0, 2), "n_indent": (0, INT32[1]),
+    "n_keep": INT32, "n_discard": INT32, "repeat_last_n": INT32, "mirostat": (0, 2),
+    "n_indent": (0, INT32[1]),
     "dry_allowed_length": INT32, "dry_penalty_last_n": INT32,
     "t_max_predict_ms": (0, INT32[1]), "id_slot": INT32,
 }

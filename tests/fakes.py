@@ -109,9 +109,9 @@ class FakeLlamaServer:
                               "not_supported_error")
             return httpx.Response(200, json=[
                 {"id": i, "n_ctx": self.n_ctx, "is_processing": st["processing"],
-                 "params": {"seed": st["seed"], "n_predict": st["n_predict"]}}
+                 "params": {k: st[k] for k in ("seed", "n_predict", "n_discard")}}
                 for i, st in ((i, self.slot_state.get(i, {"processing": False, "seed": None,
-                                                          "n_predict": None}))
+                                                          "n_predict": None, "n_discard": 0}))
                               for i in range(self.slots))
             ])
         if path == "/v1/models":
@@ -190,7 +190,8 @@ class FakeLlamaServer:
                     if not self.slot_state.get(i, {}).get("processing")]
             slot = idle[0] if idle else 0
         self.slot_state[slot] = {"processing": True, "seed": body.get("seed", 0xFFFFFFFF),
-                                 "n_predict": body.get("max_tokens", -1)}
+                                 "n_predict": body.get("max_tokens", -1),
+                                 "n_discard": body.get("n_discard", 0)}
         return slot
 
     def _leave(self, slot: int, finished: bool) -> None:

@@ -12,7 +12,15 @@ from typing import Any
 
 import pytest
 
-from gateway.slotwatch import Seen, SlotView, Ticket, parse_slots, where_is
+from gateway.slotwatch import (
+    IDLE_POLLS,
+    POLL_INTERVAL_S,
+    Seen,
+    SlotView,
+    Ticket,
+    parse_slots,
+    where_is,
+)
 from tests.conftest import Harness
 from tests.fakes import ManualClock
 from tests.test_proxy_asgi import AsgiCall, chat
@@ -20,14 +28,16 @@ from tests.test_proxy_asgi import AsgiCall, chat
 pytestmark = pytest.mark.anyio
 
 
-def ticket(slot: int | None = 1, seed: int | None = 77, n_predict: int = 970,
-           tasks: int = 1) -> Ticket:
-    return Ticket(slot=slot, tasks=tasks, seed=seed, n_predict=n_predict, since=0.0)
+def ticket(slot: int | None = 1, tag: tuple[str, int] | None = ("n_discard", 77),
+           n_predict: int = 970, tasks: int = 1) -> Ticket:
+    return Ticket(slot=slot, tasks=tasks, tag=tag, n_predict=n_predict, since=0.0)
 
 
-def view(i: int, processing: bool, seed: int | None = 77, n_predict: int | None = 970
-         ) -> SlotView:
-    return SlotView(id=i, processing=processing, seed=seed, n_predict=n_predict)
+def view(i: int, processing: bool, n_discard: int | None = 77, n_predict: int | None = 970,
+         seed: int | None = None) -> SlotView:
+    params = {"n_predict": n_predict, "n_discard": n_discard, "seed": seed}
+    return SlotView(id=i, processing=processing,
+                    params=tuple((k, v) for k, v in params.items() if v is not None))
 
 
 def test_pinned_request_running_then_finished() -> None:
@@ -39,16 +49,26 @@ def test_pinned_request_running_then_finished() -> None:
 def test_pinned_slot_showing_another_task_is_unseen() -> None:
     # The request has not reached the slot yet (queued inside llama-server), whether the
     # slot is idle with its previous task or busy with one that is not ours.
-    assert where_is(ticket(), [view(1, False, seed=3)]) is Seen.unseen
-    assert where_is(ticket(), [view(1, True, seed=3)]) is Seen.unseen
+    assert where_is(ticket(), [view(1, False, 3)]) is Seen.unseen
+    assert where_is(ticket(), [view(1, True, 3)]) is Seen.unseen
     assert where_is(ticket(), [view(1, False, n_predict=12)]) is Seen.unseen
 
 
-def test_a_client_seed_matches_on_the_cap_and_the_pinned_slot() -> None:
-    t = ticket(seed=None)
+def test_a_seed_tag_is_matched_like_n_discard() -> None:
+    t = ticket(tag=("seed", 1234))
     assert where_is(t, [view(1, True, seed=1234)]) is Seen.running
     assert where_is(t, [view(1, False, seed=1234)]) is Seen.finished
-    assert where_is(t, [view(1, False, n_predict=5)]) is Seen.unseen
+    assert where_is(t, [view(1, False, seed=7)]) is Seen.unseen
+
+
+def test_untagged_request_must_be_seen_running_before_it_counts_as_finished() -> None:
+    # The adversarial case: the slot's previous task had the same cap (and the client's
+    # seed); an idle slot then says nothing about whether this request has started.
+    t = ticket(tag=None)
+    assert where_is(t, [view(1, False)]) is Seen.unseen
+    assert where_is(t, [view(1, True)]) is Seen.running
+    assert where_is(t, [view(1, False)], seen_running=True) is Seen.finished
+    assert where_is(t, [view(1, True, n_predict=5)]) is Seen.unseen
 
 
 def test_pinned_slot_gone_after_a_restart_is_finished() -> None:
@@ -58,15 +78,17 @@ def test_pinned_slot_gone_after_a_restart_is_finished() -> None:
 def test_batches_need_every_task_seen_ended() -> None:
     t = ticket(slot=None, tasks=2)
     assert where_is(t, [view(0, False), view(2, True)]) is Seen.running
-    assert where_is(t, [view(0, False), view(2, False, seed=1)]) is Seen.unseen
+    assert where_is(t, [view(0, False), view(2, False, 1)]) is Seen.unseen
     assert where_is(t, [view(0, False), view(2, False)]) is Seen.finished
 
 
 def test_parse_slots_reads_llama_server_shape() -> None:
     data = [{"id": 0, "n_ctx": 2048, "is_processing": True, "id_task": 9,
-             "params": {"seed": 4294967295, "n_predict": -1, "temperature": 0.8}},
+             "params": {"seed": 4294967295, "n_predict": -1, "n_discard": 0,
+                        "temperature": 0.8}},
             {"id": 1, "n_ctx": 2048, "is_processing": False}]
-    assert parse_slots(data) == [view(0, True, 4294967295, -1), view(1, False, None, None)]
+    assert parse_slots(data) == [view(0, True, 0, -1, 4294967295),
+                                 SlotView(id=1, processing=False)]
     for bad in ({"slots": []}, [{"id": "0"}], ["x"]):
         with pytest.raises(ValueError):
             parse_slots(bad)
@@ -77,7 +99,7 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-async def tick(clock: ManualClock, seconds: float = 0.25, times: int = 1) -> None:
+async def tick(clock: ManualClock, seconds: float = POLL_INTERVAL_S, times: int = 1) -> None:
     for _ in range(times):
         clock.advance(seconds)
         await settle()
@@ -108,9 +130,9 @@ async def test_abandoned_request_holds_until_its_slot_is_seen_free(
     fake.hold, fake.linger = asyncio.Event(), asyncio.Event()
     await abandon(h, stream=False, max_tokens=970)
     sent = fake.generations[-1]
-    assert sent["id_slot"] == 0 and isinstance(sent["seed"], int)
+    assert sent["id_slot"] == 0 and isinstance(sent["n_discard"], int) and "seed" not in sent
     assert fake.slot_state[0]["processing"]  # the backend goes on after the client left
-    await tick(clock, times=40)  # 10 s: far past any fixed grace
+    await tick(clock, times=10)  # 15 s: far past any fixed grace
     assert reserved(h) > 0 and h.backend.slot_watch.waiting == 1
     assert h.sample("gateway_abandoned_reservations", backend="local") == 1
     fake.linger.set()  # the backend notices and frees the slot
@@ -146,28 +168,57 @@ async def test_backend_without_slots_falls_back_to_the_grace(
     assert reserved(h) > 0
     await tick(clock, 1.0)
     assert reserved(h) == 0
+    await tick(clock, 60.0)
+    assert h.backend.slot_watch.supported  # asked again: it may have been restarted
 
 
-async def test_request_never_seen_is_released_after_the_confirm_timeout(
+async def test_request_never_seen_on_an_idle_backend_is_released(
     harness_factory: Any, fake: Any
 ) -> None:
     clock = ManualClock()
-    h = await harness_factory({"abandon_confirm_timeout_s": 5.0}, clock=clock)
+    h = await harness_factory(clock=clock)
     fake.hold = asyncio.Event()
     await abandon(h, stream=False, max_tokens=100)
-    fake.slot_state.clear()  # as if it had never reached a slot
-    await tick(clock, times=19)
+    fake.slot_state.clear()  # as if it had never reached a slot, and nothing else runs
+    await tick(clock, times=IDLE_POLLS - 1)
+    assert reserved(h) > 0
+    await tick(clock)
+    assert reserved(h) == 0
+
+
+async def test_request_never_seen_beside_a_busy_slot_waits_for_the_confirm_timeout(
+    harness_factory: Any, fake: Any
+) -> None:
+    # Another slot decodes: llama-server may still hold this request in its task queue.
+    clock = ManualClock()
+    h = await harness_factory({"abandon_confirm_timeout_s": 30.0}, clock=clock)
+    fake.hold = asyncio.Event()
+    await abandon(h, stream=False, max_tokens=100)
+    fake.slot_state.clear()
+    fake.slot_state[3] = {"processing": True, "seed": 1, "n_predict": 5, "n_discard": 0}
+    await tick(clock, times=19)  # 28.5 s
     assert reserved(h) > 0
     await tick(clock, times=2)
     assert reserved(h) == 0
 
 
-async def test_client_seed_is_kept_and_batches_are_not_pinned(harness: Harness, fake: Any
-                                                              ) -> None:
-    assert (await harness.chat("x", max_tokens=5, seed=42)).status_code == 200
-    assert fake.generations[-1]["seed"] == 42
+async def test_client_id_slot_is_overwritten_and_a_client_seed_kept(
+    harness: Harness, fake: Any
+) -> None:
+    r = await harness.chat("x", max_tokens=5, seed=42, id_slot=3, n_discard=9)
+    assert r.status_code == 200
+    sent = fake.generations[-1]
+    assert sent["id_slot"] == 0 and sent["seed"] == 42 and sent["n_discard"] == 9
+
+
+async def test_a_client_n_discard_gets_a_seed_tag(harness: Harness, fake: Any) -> None:
+    assert (await harness.chat("x", max_tokens=5, n_discard=9)).status_code == 200
+    assert isinstance(fake.generations[-1]["seed"], int)
+
+
+async def test_batches_are_not_pinned(harness: Harness, fake: Any) -> None:
     r = await harness.client.post("/v1/completions", json={"prompt": ["a b", "c d"],
-                                                           "max_tokens": 5})
+                                                           "max_tokens": 5, "id_slot": 1})
     assert r.status_code == 200
     assert "id_slot" not in fake.generations[-1]
 
