@@ -125,9 +125,11 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         layout = backend.admission.layout
         if layout is None or not backend.ready:
             backend.request_rediscovery()
+            why = backend.problem or ("unreachable, loading, or its capacity is not known "
+                                      "yet")
             raise BackendNotReady(
-                f"Backend {backend.name!r} is not ready (unreachable, loading, or its capacity "
-                "is not known yet); retry after the Retry-After delay.",
+                f"Backend {backend.name!r} is not ready ({why}); retry after the Retry-After "
+                "delay.",
                 retry_after_s=1.0,
             )
         backend.check_token_ids(req.prompts)

@@ -95,6 +95,7 @@ class LlamaCppBackend:
         self._pool_penalty = 0  # tokens taken off the unified pool after overflows
         self._rng = random.Random()
         self.n_vocab: int | None = None  # /v1/models meta.n_vocab, once read
+        self.problem: str | None = None  # why the last discovery failed
         self.clock = clock or MonotonicClock()
         self.admission = Admission(
             self._configured_layout(None),
@@ -225,12 +226,23 @@ class LlamaCppBackend:
         self.admission.set_layout(smaller)
 
     async def discover(self) -> Layout | None:
-        """Read ``/props`` and update the admission layout.
+        """Read ``/props`` and update the admission layout. The failure, if any, is kept
+        in :attr:`problem` for the 503 that requests get meanwhile.
 
         :returns: the layout in force afterwards (``None`` while unknown).
-        :raises GatewayError: the backend is unreachable, loading (503), or answered
-            something that is not llama-server's ``/props``.
+        :raises GatewayError: the backend is unreachable, loading (503), refused the
+            gateway's API key, or answered something that is not llama-server's
+            ``/props``.
         """
+        try:
+            layout = await self._discover()
+        except GatewayError as exc:
+            self.problem = exc.message
+            raise
+        self.problem = None
+        return layout
+
+    async def _discover(self) -> Layout | None:
         try:
             with map_upstream_errors(self.name):
                 resp = await self.side_get("/props")

@@ -89,9 +89,10 @@ class AdmissionSettings(_Strict):
     # the closed connection only when it next writes or polls. With /slots (the default)
     # the reservation is held until the request's slot is seen free instead.
     disconnect_grace_s: float = Field(2.0, ge=0.0)
-    # Longest hold of an abandoned request that /slots never shows (seconds): it may still
-    # be queued inside the backend, or may never have reached it.
-    abandon_confirm_timeout_s: float = Field(30.0, gt=0.0)
+    # Longest hold of an abandoned request that /slots does not show ending (seconds): it
+    # may still be queued inside a busy backend, or may never have reached it. Released
+    # sooner once every slot has been seen idle.
+    abandon_confirm_timeout_s: float = Field(120.0, gt=0.0)
 
 
 class BackendSettings(_Strict):

@@ -52,6 +52,7 @@ __all__ = [
     "UpstreamTimeout",
     "UpstreamUnavailable",
     "error_body",
+    "reshape_upstream_error",
     "error_headers",
     "sse_error_event",
 ]
@@ -239,6 +240,36 @@ def error_headers(exc: GatewayError) -> dict[str, str]:
     if isinstance(exc, ClientError) and exc.status_code not in (408, 409, 429):
         return {"x-should-retry": "false"}
     return {}
+
+
+_OPENAI_TYPES = {"invalid_request_error", "authentication_error", "permission_error",
+                 "not_found_error", "rate_limit_error", "server_error"}
+# llama-server's own error types that have an OpenAI code (tools/server/server-common.cpp)
+_CODES = {"exceed_context_size_error": "context_length_exceeded"}
+
+
+def reshape_upstream_error(status: int, err: dict[str, Any]) -> dict[str, Any]:
+    """Put a backend's ``{"error": {...}}`` object in the OpenAI shape.
+
+    llama-server answers ``{"code": 400, "message", "type"}`` with a numeric ``code``
+    and its own types (``exceed_context_size_error``, ``not_supported_error``, …). The
+    result has ``message``, ``type`` (an OpenAI type), ``param`` and a string ``code``
+    (``context_length_exceeded`` for llama-server's over-length error, else the
+    backend's own type); other fields (``n_prompt_tokens``, ``n_ctx``) are kept.
+    """
+    kind = err.get("type") if isinstance(err.get("type"), str) else None
+    code = err.get("code")
+    if not isinstance(code, str):
+        code = _CODES.get(kind or "") or (kind if kind not in _OPENAI_TYPES else None)
+    out = {k: v for k, v in err.items() if k not in ("message", "type", "param", "code")}
+    out.update({
+        "message": str(err.get("message") or f"The backend answered HTTP {status}."),
+        "type": kind if kind in _OPENAI_TYPES else
+        ("invalid_request_error" if status < 500 else "server_error"),
+        "param": err.get("param") if isinstance(err.get("param"), str) else None,
+        "code": code,
+    })
+    return out
 
 
 def sse_error_event(exc: GatewayError) -> bytes:

@@ -33,6 +33,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnavailable,
+    reshape_upstream_error,
     sse_error_event,
 )
 from gateway.metrics import GatewayMetrics
@@ -235,6 +236,7 @@ class ProxyResponse(Response):
                     x.backend.upstream_failed(kind)
                 await self._send_error(send, exc)
                 return
+            body = _reshaped(resp.status_code, body)
         else:
             self._record_usage(await _usage_of(body))
         await self._send_whole(send, resp, body)
@@ -343,6 +345,18 @@ class ProxyResponse(Response):
         if choices == [] and state.usage is obj.get("usage") and not self.x.client_wants_usage:
             return False
         return True
+
+
+def _reshaped(status: int, body: bytes) -> bytes:
+    """An upstream ``{"error": {...}}`` answer re-encoded in the OpenAI shape."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(data, dict) or not isinstance(data.get("error"), dict):
+        return body
+    data["error"] = reshape_upstream_error(status, data["error"])
+    return json.dumps(data, separators=(",", ":")).encode()
 
 
 def _body(chunk: bytes) -> Message:

@@ -9,6 +9,7 @@ import asyncio
 import json
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.conftest import Harness
@@ -157,11 +158,33 @@ async def test_upstream_failures_map_to_clean_5xx(
     assert harness.sample("gateway_inflight_requests", backend="local") == 0
 
 
-async def test_upstream_4xx_passes_through(harness: Harness, fake: Any) -> None:
+async def test_upstream_4xx_is_relayed_in_the_openai_shape(harness: Harness, fake: Any
+                                                           ) -> None:
     fake.mode = "bad_request"
     r = await harness.chat("hi", max_tokens=10)
     assert r.status_code == 400
-    assert r.json()["error"]["type"] == "exceed_context_size_error"
+    err = r.json()["error"]
+    # llama-server's {"code": 400, "type": "exceed_context_size_error"} made OpenAI-shaped,
+    # its own figures kept.
+    assert err["type"] == "invalid_request_error" and err["code"] == "context_length_exceeded"
+    assert err["param"] is None and "exceeds the available context" in err["message"]
+    assert (err["n_prompt_tokens"], err["n_ctx"]) == (9000, 2048)
+
+
+async def test_grammar_error_from_generation_is_openai_shaped(harness: Harness, fake: Any
+                                                             ) -> None:
+    async def refuse(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions":
+            return httpx.Response(400, json={"error": {
+                "code": 400, "type": "invalid_request_error",
+                "message": "Failed to initialize samplers: failed to parse grammar"}})
+        return await fake.handle(request)
+
+    harness.state.client._transport = httpx.MockTransport(refuse)
+    r = await harness.chat("hi", max_tokens=10, grammar="root ::= (")
+    err = r.json()["error"]
+    assert r.status_code == 400 and set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["code"] is None
 
 
 async def test_counting_falls_back_to_estimate(harness: Harness, fake: Any) -> None:

@@ -130,6 +130,8 @@ async def test_missing_or_wrong_backend_key_is_reported_as_auth(
     with pytest.raises(Exception, match="api_key"):
         await wrong.backend.discover()
     assert not wrong.backend.ready
+    r = await wrong.chat("x", max_tokens=3)
+    assert r.status_code == 503 and "api_key" in r.json()["error"]["message"]
     h = await harness_factory(api_key="s3cret")
     fake.api_key = "rotated"  # the backend's key changes after discovery
     r = await h.chat("x", max_tokens=3)
