@@ -14,10 +14,10 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 backend: install          ## build/fetch llama-server and the model (cached outside the repo)
-	$(PY) -m gateway.localbackend ensure
+	$(PY) -m gateway.dev.localbackend ensure
 
 run: backend              ## llama-server (-c 2048) on :8080 and the gateway on :8000
-	$(PY) -m gateway.localbackend run --config config.example.toml
+	$(PY) -m gateway.dev.localbackend run --config config.example.toml
 
 test: backend             ## the whole suite, real-backend tests included
 	$(PY) -m pytest

@@ -49,10 +49,10 @@ def _check(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import httpx
 
-    from gateway import modelshape
-    from gateway.plan import build_report, render_report
-    from gateway.planning import parse_bytes
-    from gateway.sizing import recommend, render_sizing
+    from gateway.planner import modelshape
+    from gateway.planner.plan import build_report, render_report
+    from gateway.planner.planning import parse_bytes
+    from gateway.planner.sizing import recommend, render_sizing
 
     if args.from_metrics:
         try:
@@ -90,7 +90,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from gateway.probe import probe, render_probe
+    from gateway.planner.probe import probe, render_probe
 
     found = probe(args.url, api_key=args.api_key)
     print(json.dumps(found, indent=2) if args.json else render_probe(found))  # noqa: T201
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config", help="TOML config file")
     check.set_defaults(func=_check)
 
-    from gateway.planning import CACHE_TYPES
+    from gateway.planner.planning import CACHE_TYPES
 
     plan = sub.add_parser("plan", help="KV-cache calculator and launch settings")
     src = plan.add_argument_group("model (one of)")

@@ -23,7 +23,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.localbackend import LlamaServer, free_port  # noqa: E402
+from gateway.dev.localbackend import LlamaServer, free_port  # noqa: E402
 
 CHATS = 3
 MAX_TOKENS = 900

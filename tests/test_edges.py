@@ -19,7 +19,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from gateway.app import create_app, uvicorn_options
-from gateway.localbackend import free_port
+from gateway.dev.localbackend import free_port
 from gateway.middleware import MAX_HEADER_BYTES, MAX_HEADERS
 from tests.conftest import Harness
 from tests.fakes import FakeLlamaServer

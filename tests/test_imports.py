@@ -36,3 +36,11 @@ def test_no_app_created_at_import() -> None:
     import gateway.app as app_module
 
     assert not any(type(v).__name__ == "FastAPI" for v in vars(app_module).values())
+
+
+def test_runtime_never_imports_the_offline_tooling() -> None:
+    runtime = [p for p in PKG.rglob("*.py")
+               if p.parent.name not in ("planner", "dev") and p.name != "__main__.py"]
+    for path in runtime:
+        found = {n for n in imported(path) if n.startswith(("gateway.planner", "gateway.dev"))}
+        assert found == set(), (path.name, found)

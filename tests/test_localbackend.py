@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway import localbackend
-from gateway.localbackend import BuildError, ensure_llama_server, ensure_model
+from gateway.dev import localbackend
+from gateway.dev.localbackend import BuildError, ensure_llama_server, ensure_model
 
 
 def test_llama_server_env_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway import modelshape
 from gateway.__main__ import main
-from gateway.plan import build_report, render_report
-from gateway.planning import (
+from gateway.planner import modelshape
+from gateway.planner.plan import build_report, render_report
+from gateway.planner.planning import (
     ModelShape,
     bytes_per_token,
     kv_size,

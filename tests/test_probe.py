@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-from gateway.probe import probe, render_probe
+from gateway.planner.probe import probe, render_probe
 from tests.fakes import FakeLlamaServer
 
 OLLAMA_PS = {"models": [{

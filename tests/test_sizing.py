@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gateway.__main__ import main
-from gateway.sizing import histogram_quantile, recommend
+from gateway.planner.sizing import histogram_quantile, recommend
 
 RECORDED = Path(__file__).parent / "data" / "gateway_metrics.txt"
 

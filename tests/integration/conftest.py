@@ -1,7 +1,7 @@
 """Fixtures for tests against a real llama-server running Gemma 3 270M (marker ``llama``).
 
 Each server runs on a free loopback port and is stopped afterwards. The binary and model
-come from the cache that ``make backend`` (gateway.localbackend) fills.
+come from the cache that ``make backend`` (gateway.dev.localbackend) fills.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import uvicorn
 
 from gateway.app import create_app, uvicorn_options
 from gateway.config import load_settings
-from gateway.localbackend import LlamaServer, ensure_llama_server, ensure_model, free_port
+from gateway.dev.localbackend import LlamaServer, ensure_llama_server, ensure_model, free_port
 
 
 @pytest.fixture(scope="session")

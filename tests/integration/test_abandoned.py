@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.localbackend import LlamaServer
+from gateway.dev.localbackend import LlamaServer
 from tests.integration.conftest import GatewayThread
 
 pytestmark = [pytest.mark.llama, pytest.mark.anyio]

@@ -7,8 +7,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.localbackend import LlamaServer
-from gateway.probe import probe
+from gateway.dev.localbackend import LlamaServer
+from gateway.planner.probe import probe
 from tests.integration.conftest import GatewayThread
 from tests.test_edges import http10_post
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.localbackend import LlamaServer
+from gateway.dev.localbackend import LlamaServer
 from tests.integration.conftest import GatewayThread, gather_chats, long_prompt
 
 pytestmark = [pytest.mark.llama, pytest.mark.anyio]
@@ -181,7 +181,7 @@ def test_llama_server_dies_with_its_parent(llama_parts: tuple[Any, Any]) -> None
     binary, model = llama_parts
     code = (
         "import sys, time\n"
-        "from gateway.localbackend import LlamaServer\n"
+        "from gateway.dev.localbackend import LlamaServer\n"
         f"s = LlamaServer(['-c', '512'], binary={str(binary)!r}, model={str(model)!r}).start()\n"
         "print(s.proc.pid, flush=True)\n"
         "time.sleep(120)\n"

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.localbackend import LlamaServer, free_port
+from gateway.dev.localbackend import LlamaServer, free_port
 from tests.integration.conftest import GatewayThread
 
 pytestmark = [

@@ -9,11 +9,11 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import modelshape
-from gateway.localbackend import LlamaServer, free_port
-from gateway.planning import kv_size
-from gateway.probe import probe
-from gateway.sizing import recommend
+from gateway.dev.localbackend import LlamaServer, free_port
+from gateway.planner import modelshape
+from gateway.planner.planning import kv_size
+from gateway.planner.probe import probe
+from gateway.planner.sizing import recommend
 from tests.integration.conftest import GatewayThread
 
 pytestmark = pytest.mark.llama

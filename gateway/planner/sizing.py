@@ -16,7 +16,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.planning import pad
+from gateway.planner.planning import pad
 
 __all__ = ["histogram_quantile", "read_histograms", "recommend", "render_sizing"]
 

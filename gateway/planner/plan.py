@@ -1,7 +1,7 @@
 """``gateway plan``: turn a model's shape and a memory budget into launch settings.
 
 Builds a report (a plain dict, also the ``--json`` output) from the pure arithmetic in
-:mod:`gateway.planning`, and renders it as text for people.
+:mod:`gateway.planner.planning`, and renders it as text for people.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gateway.planning import (
+from gateway.planner.planning import (
     ModelShape,
     SlotOption,
     bytes_per_token,

@@ -10,8 +10,8 @@
 
 Command line::
 
-    python -m gateway.localbackend ensure          # build/fetch what is missing, print paths
-    python -m gateway.localbackend run [--config F] [-- llama-server args…]
+    python -m gateway.dev.localbackend ensure          # build/fetch what is missing, print paths
+    python -m gateway.dev.localbackend run [--config F] [-- llama-server args…]
 
 ``run`` starts llama-server (default layout, ``-c 2048``) on 127.0.0.1:8080 and the
 gateway in front of it on 127.0.0.1:8000, in the foreground; Ctrl+C stops both.
@@ -321,8 +321,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m gateway.localbackend``."""
-    parser = argparse.ArgumentParser(prog="python -m gateway.localbackend")
+    """Entry point of ``python -m gateway.dev.localbackend``."""
+    parser = argparse.ArgumentParser(prog="python -m gateway.dev.localbackend")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("ensure", help="build/fetch llama-server and the model; print their paths")
     run = sub.add_parser("run", help="run llama-server and the gateway in front of it")

@@ -1,4 +1,4 @@
-"""Read a :class:`~gateway.planning.ModelShape` from a GGUF file or an HF ``config.json``.
+"""Read a :class:`~gateway.planner.planning.ModelShape` from a GGUF file or an HF ``config.json``.
 
 GGUF keys (llama.cpp ``src/llama-arch.cpp``; ``A`` = ``general.architecture``):
 ``A.block_count``, ``A.context_length``, ``A.embedding_length``,
@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gateway.planning import ModelShape
+from gateway.planner.planning import ModelShape
 
 __all__ = ["from_dims", "from_gguf", "from_hf_config"]
 
