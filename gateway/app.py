@@ -9,71 +9,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 
-from gateway.admission import AdmissionStats, Clock, MonotonicClock
-from gateway.backends import SIDE_CONNECTIONS, Backend, build_backend
+from gateway.admission import Clock, MonotonicClock
+from gateway.api import register_routes
+from gateway.backends import SIDE_CONNECTIONS
 from gateway.config import Settings
-from gateway.errors import GatewayError, error_body, error_headers
+from gateway.errors import GatewayError, render
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestAccounting
+from gateway.state import GatewayState
+from gateway.target import Target
 from gateway.upstream import build_client
 
 __all__ = ["GatewayState", "create_app", "uvicorn_options"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class GatewayState:
-    """Everything a request handler needs, built once per app."""
-
-    settings: Settings
-    client: httpx.AsyncClient
-    clock: Clock
-    backends: dict[str, Backend]
-    metrics: GatewayMetrics = field(init=False)
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-
-    def stats(self) -> Iterable[tuple[str, AdmissionStats, bool]]:
-        for name, backend in self.backends.items():
-            stats = replace(backend.admission.stats(),
-                            abandoned_held=backend.slot_watch.waiting)
-            yield name, stats, backend.ready
-
-    def pick_backend(self, model: object) -> Backend:
-        """The backend named like ``model``, else the first configured one."""
-        if isinstance(model, str) and model in self.backends:
-            return self.backends[model]
-        return next(iter(self.backends.values()))
-
-
-async def _discovery_loop(backend: Backend) -> None:
-    """Discover the backend's capacity: every second until known, then every
-    ``discovery_interval_s``."""
-    failing = False
-    while True:
-        try:
-            await backend.discover()
-            delay = backend.settings.discovery_interval_s
-            if failing:
-                log.info("backend %s is reachable again", backend.name)
-            failing = False
-        except GatewayError as exc:
-            log.log(logging.DEBUG if failing else logging.WARNING,
-                    "backend %s not ready: %s", backend.name, exc.message)
-            failing, delay = True, 1.0
-        except Exception:  # never let discovery die
-            log.exception("discovery of backend %s failed", backend.name)
-            delay = 1.0
-        await asyncio.sleep(delay)
 
 
 def uvicorn_options() -> dict[str, Any]:
@@ -113,7 +70,7 @@ def create_app(
     )
     clock = clock or MonotonicClock()
     backends = {
-        b.name: build_backend(b, settings.admission, client, clock, side_clients.get(b.name))
+        b.name: Target(b, settings.admission, side_clients.get(b.name, client), clock)
         for b in settings.backends
     }
     state = GatewayState(settings, client, clock, backends)
@@ -122,7 +79,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if discover:
-            state.tasks = [asyncio.create_task(_discovery_loop(b)) for b in backends.values()]
+            state.tasks = [asyncio.create_task(b.run_discovery()) for b in backends.values()]
         try:
             yield
         finally:
@@ -130,7 +87,7 @@ def create_app(
                 task.cancel()
             await asyncio.gather(*state.tasks, return_exceptions=True)
             for backend in backends.values():
-                await backend.slot_watch.close()
+                await backend.close()
             if owns_client:
                 for owned in (client, *side_clients.values()):
                     await owned.aclose()
@@ -147,9 +104,9 @@ def create_app(
         backend = getattr(request.state, "backend", "none")
         if exc.rejection_reason:
             state.metrics.rejections.labels(backend, exc.rejection_reason).inc()
-        return JSONResponse(error_body(exc), exc.status_code, headers=error_headers(exc))
-
-    from gateway.api import register_routes
+        status, headers, body = render(exc)
+        raw = {k.decode(): v.decode() for k, v in headers if k != b"content-length"}
+        return Response(body, status, headers=raw)
 
     register_routes(app, state)
     return app

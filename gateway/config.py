@@ -30,6 +30,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from gateway.capacity import CapPolicy
+
 __all__ = [
     "AdmissionSettings",
     "BackendKind",
@@ -49,11 +51,9 @@ class ConfigError(Exception):
     """
 
 
-class OverlongPolicy(StrEnum):
-    """What to do when prompt + requested ``max_tokens`` exceeds the slot context."""
-
-    reject = "reject"  # answer 400 context_length_exceeded
-    clamp = "clamp"  # lower the output cap to the room left, and say so in a header
+# What to do when prompt + requested max_tokens exceeds the slot: the capacity model's
+# policy, used as the config type directly.
+OverlongPolicy = CapPolicy
 
 
 class BackendKind(StrEnum):

@@ -51,7 +51,9 @@ __all__ = [
     "UpstreamError",
     "UpstreamTimeout",
     "UpstreamUnavailable",
+    "RouteNotFound",
     "error_body",
+    "render",
     "reshape_upstream_error",
     "error_headers",
     "sse_error_event",
@@ -70,6 +72,8 @@ class GatewayError(Exception):
     code: ClassVar[str | None] = None
     # Label for gateway_rejections_total{reason}; None means it is not a rejection.
     rejection_reason: ClassVar[str | None] = None
+    # Label for gateway_upstream_errors_total{kind} when the backend failed this way.
+    upstream_kind: ClassVar[str | None] = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -110,6 +114,20 @@ class UnsupportedMediaType(ClientError):
 
     status_code = 415
     code = "unsupported_media_type"
+
+
+class RouteNotFound(ClientError):
+    """Raised for an unknown path (404) or a method the path does not take (405)."""
+
+    status_code = 404
+    code = "not_found"
+    rejection_reason = None
+
+    def __init__(self, message: str, *, status_code: int = 404) -> None:
+        super().__init__(message)
+        if status_code == 405:
+            self.status_code = 405  # type: ignore[misc]
+            self.code = "method_not_allowed"  # type: ignore[misc]
 
 
 class HeadersTooLarge(ClientError):
@@ -177,6 +195,7 @@ class UpstreamContextOverflow(Overloaded):
     """
 
     code = "upstream_context_overflow"
+    upstream_kind = "context_overflow"
 
 
 class UpstreamUnavailable(ServiceError):
@@ -185,6 +204,7 @@ class UpstreamUnavailable(ServiceError):
     status_code = 502
     code = "upstream_unavailable"
     rejection_reason = "backend_unavailable"  # when it happens before forwarding
+    upstream_kind = "connect"
 
 
 class UpstreamTimeout(ServiceError):
@@ -192,6 +212,7 @@ class UpstreamTimeout(ServiceError):
 
     status_code = 504
     code = "upstream_timeout"
+    upstream_kind = "timeout"
 
 
 class UpstreamError(ServiceError):
@@ -199,6 +220,7 @@ class UpstreamError(ServiceError):
 
     status_code = 502
     code = "upstream_error"
+    upstream_kind = "stream_aborted"  # the connection broke, or an odd answer
 
 
 class UpstreamAuthFailed(UpstreamError):
@@ -206,6 +228,7 @@ class UpstreamAuthFailed(UpstreamError):
     wrong (a configuration problem, not the client's)."""
 
     code = "upstream_auth_failed"
+    upstream_kind = "auth"
 
 
 class ClientDisconnected(Exception):
@@ -270,6 +293,19 @@ def reshape_upstream_error(status: int, err: dict[str, Any]) -> dict[str, Any]:
         "code": code,
     })
     return out
+
+
+def render(exc: GatewayError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The one rendering of an error answer: status, raw headers and the JSON body.
+
+    Every error the gateway answers before a response has started goes through here
+    (after that, :func:`sse_error_event`).
+    """
+    body = json.dumps(error_body(exc), separators=(",", ":")).encode()
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc).items()]
+    headers.append((b"content-length", str(len(body)).encode()))
+    return exc.status_code, headers, body
 
 
 def sse_error_event(exc: GatewayError) -> bytes:

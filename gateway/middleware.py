@@ -15,14 +15,13 @@ OpenAI-shaped 500 for anything that escapes the handlers.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import GatewayError, HeadersTooLarge, error_body, error_headers
+from gateway.errors import GatewayError, HeadersTooLarge, render
 from gateway.metrics import GatewayMetrics
 
 __all__ = ["MAX_HEADERS", "MAX_HEADER_BYTES", "RequestAccounting", "error_messages",
@@ -46,12 +45,9 @@ def route_of(path: str) -> str:
 
 def error_messages(exc: GatewayError) -> tuple[Message, Message]:
     """The two ASGI messages of an OpenAI-style JSON error response."""
-    body = json.dumps(error_body(exc), separators=(",", ":")).encode()
-    headers = [(b"content-type", b"application/json")]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc).items()]
-    headers.append((b"content-length", str(len(body)).encode()))
+    status, headers, body = render(exc)
     return (
-        {"type": "http.response.start", "status": exc.status_code, "headers": headers},
+        {"type": "http.response.start", "status": status, "headers": headers},
         {"type": "http.response.body", "body": body},
     )
 

@@ -25,14 +25,11 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.admission import Clock, Lease
-from gateway.backends import ROUTE_PATHS, Backend
 from gateway.capacity import Charge
 from gateway.errors import (
     ClientDisconnected,
     GatewayError,
     UpstreamError,
-    UpstreamTimeout,
-    UpstreamUnavailable,
     reshape_upstream_error,
     sse_error_event,
 )
@@ -40,6 +37,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import error_messages
 from gateway.slotwatch import Ticket
 from gateway.sse import EventSplitter, EventTooLarge, event_data
+from gateway.target import Target
 from gateway.upstream import map_upstream_errors
 from gateway.watcher import DisconnectWatcher
 
@@ -76,7 +74,7 @@ class Exchange:
     :param prompts: prompts in the body (a completions batch has several).
     """
 
-    backend: Backend
+    backend: Target
     route: str
     body: dict[str, Any]
     charge: Charge
@@ -128,9 +126,9 @@ class ProxyResponse(Response):
     async def _admit_and_forward(self, watcher: DisconnectWatcher, send: Send) -> None:
         x, m, name = self.x, self.metrics, self.x.backend.name
         try:
-            lease = x.backend.admission.try_admit(x.charge)
+            lease = x.backend.try_admit(x.charge)
             if lease is None:
-                lease = await watcher.race(x.backend.admission.admit(x.charge))
+                lease = await watcher.race(x.backend.admit(x.charge))
         except ClientDisconnected:
             m.rejections.labels(name, "client_disconnected").inc()
             return
@@ -149,14 +147,14 @@ class ProxyResponse(Response):
         finally:
             served = 200 <= x.status < 400
             if served:
-                x.backend.admission.record_duration(self.clock.now() - held_since)
+                x.backend.record_duration(self.clock.now() - held_since)
             if self._sent and not self._done:
                 # The gateway left before the backend finished (client gone, timeout). The
                 # backend may go on using the slot's cells for a while: keep the
                 # reservation until it is seen to end (gateway.slotwatch).
                 x.backend.release_abandoned(lease, self._ticket(lease), served=served)
             else:
-                x.backend.admission.release(lease, served=served)
+                x.backend.release(lease, served=served)
 
     def _ticket(self, lease: Lease) -> Ticket:
         x = self.x
@@ -177,7 +175,7 @@ class ProxyResponse(Response):
             headers.append((b"connection", b"close"))
         body = x.body if self._lease is None else x.backend.pin(x.body, self._lease, x.prompts)
         return self.client.build_request(
-            "POST", x.backend.url(ROUTE_PATHS[x.route]), headers=headers,
+            "POST", x.backend.route_url(x.route), headers=headers,
             content=json.dumps(body).encode(), timeout=x.backend.timeout,
         )
 
@@ -366,11 +364,7 @@ def _body(chunk: bytes) -> Message:
 
 def _failure_kind(exc: GatewayError) -> str:
     """Label for gateway_upstream_errors_total{kind} of a transport failure."""
-    if isinstance(exc, UpstreamTimeout):
-        return "timeout"
-    if isinstance(exc, UpstreamUnavailable):
-        return "connect"
-    return "stream_aborted"  # the connection broke after the request was sent
+    return exc.upstream_kind or "stream_aborted"
 
 
 _THREAD_PARSE_BYTES = 256 * 1024

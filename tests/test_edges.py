@@ -253,7 +253,7 @@ async def test_token_id_prompts_are_validated(harness: Harness, fake: FakeLlamaS
 
 async def test_token_ids_outside_the_vocabulary_are_refused(harness: Harness,
                                                             fake: FakeLlamaServer) -> None:
-    assert harness.backend.n_vocab == fake.n_vocab
+    assert harness.backend.discovered.n_vocab == fake.n_vocab
     r = await harness.client.post("/v1/completions",
                                   json={"prompt": [2, fake.n_vocab], "max_tokens": 2})
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]

@@ -1,0 +1,26 @@
+"""Backend kinds, one module each, and the registry keyed by ``kind``.
+
+A kind is a class satisfying :class:`~gateway.backends.base.BackendKind`. Adding one
+means adding its module here and to :data:`KINDS`; config refuses any other ``kind``.
+"""
+
+from __future__ import annotations
+
+from gateway.backends.base import SIDE_CONNECTIONS, BackendKind, Discovered, SideCalls
+from gateway.backends.llamacpp import LlamaCpp
+
+__all__ = ["KINDS", "SIDE_CONNECTIONS", "BackendKind", "Discovered", "SideCalls", "kind_class"]
+
+KINDS: dict[str, type[LlamaCpp]] = {LlamaCpp.kind: LlamaCpp}
+
+
+def kind_class(kind: str) -> type[LlamaCpp]:
+    """The class of backend ``kind``.
+
+    :raises ValueError: an unknown kind; the message names the valid ones.
+    """
+    try:
+        return KINDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown backend kind {kind!r}; valid kinds: "
+                         f"{', '.join(sorted(KINDS))}") from None

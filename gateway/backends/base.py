@@ -1,0 +1,166 @@
+"""What every backend kind provides, and the helpers the kinds share.
+
+A kind (llama-server, later Ollama and vLLM) is one class that satisfies
+:class:`BackendKind`: it knows its server's endpoints, how to read its capacity, how to
+count a prompt as the server will, how to prepare the body it forwards and how to read
+its errors. Everything the kinds share at run time (admission, liveness, the discovery
+loop, the pool penalty, the slot watch) lives in :class:`gateway.target.Target`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import httpx
+
+from gateway.admission import Lease
+from gateway.capacity import Charge
+from gateway.config import BackendSettings
+from gateway.errors import GatewayError
+from gateway.slotwatch import SlotView
+from gateway.validation import ParsedRequest
+
+__all__ = ["BackendKind", "Discovered", "SideCalls", "error_message", "is_error_object",
+           "seconds"]
+
+# Side calls (discovery, counting, /slots) go through their own small pool per backend.
+# llama-server's HTTP server keeps a worker thread per open connection, and it has
+# n_parallel + 2 of them by default (tools/server/server.cpp); generations are bounded by
+# the slots through admission, so slots + 2 connections never starve it, while a burst of
+# counts over one big pool would park idle connections on every thread until keep-alive ends.
+SIDE_CONNECTIONS = 2
+
+
+@dataclass(frozen=True)
+class Discovered:
+    """What a backend says of itself over HTTP.
+
+    :param slots: concurrent requests it runs (llama-server ``/props`` ``total_slots``).
+    :param ctx_per_slot: tokens one request may use (llama-server
+        ``default_generation_settings.n_ctx``).
+    :param n_vocab: the model's vocabulary size, when known.
+    """
+
+    slots: int
+    ctx_per_slot: int
+    n_vocab: int | None = None
+
+
+class SideCalls:
+    """The small calls a kind makes to its server: discovery, counting, ``/slots``.
+
+    Every call carries the backend's API key (``backends[].api_key``) and the side
+    timeout: these answer in milliseconds, so a backend silent for 30 s is treated as
+    unable to answer.
+
+    :param settings: the ``[[backends]]`` entry.
+    :param client: a client with at most :data:`SIDE_CONNECTIONS` connections.
+    """
+
+    def __init__(self, settings: BackendSettings, client: httpx.AsyncClient) -> None:
+        self.settings = settings
+        self.client = client
+        self.timeout = httpx.Timeout(min(30.0, settings.read_timeout_s),
+                                     connect=settings.connect_timeout_s)
+
+    def url(self, path: str) -> str:
+        """Absolute upstream URL for ``path``."""
+        return self.settings.url + path
+
+    async def get(self, path: str) -> httpx.Response:
+        """``GET path``. Raises httpx transport errors (map them with
+        :func:`gateway.upstream.map_upstream_errors`)."""
+        return await self.client.get(self.url(path), timeout=self.timeout,
+                                     headers=self.settings.auth_headers)
+
+    async def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """``POST path`` with a JSON body. Raises httpx transport errors."""
+        return await self.client.post(self.url(path), json=body, timeout=self.timeout,
+                                      headers=self.settings.auth_headers)
+
+
+class BackendKind(Protocol):
+    """What differs between kinds of backend server.
+
+    ``route_paths`` maps the gateway's route names (``chat``, ``completions``) to the
+    upstream paths the kind serves them on.
+    """
+
+    kind: ClassVar[str]
+    route_paths: ClassVar[Mapping[str, str]]
+
+    async def discover(self) -> Discovered:
+        """Read the server's capacity. Raises :class:`GatewayError` when it cannot."""
+        ...
+
+    async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:
+        """Prompt tokens as the server counts them, or ``None`` to estimate."""
+        ...
+
+    def check_request(self, req: ParsedRequest) -> None:
+        """Refuse, with a ``ClientError``, what the server would refuse (before counting)."""
+        ...
+
+    def prepare_body(self, req: ParsedRequest, charge: Charge) -> dict[str, Any]:
+        """The body to forward, with the charged cap in the server's cap fields."""
+        ...
+
+    def tag_request(self, body: dict[str, Any]) -> tuple[str, int] | None:
+        """Mark ``body`` so that :meth:`read_slots` can recognise it; the tag or ``None``."""
+        ...
+
+    def pin(self, body: dict[str, Any], lease: Lease, prompts: int) -> dict[str, Any]:
+        """``body`` as sent once admitted on ``lease`` (slot pinning, where supported)."""
+        ...
+
+    async def read_slots(self) -> list[SlotView]:
+        """The server's slots; raises ``SlotsUnsupported`` where it shows none."""
+        ...
+
+    def translate_error(
+        self, status: int, body: bytes, retry_after: str | None, *, retry_after_s: float
+    ) -> tuple[GatewayError | None, str]:
+        """An upstream error answer as a gateway error (or ``None`` to relay it), and the
+        ``gateway_upstream_errors_total`` kind (empty: not an upstream failure)."""
+        ...
+
+    def is_overflow_event(self, data: dict[str, Any]) -> bool:
+        """True when a streamed error event means the server ran out of KV cache."""
+        ...
+
+
+def seconds(header: str | None) -> float | None:
+    """A positive number of seconds from a header value such as ``Retry-After``."""
+    try:
+        value = float(header) if header is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and value > 0 else None
+
+
+def is_error_object(body: bytes) -> bool:
+    """True when ``body`` is JSON with an ``error`` object."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and isinstance(data.get("error"), dict)
+
+
+def error_message(body: bytes) -> str:
+    """The message of an error answer: ``error.message``, a string ``error``, or the
+    first 500 bytes of the body."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body[:500].decode("utf-8", errors="replace")
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+    return body[:500].decode("utf-8", errors="replace")

@@ -1,0 +1,334 @@
+"""llama-server (``kind = "llama.cpp"``): ``shared/design/backends.md`` §1.
+
+Discovery reads ``/props`` (slots, slot context) and ``/v1/models`` (``n_vocab``);
+counting uses llama-server's own endpoints, so it is exact; ``/slots`` shows each slot's
+running or last task, which :mod:`gateway.slotwatch` uses to confirm that an abandoned
+request has ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, ClassVar
+
+import httpx
+
+from gateway.admission import Lease
+from gateway.backends.base import (
+    Discovered,
+    SideCalls,
+    error_message,
+    is_error_object,
+    seconds,
+)
+from gateway.capacity import Charge
+from gateway.errors import (
+    BackendNotReady,
+    GatewayError,
+    InvalidRequest,
+    UpstreamAuthFailed,
+    UpstreamContextOverflow,
+    UpstreamError,
+    UpstreamRefused,
+)
+from gateway.slotwatch import SlotsUnsupported, SlotView, parse_slots
+from gateway.upstream import map_upstream_errors
+from gateway.validation import ParsedRequest
+
+__all__ = ["CONTEXT_OVERFLOW_TEXT", "LlamaCpp"]
+
+log = logging.getLogger(__name__)
+
+CONTEXT_OVERFLOW_TEXT = "Context size has been exceeded"
+# llama-server's "no seed given": LLAMA_DEFAULT_SEED (0xFFFFFFFF) draws a random one; -1
+# in JSON reads as the same value (tools/server/server-schema.cpp, common/common.h).
+_RANDOM_SEED = 0xFFFFFFFF
+
+
+class LlamaCpp:
+    """The llama-server dialect.
+
+    :param settings: the ``[[backends]]`` entry.
+    :param side: the backend's side-call channel.
+    """
+
+    kind: ClassVar[str] = "llama.cpp"
+    route_paths: ClassVar[dict[str, str]] = {
+        "chat": "/v1/chat/completions", "completions": "/v1/completions",
+    }
+
+    def __init__(self, settings: Any, side: SideCalls) -> None:
+        self.name = settings.name
+        self.settings = settings
+        self.side = side
+        self.n_vocab: int | None = None  # /v1/models meta.n_vocab, once read
+        self._input_tokens_route = True  # cleared when the build lacks it (404)
+        self._rng = random.Random()
+
+    # -- discovery ---------------------------------------------------------------------
+
+    async def discover(self) -> Discovered:
+        """Read ``/props`` (and ``/v1/models`` once, for ``n_vocab``).
+
+        :raises BackendNotReady: 503, the model is loading.
+        :raises UpstreamAuthFailed: 401/403, the gateway's ``api_key`` is missing or wrong.
+        :raises UpstreamUnavailable: the server cannot be reached.
+        :raises UpstreamError: an answer that is not llama-server's ``/props``.
+        """
+        with map_upstream_errors(self.name):
+            resp = await self.side.get("/props")
+        if resp.status_code == 503:
+            raise BackendNotReady(f"Backend {self.name!r} is loading its model.")
+        if resp.status_code in (401, 403):
+            raise UpstreamAuthFailed(self._auth_problem(resp.status_code))
+        try:
+            props = resp.json()
+            slots = int(props["total_slots"])
+            ctx = int(props["default_generation_settings"]["n_ctx"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UpstreamError(
+                f"Backend {self.name!r} answered /props with HTTP {resp.status_code} "
+                "that is not llama-server's shape."
+            ) from exc
+        if self.n_vocab is None:
+            self.n_vocab = await self._read_n_vocab()
+        return Discovered(slots=slots, ctx_per_slot=ctx, n_vocab=self.n_vocab)
+
+    async def _read_n_vocab(self) -> int | None:
+        """``meta.n_vocab`` of the model in ``GET /v1/models``, or ``None``."""
+        try:
+            with map_upstream_errors(self.name):
+                resp = await self.side.get("/v1/models")
+            n_vocab = resp.json()["data"][0]["meta"]["n_vocab"]
+        except (GatewayError, ValueError, KeyError, IndexError, TypeError):
+            return None
+        return n_vocab if isinstance(n_vocab, int) and n_vocab > 0 else None
+
+    def _auth_problem(self, status: int) -> str:
+        given = "was refused" if self.settings.api_key else "is needed and none is configured"
+        return (f"Backend {self.name!r} answered HTTP {status}: an API key {given}. "
+                "Set backends[].api_key (or api_key_file) to the key llama-server was "
+                "started with (--api-key).")
+
+    # -- requests ----------------------------------------------------------------------
+
+    def check_request(self, req: ParsedRequest) -> None:
+        """Refuse token-id prompts with ids outside the model's vocabulary, as
+        llama-server would (``server_tokens::validate``, ``tools/server/server-common.cpp``).
+
+        :raises InvalidRequest: an id is ``>= n_vocab`` (when the vocabulary is known).
+        """
+        if self.n_vocab is None:
+            return
+        for prompt in req.prompts:
+            if isinstance(prompt, tuple) and prompt and max(prompt) >= self.n_vocab:
+                raise InvalidRequest(
+                    f"prompt token id {max(prompt)} is outside the model's vocabulary of "
+                    f"{self.n_vocab} tokens.", param="prompt",
+                )
+
+    def prepare_body(self, req: ParsedRequest, charge: Charge) -> dict[str, Any]:
+        """The client's body with the charged cap in every cap field and, on streams,
+        ``stream_options.include_usage`` so that completion tokens are known.
+
+        ``max_tokens`` (and ``max_completion_tokens``/``n_predict`` when the client used
+        them: llama-server reads ``n_predict`` over ``max_tokens``,
+        ``tools/server/server-schema.cpp``) become the charged cap, so the server cannot
+        generate past the reservation.
+        """
+        body = dict(req.body)
+        body["max_tokens"] = charge.max_tokens
+        for alias in ("max_completion_tokens", "n_predict"):
+            if alias in body:
+                body[alias] = charge.max_tokens
+        if req.stream:
+            options = dict(body.get("stream_options") or {})
+            options["include_usage"] = True
+            body["stream_options"] = options
+        return body
+
+    def tag_request(self, body: dict[str, Any]) -> tuple[str, int] | None:
+        """Tag ``body`` so that the request can be recognised in ``GET /slots``, and
+        return the tag as ``(param, value)`` (:mod:`gateway.slotwatch`).
+
+        The tag is a random ``n_discard``: llama-server reads it only for a context
+        shift (``server-context.cpp``, clamped there), and a request inside its
+        reservation never reaches the end of its slot. If the client set ``n_discard``,
+        a random ``seed`` instead, when the client set none (``-1`` and 0xFFFFFFFF mean
+        "random" to llama-server too). ``None`` when the client set both.
+        """
+        if "n_discard" not in body:
+            name, value = "n_discard", self._rng.randrange(1, 2**31 - 1)
+        elif body.get("seed") in (None, -1, _RANDOM_SEED):
+            name, value = "seed", self._rng.randrange(_RANDOM_SEED)
+        else:
+            return None
+        body[name] = value
+        return name, value
+
+    @staticmethod
+    def pin(body: dict[str, Any], lease: Lease, prompts: int) -> dict[str, Any]:
+        """``body`` with ``id_slot`` set to the lease's first slot, for a single prompt;
+        a client's own ``id_slot`` is overwritten (the gateway assigns the slots).
+
+        llama-server runs a task on the slot it names, or defers it until that slot is
+        free (``get_available_slot``/``process_single_task`` in ``server-context.cpp``).
+        A batch of prompts is not pinned, and loses any ``id_slot``: every task of a
+        batch reads the same one, so they would run one after another.
+        """
+        if prompts > 1 or not lease.slot_ids:
+            return {k: v for k, v in body.items() if k != "id_slot"}
+        return {**body, "id_slot": lease.slot_ids[0]}
+
+    async def read_slots(self) -> list[SlotView]:
+        """Read ``GET /slots`` (``tools/server/server-context.cpp``, ``get_slots``).
+
+        :raises SlotsUnsupported: the server answers 501 (started with ``--no-slots``)
+            or 404 (a build without the endpoint).
+        :raises UpstreamUnavailable: the backend cannot be connected to.
+        :raises UpstreamError: any other failure or an answer of the wrong shape.
+        """
+        with map_upstream_errors(self.name):
+            resp = await self.side.get("/slots")
+        if resp.status_code in (404, 501):
+            raise SlotsUnsupported(self.name)
+        try:
+            if resp.status_code != 200:
+                raise ValueError(f"HTTP {resp.status_code}")
+            return parse_slots(resp.json())
+        except ValueError as exc:
+            raise UpstreamError(f"Backend {self.name!r} answered /slots oddly: {exc}") from exc
+
+    # -- counting ----------------------------------------------------------------------
+
+    async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:
+        """Count the prompt tokens exactly as llama-server will, or ``None`` if it cannot.
+
+        Chat: ``POST /v1/chat/completions/input_tokens`` (template applied); on builds
+        without it (404), ``POST /apply-template`` then ``POST /tokenize``. Completions:
+        ``POST /tokenize`` with ``add_special`` and ``parse_special``, as the completion
+        path tokenizes (``server-context.cpp``). Token-id prompts are counted directly.
+
+        :raises InvalidRequest: the backend refused the body (a 4xx, or a 500 with an error
+            message: llama-server answers 500 for a request it cannot parse or template,
+            such as an image for a text-only model); the generation would fail the same way.
+        :raises BackendNotReady: the backend is loading.
+        :raises UpstreamAuthFailed: the backend refused the gateway's API key.
+        :raises UpstreamUnavailable: the backend cannot be connected to.
+        """
+        try:
+            with map_upstream_errors(self.name):
+                if route == "chat":
+                    return await self._count_chat(body)
+                return await self._count_completion(body.get("prompt"))
+        except (InvalidRequest, BackendNotReady, UpstreamAuthFailed):
+            raise
+        except GatewayError as exc:
+            if exc.upstream_kind == "connect":
+                raise
+            log.info("backend %s could not count tokens: %s", self.name, exc)
+            return None
+        except (ValueError, KeyError, TypeError) as exc:
+            log.info("backend %s could not count tokens: %s", self.name, exc)
+            return None
+
+    async def _count_chat(self, body: dict[str, Any]) -> int | None:
+        if self._input_tokens_route:
+            resp = await self.side.post("/v1/chat/completions/input_tokens", body)
+            if resp.status_code == 200:
+                return int(resp.json()["input_tokens"])
+            if resp.status_code != 404:
+                return self._refused(resp)
+            self._input_tokens_route = False
+        resp = await self.side.post("/apply-template", body)
+        if resp.status_code != 200:
+            return self._refused(resp)
+        return await self._tokenize(resp.json()["prompt"])
+
+    def _refused(self, resp: httpx.Response) -> None:
+        """Classify a failed counting call: the client's mistake (raise), loading
+        (raise), or a backend that just cannot count (``None``: estimate instead)."""
+        status = resp.status_code
+        if status == 503:
+            raise BackendNotReady(f"Backend {self.name!r} is loading.")
+        if status in (401, 403):
+            log.error("%s", self._auth_problem(status))
+            raise UpstreamAuthFailed(self._auth_problem(status))
+        message = error_message(resp.content)
+        client_fault = 400 <= status < 500 and status not in (404, 405, 501)
+        if client_fault or (status == 500 and is_error_object(resp.content)):
+            raise InvalidRequest(f"Backend {self.name!r} refused the request: {message}")
+        return None
+
+    async def _count_completion(self, prompt: Any) -> int | None:
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        if isinstance(prompt, str):
+            return await self._tokenize(prompt)
+        return None
+
+    async def _tokenize(self, text: str) -> int | None:
+        resp = await self.side.post(
+            "/tokenize", {"content": text, "add_special": True, "parse_special": True}
+        )
+        if resp.status_code != 200:
+            return self._refused(resp)
+        return len(resp.json()["tokens"])
+
+    # -- errors ------------------------------------------------------------------------
+
+    def translate_error(
+        self, status: int, body: bytes, retry_after: str | None, *, retry_after_s: float
+    ) -> tuple[GatewayError | None, str]:
+        """Map an upstream error answer to a gateway error, or ``None`` to relay it.
+
+        :param retry_after: the upstream ``Retry-After`` header, if any (seconds); it is
+            kept on the 503 the gateway answers.
+        :param retry_after_s: the gateway's own estimate, for an overflow (seconds).
+        :returns: (error or None, kind label for ``gateway_upstream_errors_total``).
+
+        500 "Context size has been exceeded." becomes a retryable 503 (the KV model was
+        wrong); 503 (model loading) stays a 503 with Retry-After; other 5xx become 502.
+        401/403 (the gateway's API key) become 502 ``upstream_auth_failed`` naming the key
+        to set. Other 4xx answers are relayed when they carry an ``{"error": {...}}``
+        object (put in the OpenAI shape by the proxy), and become ``upstream_refused``
+        (status kept) when empty or plain text.
+        """
+        message = error_message(body)
+        if status >= 500 and CONTEXT_OVERFLOW_TEXT in message:
+            return (
+                UpstreamContextOverflow(
+                    f"Backend {self.name!r} ran out of KV cache ({message.strip()}); "
+                    "the gateway's model of its pool was too large. Retry later.",
+                    retry_after_s=retry_after_s,
+                ),
+                "context_overflow",
+            )
+        if status == 503:
+            wait = seconds(retry_after) or 1.0  # llama-server's 503 means "loading"
+            return (
+                BackendNotReady(f"Backend {self.name!r} is unavailable: {message}",
+                                retry_after_s=wait),
+                "status_5xx",
+            )
+        if status >= 500:
+            return (
+                UpstreamError(f"Backend {self.name!r} failed with HTTP {status}: {message}"),
+                "status_5xx",
+            )
+        if status in (401, 403):  # the gateway's key: the client's is never forwarded
+            log.error("%s", self._auth_problem(status))
+            return UpstreamAuthFailed(self._auth_problem(status)), "auth"
+        if not is_error_object(body):
+            shown = message.strip() or "no error message"
+            return UpstreamRefused(
+                f"Backend {self.name!r} refused the request with HTTP {status}: {shown}.",
+                status_code=status, retry_after=retry_after,
+            ), ""
+        return None, ""
+
+    def is_overflow_event(self, data: dict[str, Any]) -> bool:
+        """True when an SSE ``data`` object is llama-server's mid-stream overflow error."""
+        err = data.get("error")
+        return isinstance(err, dict) and CONTEXT_OVERFLOW_TEXT in str(err.get("message", ""))

@@ -1,0 +1,155 @@
+"""The request pipeline: read → parse → pick the backend → check → count → plan the
+charge → an :class:`~gateway.proxy.Exchange` ready to be admitted and forwarded.
+
+Every step raises a :class:`~gateway.errors.GatewayError` that the app renders; nothing
+here waits for capacity (that is the :class:`~gateway.proxy.ProxyResponse`'s job).
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from gateway.capacity import plan_charge
+from gateway.errors import BackendNotReady, ContextLengthExceeded, PayloadTooLarge
+from gateway.proxy import Exchange
+from gateway.state import GatewayState
+from gateway.target import Target
+from gateway.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
+from gateway.validation import ParsedRequest, check_content_type, parse_body
+
+__all__ = ["count_prompt", "prepare_exchange", "read_body"]
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """Read the request body, refusing more than ``limit`` bytes.
+
+    :raises PayloadTooLarge: Content-Length or the bytes read exceed ``limit`` (413).
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"The body is {declared} bytes; the limit is {limit} bytes.")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"The body is over the limit of {limit} bytes.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _estimate(state: GatewayState, req: ParsedRequest) -> int:
+    margin = state.settings.admission.estimate_margin
+    if req.route == "chat":
+        text, messages = chat_text(req.body)
+        return await estimate_tokens(text, messages=messages, margin=margin)
+    counts = [len(p) if isinstance(p, tuple) else await estimate_tokens(p, margin=margin)
+              for p in req.prompts]
+    return max(counts)
+
+
+async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest) -> int:
+    """Prompt tokens as the backend counts them (the longest prompt of a batch), else a
+    local estimate.
+
+    :raises InvalidRequest: the backend refused the body as a client error (4xx).
+    :raises UpstreamUnavailable: the backend cannot be reached (counted as ``connect``).
+    """
+    try:
+        if req.route == "chat":
+            counted = await backend.count_prompt("chat", req.body)
+        else:
+            counts = [await backend.count_prompt("completions", {"prompt": list(p)
+                      if isinstance(p, tuple) else p}) for p in req.prompts]
+            counted = None if None in counts else max(c for c in counts if c is not None)
+    except BackendNotReady:
+        raise
+    except Exception as exc:
+        kind = getattr(exc, "upstream_kind", None)
+        if kind == "connect":
+            state.metrics.upstream_errors.labels(backend.name, kind).inc()
+        raise
+    source = "backend"
+    if counted is None:
+        source, counted = "estimate", await _estimate(state, req)
+    state.metrics.token_count_source.labels(backend.name, source).inc()
+    return counted
+
+
+def _prompt_floor(req: ParsedRequest) -> int:
+    """Tokens the prompt has at least, from its size alone (no backend call)."""
+    if req.route == "completions":
+        ids = [len(p) for p in req.prompts if isinstance(p, tuple)]
+        texts = [p for p in req.prompts if isinstance(p, str)]
+        return max([tokens_at_least(texts), *ids])
+    texts = [t for message in req.body["messages"] for t in content_texts(message)]
+    return tokens_at_least(["".join(texts)])
+
+
+def _count_sdk_retry(state: GatewayState, request: Request) -> None:
+    retry = request.headers.get("x-stainless-retry-count", "")
+    if retry.isascii() and retry.isdigit():
+        attempt = int(retry) if len(retry) < 4 else 999
+        if attempt:
+            state.metrics.client_retries.labels(str(attempt) if attempt < 10 else "10+").inc()
+
+
+def _require_ready(backend: Target) -> None:
+    if backend.layout is None or not backend.ready:
+        backend.request_rediscovery()
+        why = backend.problem or "unreachable, loading, or its capacity is not known yet"
+        raise BackendNotReady(
+            f"Backend {backend.name!r} is not ready ({why}); retry after the Retry-After "
+            "delay.",
+            retry_after_s=1.0,
+        )
+
+
+async def prepare_exchange(state: GatewayState, request: Request, route: str) -> Exchange:
+    """Run the pipeline for one request on ``route`` (``chat`` or ``completions``).
+
+    :raises GatewayError: the first step that refuses the request (4xx for the client's
+        mistakes, 503 when the backend is not ready or its queue is full).
+    """
+    started = state.clock.now()
+    request.state.route = route
+    _count_sdk_retry(state, request)
+    check_content_type(request.headers.get("content-type"),
+                       request.headers.get("content-encoding"))
+    req = parse_body(route, await read_body(request, state.settings.server.max_body_bytes))
+    backend = state.pick_backend(req.body.get("model"))
+    request.state.backend = backend.name
+    _require_ready(backend)
+    layout = backend.layout
+    assert layout is not None
+    backend.check_request(req)
+    backend.check_queue_room()  # a full queue answers before any counting
+    floor = _prompt_floor(req)
+    if floor > layout.usable_per_slot:
+        raise ContextLengthExceeded(
+            f"This prompt has at least {floor} tokens, more than a slot of "
+            f"{layout.ctx_per_slot} tokens holds. Shorten the prompt.",
+            param="messages" if route == "chat" else "prompt",
+        )
+    prompt_tokens = await count_prompt(state, backend, req)
+    admission = state.settings.admission
+    batch = max(1, len(req.prompts))
+    charge = plan_charge(
+        layout, prompt_tokens, req.max_tokens, n=req.n * batch,
+        default_max_tokens=admission.default_max_tokens,
+        policy=admission.overlong, cap_field=req.cap_field,
+    )
+    extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]
+    if charge.defaulted:
+        state.metrics.default_max_tokens_applied.labels(backend.name).inc()
+    if charge.clamped:
+        state.metrics.max_tokens_clamped.labels(backend.name).inc()
+        extra.append((b"x-gateway-max-tokens-clamped", str(charge.max_tokens).encode()))
+    options = req.body.get("stream_options") or {}
+    body, tag = backend.prepare(req, charge)
+    return Exchange(
+        backend=backend, route=route, body=body, charge=charge, stream=req.stream,
+        started=started, headers=list(request.headers.raw),
+        client_wants_usage=bool(options.get("include_usage")),
+        extra_headers=extra, tag=tag, prompts=batch,
+    )

@@ -1,0 +1,39 @@
+"""What every request handler needs, built once per app by :func:`gateway.app.create_app`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import httpx
+
+from gateway.admission import AdmissionStats, Clock
+from gateway.config import Settings
+from gateway.metrics import GatewayMetrics
+from gateway.target import Target
+
+__all__ = ["GatewayState"]
+
+
+@dataclass
+class GatewayState:
+    """Settings, the upstream client, the clock, the backends and the metrics."""
+
+    settings: Settings
+    client: httpx.AsyncClient
+    clock: Clock
+    backends: dict[str, Target]
+    metrics: GatewayMetrics = field(init=False)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def stats(self) -> Iterable[tuple[str, AdmissionStats, bool]]:
+        """Each backend's name, admission figures and readiness (for metrics)."""
+        for name, backend in self.backends.items():
+            yield name, backend.stats(), backend.ready
+
+    def pick_backend(self, model: object) -> Target:
+        """The backend named like ``model``, else the first configured one."""
+        if isinstance(model, str) and model in self.backends:
+            return self.backends[model]
+        return next(iter(self.backends.values()))

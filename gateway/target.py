@@ -1,0 +1,294 @@
+"""One backend at run time: its admission queue, liveness, discovery loop, pool penalty
+and slot watch, around the kind-specific dialect (:mod:`gateway.backends`).
+
+Callers talk to a :class:`Target`; only it reaches the :class:`~gateway.admission.Admission`
+and the dialect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+
+from gateway.admission import Admission, AdmissionStats, Clock, Lease, MonotonicClock
+from gateway.backends import BackendKind, Discovered, SideCalls, kind_class
+from gateway.capacity import Charge, Layout
+from gateway.config import AdmissionSettings, BackendSettings
+from gateway.errors import GatewayError
+from gateway.slotwatch import SlotWatch, Ticket
+from gateway.validation import ParsedRequest
+
+__all__ = ["Target"]
+
+log = logging.getLogger(__name__)
+
+RETRY_DISCOVERY_S = 1.0  # delay between discovery attempts while the backend is down
+
+
+class Target:
+    """A configured backend.
+
+    :param settings: the ``[[backends]]`` entry.
+    :param admission_settings: queue bounds shared by all backends.
+    :param side_client: client for discovery, counting and ``/slots`` calls.
+    :param clock: time source for admission, discovery and the slot watch.
+    :param dialect: the kind's dialect; built from ``settings.kind`` when omitted.
+    """
+
+    def __init__(
+        self,
+        settings: BackendSettings,
+        admission_settings: AdmissionSettings,
+        side_client: httpx.AsyncClient,
+        clock: Clock | None = None,
+        dialect: BackendKind | None = None,
+    ) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.kind = settings.kind.value
+        self.dialect: BackendKind = dialect or kind_class(self.kind)(
+            settings, SideCalls(settings, side_client))
+        self.clock = clock or MonotonicClock()
+        self.reachable = False
+        self.discovered: Discovered | None = None
+        self.problem: str | None = None  # why the last discovery failed
+        self._pool_penalty = 0  # tokens taken off the unified pool after overflows
+        self._rediscovery: asyncio.Task[None] | None = None
+        self.admission = Admission(
+            self._configured_layout(None),
+            max_queue=admission_settings.max_queue,
+            max_wait_s=admission_settings.max_queue_wait_s,
+            clock=self.clock,
+        )
+        self.slot_watch = SlotWatch(
+            self.name, self.dialect.read_slots, self.admission, self.clock,
+            unseen_timeout_s=admission_settings.abandon_confirm_timeout_s,
+            fallback_grace_s=admission_settings.disconnect_grace_s,
+        )
+
+    # -- addressing --------------------------------------------------------------------
+
+    @property
+    def timeout(self) -> httpx.Timeout:
+        """Per-request timeout: connect, and longest silence while reading (seconds)."""
+        s = self.settings
+        return httpx.Timeout(s.read_timeout_s, connect=s.connect_timeout_s)
+
+    def url(self, path: str) -> str:
+        """Absolute upstream URL for ``path``."""
+        return self.settings.url + path
+
+    def route_url(self, route: str) -> str:
+        """Absolute upstream URL of gateway route ``route`` (``chat``, ``completions``)."""
+        return self.url(self.dialect.route_paths[route])
+
+    # -- state -------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """True once the backend answered and its layout is known."""
+        return self.reachable and self.admission.layout is not None
+
+    @property
+    def layout(self) -> Layout | None:
+        """The layout admissions are checked against."""
+        return self.admission.layout
+
+    def stats(self) -> AdmissionStats:
+        """Queue, reservation and slot-watch figures, for metrics."""
+        stats = self.admission.stats()
+        return AdmissionStats(**{**stats.__dict__, "abandoned_held": self.slot_watch.waiting})
+
+    # -- admission ---------------------------------------------------------------------
+
+    def check_queue_room(self) -> None:
+        """Raise ``QueueFull`` at once when a new request could only queue."""
+        self.admission.check_queue_room()
+
+    def try_admit(self, charge: Charge) -> Lease | None:
+        """A lease now, or ``None`` (see :meth:`Admission.try_admit`)."""
+        return self.admission.try_admit(charge)
+
+    async def admit(self, charge: Charge) -> Lease:
+        """Wait for a lease (see :meth:`Admission.admit`)."""
+        return await self.admission.admit(charge)
+
+    def release(self, lease: Lease, *, served: bool) -> None:
+        """Give a lease back at once."""
+        self.admission.release(lease, served=served)
+
+    def record_duration(self, seconds: float) -> None:
+        """How long a served lease was held (feeds Retry-After estimates)."""
+        self.admission.record_duration(seconds)
+
+    def retry_after_s(self) -> float:
+        """When a request sent now could start, seconds (1–60)."""
+        return self.admission.retry_after_s()
+
+    def release_abandoned(self, lease: Lease, ticket: Ticket, *, served: bool) -> None:
+        """Keep ``lease`` until the backend shows the abandoned request ended."""
+        self.slot_watch.hold(lease, ticket, served=served)
+
+    # -- requests ----------------------------------------------------------------------
+
+    def check_request(self, req: ParsedRequest) -> None:
+        """Refuse what the backend would refuse (see the dialect)."""
+        self.dialect.check_request(req)
+
+    async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:
+        """Prompt tokens as the backend counts them, or ``None`` to estimate.
+
+        :raises GatewayError: as the dialect's ``count_prompt``; an unreachable backend is
+            also marked down and re-discovered, so the next requests get 503 at once.
+        """
+        try:
+            return await self.dialect.count_prompt(route, body)
+        except GatewayError as exc:
+            if exc.upstream_kind == "connect":
+                self.reachable = False
+                self.request_rediscovery()
+            raise
+
+    def prepare(self, req: ParsedRequest, charge: Charge
+                ) -> tuple[dict[str, Any], tuple[str, int] | None]:
+        """The body to forward and the tag that identifies it upstream."""
+        body = self.dialect.prepare_body(req, charge)
+        return body, self.dialect.tag_request(body)
+
+    def pin(self, body: dict[str, Any], lease: Lease, prompts: int) -> dict[str, Any]:
+        """``body`` as sent once admitted on ``lease``."""
+        return self.dialect.pin(body, lease, prompts)
+
+    def translate_error(self, status: int, body: bytes, retry_after: str | None
+                        ) -> tuple[GatewayError | None, str]:
+        """An upstream error answer as a gateway error (see the dialect)."""
+        return self.dialect.translate_error(status, body, retry_after,
+                                            retry_after_s=self.retry_after_s())
+
+    def is_overflow_event(self, data: dict[str, Any]) -> bool:
+        """True when a streamed error event means the backend ran out of KV cache."""
+        return self.dialect.is_overflow_event(data)
+
+    # -- discovery ---------------------------------------------------------------------
+
+    def _configured_layout(self, found: Discovered | None) -> Layout | None:
+        """Config wins over discovery for each value (config is the operator's word)."""
+        s = self.settings
+        slots = s.slots or (found.slots if found else None)
+        ctx = s.ctx_per_slot or (found.ctx_per_slot if found else None)
+        if slots is None or ctx is None:
+            return None
+        if not s.kv_unified:
+            return Layout(slots, ctx)
+        pool = max(ctx, (s.pool_tokens or ctx) - self._pool_penalty)
+        return Layout(slots, ctx, pool_tokens=pool)
+
+    async def discover(self) -> Layout | None:
+        """Read the backend's capacity and update the admission layout. A failure is
+        kept in :attr:`problem` for the 503 that requests get meanwhile.
+
+        :returns: the layout in force afterwards (``None`` while unknown).
+        :raises GatewayError: as the dialect's ``discover``.
+        """
+        try:
+            found = await self.dialect.discover()
+        except GatewayError as exc:
+            self.reachable = False
+            self.problem = exc.message
+            raise
+        self.reachable, self.problem = True, None
+        self._warn_disagreement(found)
+        self.discovered = found
+        layout = self._configured_layout(found)
+        old = self.admission.layout
+        if layout != old:
+            log.log(logging.WARNING if old is not None else logging.INFO,
+                    "backend %s layout changed: %s -> %s", self.name, _describe(old),
+                    _describe(layout))
+            self.admission.set_layout(layout)
+        return layout
+
+    async def run_discovery(self) -> None:
+        """Discover the capacity forever: every second until known, then every
+        ``discovery_interval_s`` (on the injected clock)."""
+        failing = False
+        while True:
+            try:
+                await self.discover()
+                delay = self.settings.discovery_interval_s
+                if failing:
+                    log.info("backend %s is reachable again", self.name)
+                failing = False
+            except GatewayError as exc:
+                log.log(logging.DEBUG if failing else logging.WARNING,
+                        "backend %s not ready: %s", self.name, exc.message)
+                failing, delay = True, RETRY_DISCOVERY_S
+            except Exception:  # never let discovery die
+                log.exception("discovery of backend %s failed", self.name)
+                delay = RETRY_DISCOVERY_S
+            await self.clock.sleep(delay)
+
+    def request_rediscovery(self) -> None:
+        """Re-read capacity soon (after an upstream error); at most one read at a time."""
+        if self._rediscovery is None or self._rediscovery.done():
+            self._rediscovery = asyncio.ensure_future(self._rediscover())
+
+    async def _rediscover(self) -> None:
+        """Re-read capacity, every second until the backend answers again."""
+        while True:
+            try:
+                await self.discover()
+                return
+            except GatewayError as exc:
+                log.debug("backend %s re-discovery failed: %s", self.name, exc.message)
+            await self.clock.sleep(RETRY_DISCOVERY_S)
+
+    def upstream_failed(self, kind: str) -> None:
+        """React to an upstream failure of ``kind`` (a gateway_upstream_errors_total kind):
+        re-read capacity; after a context overflow, also shrink the unified pool model."""
+        if kind == "context_overflow":
+            self._shrink_pool()
+        self.request_rediscovery()
+
+    def _shrink_pool(self) -> None:
+        """The backend overflowed its pool, so the model of P was too large: take 10 % off
+        (never below one slot's context; ``shared/design/backends.md`` §4.10)."""
+        layout = self.admission.layout
+        if layout is None or layout.pool_tokens is None:
+            return
+        if layout.pool_tokens <= layout.ctx_per_slot:
+            return
+        self._pool_penalty += max(1, layout.pool_tokens // 10)
+        smaller = self._configured_layout(self.discovered)
+        log.warning("backend %s overflowed its KV pool; pool model %d -> %s tokens", self.name,
+                    layout.pool_tokens, smaller.pool_tokens if smaller else None)
+        self.admission.set_layout(smaller)
+
+    def _warn_disagreement(self, found: Discovered) -> None:
+        s = self.settings
+        for key, configured, seen in (
+            ("slots", s.slots, found.slots),
+            ("ctx_per_slot", s.ctx_per_slot, found.ctx_per_slot),
+        ):
+            if configured is not None and configured != seen and self.discovered != found:
+                log.warning(
+                    "backend %s: config says %s = %d but the backend reports %d; using config",
+                    self.name, key, configured, seen,
+                )
+
+    async def close(self) -> None:
+        """Stop background work and release what the slot watch holds (shutdown)."""
+        if self._rediscovery is not None:
+            self._rediscovery.cancel()
+            await asyncio.gather(self._rediscovery, return_exceptions=True)
+        await self.slot_watch.close()
+
+
+def _describe(layout: Layout | None) -> str:
+    if layout is None:
+        return "unknown"
+    kind = f"unified pool {layout.pool_tokens}" if layout.unified else "per-slot KV"
+    return f"{layout.slots} slots x {layout.ctx_per_slot} tokens, {kind}"
