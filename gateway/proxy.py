@@ -14,6 +14,7 @@ failure becomes one final ``data: {"error": …}`` event, and no ``[DONE]`` is i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass, field
@@ -101,7 +102,9 @@ class ProxyResponse(Response):
         self.clock = clock
         self._lease: Lease | None = None
         self._sent = False  # the generation request went upstream
-        self._done = False  # ... and its answer was read to the end
+        self._done = False  # ... and the backend is known to have finished with it
+        self._launched = False  # ... and a stream's headers came: its task is running
+        self._pending: asyncio.Task[httpx.Response] | None = None  # send left open
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -151,8 +154,13 @@ class ProxyResponse(Response):
             if self._sent and not self._done:
                 # The gateway left before the backend finished (client gone, timeout). The
                 # backend may go on using the slot's cells for a while: keep the
-                # reservation until it is seen to end (gateway.slotwatch).
-                x.backend.release_abandoned(lease, self._ticket(lease), served=served)
+                # reservation until it is seen to end (gateway.slotwatch). An upstream
+                # request still waiting for its answer is handed on open, so that the
+                # backend cannot drop it unseen and start it later.
+                x.backend.release_abandoned(
+                    lease, self._ticket(lease), served=served, pending=self._pending,
+                    stream=x.stream, launched=self._launched,
+                )
             else:
                 x.backend.release(lease, served=served)
 
@@ -185,7 +193,12 @@ class ProxyResponse(Response):
             with map_upstream_errors(name):
                 request = self._upstream_request()
                 self._sent = True
-                resp = await watcher.race(self.client.send(request, stream=True))
+                sending = asyncio.ensure_future(self.client.send(request, stream=True))
+                try:
+                    resp = await watcher.race(sending, cancel=False)
+                except ClientDisconnected:
+                    self._pending = sending
+                    raise
         except GatewayError as exc:
             kind = _failure_kind(exc)
             self._done = kind == "connect"  # nothing reached the backend
@@ -193,6 +206,10 @@ class ProxyResponse(Response):
             x.backend.upstream_failed(kind)
             await self._send_error(send, exc)
             return
+        # llama-server sends a stream's headers with its first result and a whole answer
+        # all at once: either way the task has started, or ended.
+        self._launched = True
+        self._done = self._done or not x.stream
         try:
             is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
             if x.stream and is_sse and resp.status_code < 400:

@@ -22,10 +22,17 @@ request has ended. Two things make a request recognisable there:
   ``params`` for the running or the last task of each slot (``server_slot::to_json`` in
   ``tools/server/server-context.cpp``).
 
-A request the gateway could not tag is finished only once it was seen running on its
-slot and then not. A request ``/slots`` never shows is released once every slot has been
-idle for :data:`IDLE_POLLS` readings in a row (an idle server has no queued task: it
-would have started it), or after the confirm timeout at the latest.
+Whether the request has started matters, and an idle slot cannot tell "not started yet"
+from "already over": llama-server may still be building a grammar from a ``json_schema``
+in its HTTP thread for seconds, or hold the task in its queue behind a long decode step.
+So an abandoned request whose answer has not begun stays connected upstream (the gateway
+keeps the request open and discards what comes): llama-server then cannot drop it
+unseen, and the gateway closes it once ``/slots`` shows it running, or releases at once
+if its whole answer arrives first. A stream whose headers came has started (llama-server
+sends them with its first result). A request the gateway could not tag is finished only
+once it was seen running on its slot and then not. Only a request whose connection broke
+before it was seen (an upstream timeout or error) can stay unseen; it is released after
+the confirm timeout.
 
 Polls are :data:`POLL_INTERVAL_S` apart, more than llama-server's one-second wait: every
 ``/slots`` answer wakes every waiting HTTP thread, and polling faster would stop a lone
@@ -42,6 +49,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
+
+import httpx
 
 from gateway.admission import Admission, Clock, Lease
 from gateway.errors import GatewayError, UpstreamUnavailable
@@ -60,7 +69,6 @@ log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 1.5  # how often /slots is read while a reservation waits on it
 UNSUPPORTED_RETRY_S = 60.0  # how long a "no /slots" answer is believed
-IDLE_POLLS = 2  # readings with every slot idle after which an unseen request is gone
 TAG_FIELDS = ("n_discard", "seed")  # the params a tag may use, in order of preference
 
 
@@ -145,8 +153,9 @@ def where_is(ticket: Ticket, slots: list[SlotView], *, seen_running: bool = Fals
     """Decide from one ``/slots`` reading whether an abandoned request has ended.
 
     Tagged: running when any slot processes a task carrying the tag; else, pinned,
-    finished when its slot's last task carries it, unseen when it carries another; a
-    batch is finished once as many idle slots carry the tag as it started tasks.
+    finished when its slot's last task carries it (or carries another, once the request
+    was seen running), unseen otherwise; a batch is finished once as many idle slots
+    carry the tag as it started tasks.
     Untagged (pinned): running while its slot processes a task with its cap; finished
     once ``seen_running`` was true and the slot is idle. A pinned slot that no longer
     exists (the backend restarted smaller) means finished.
@@ -166,7 +175,8 @@ def where_is(ticket: Ticket, slots: list[SlotView], *, seen_running: bool = Fals
     if any(view.processing for view in mine):
         return Seen.running
     if pinned is not None:
-        return Seen.finished if pinned in mine else Seen.unseen
+        # A request that started on its slot and is no longer its last task has ended.
+        return Seen.finished if pinned in mine or seen_running else Seen.unseen
     return Seen.finished if len(mine) >= ticket.tasks else Seen.unseen
 
 
@@ -175,8 +185,8 @@ class _Held:
     lease: Lease
     ticket: Ticket
     served: bool
-    seen_running: bool = False
-    idle_polls: int = 0  # consecutive readings with every slot idle while unseen
+    seen_running: bool = False  # the request has started on the backend
+    follow: asyncio.Task[None] | None = None  # the open upstream request, followed
 
 
 class SlotWatch:
@@ -219,14 +229,59 @@ class SlotWatch:
         """Reservations held until their request is seen to end."""
         return len(self._held)
 
-    def hold(self, lease: Lease, ticket: Ticket, *, served: bool) -> None:
-        """Release ``lease`` once the request behind ``ticket`` has left the backend."""
+    def hold(
+        self, lease: Lease, ticket: Ticket, *, served: bool,
+        pending: asyncio.Task[httpx.Response] | None = None, stream: bool = False,
+        launched: bool = False,
+    ) -> None:
+        """Release ``lease`` once the request behind ``ticket`` has left the backend.
+
+        :param pending: the upstream request, still waiting for its answer's headers;
+            it is followed (and closed once ``/slots`` shows the request running).
+        :param stream: the upstream request is a stream (its headers mean "started").
+        :param launched: the request is known to have started.
+        """
         if not self.supported:
+            if pending is not None:
+                pending.cancel()
             self._admission.release_later(lease, self._grace_s, served=served)
             return
-        self._held.append(_Held(lease, ticket, served))
+        held = _Held(lease, ticket, served, seen_running=launched)
+        if pending is not None:
+            held.follow = asyncio.ensure_future(self._follow(held, pending, stream))
+        self._held.append(held)
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
+
+    async def _follow(self, held: _Held, pending: asyncio.Task[httpx.Response],
+                      stream: bool) -> None:
+        """Wait for the open upstream request's headers: a whole answer means the
+        request is over (release now); a stream's means it has started (close it)."""
+        try:
+            resp = await pending
+        except asyncio.CancelledError:
+            pending.cancel()
+            raise
+        except Exception:  # the connection broke: whether it started is unknown
+            return
+        try:
+            if not stream:
+                await resp.aread()
+        except Exception:
+            pass
+        finally:
+            await resp.aclose()
+        if stream:
+            held.seen_running = True
+        else:
+            self._release(held)
+
+    def _release(self, held: _Held) -> None:
+        if held in self._held:
+            self._held.remove(held)
+        if held.follow is not None and not held.follow.done():
+            held.follow.cancel()
+        self._admission.release(held.lease, served=held.served)
 
     async def close(self) -> None:
         """Stop polling and release everything held (shutdown)."""
@@ -236,9 +291,8 @@ class SlotWatch:
         self._release_all()
 
     def _release_all(self) -> None:
-        for held in self._held:
-            self._admission.release(held.lease, served=held.served)
-        self._held.clear()
+        for held in list(self._held):
+            self._release(held)
 
     async def _run(self) -> None:
         while self._held:
@@ -260,6 +314,8 @@ class SlotWatch:
             self._unsupported_at = self._clock.now()
             self._held, held = [], self._held
             for h in held:
+                if h.follow is not None:
+                    h.follow.cancel()
                 self._admission.release_later(h.lease, self._grace_s, served=h.served)
             return
         except UpstreamUnavailable:
@@ -270,21 +326,23 @@ class SlotWatch:
             log.debug("backend %s: /slots failed: %s", self.name, exc.message)
             slots = None
         now = self._clock.now()
-        idle = slots is not None and not any(view.processing for view in slots)
         for held in list(self._held):
             seen = Seen.unseen
             if slots is not None:
                 seen = where_is(held.ticket, slots, seen_running=held.seen_running)
-            held.seen_running = held.seen_running or seen is Seen.running
-            held.idle_polls = held.idle_polls + 1 if seen is Seen.unseen and idle else 0
+            if seen is Seen.running:
+                held.seen_running = True
+                if held.follow is not None and not held.follow.done():
+                    held.follow.cancel()  # close it: llama-server may now stop it early
+            if seen is Seen.finished:
+                self._release(held)
+                continue
+            open_upstream = held.follow is not None and not held.follow.done()
             late = now - held.ticket.since >= self._unseen_timeout_s
-            gone = held.idle_polls >= IDLE_POLLS
-            if seen is Seen.finished or (seen is Seen.unseen and (gone or late)):
-                if seen is Seen.unseen and not gone:
-                    log.warning(
-                        "backend %s: an abandoned request (slot %s) was not seen to end in "
-                        "/slots within %g s; releasing its reservation", self.name,
-                        held.ticket.slot, self._unseen_timeout_s,
-                    )
-                self._held.remove(held)
-                self._admission.release(held.lease, served=held.served)
+            if seen is Seen.unseen and not open_upstream and not held.seen_running and late:
+                log.warning(
+                    "backend %s: an abandoned request (slot %s) was not seen in /slots "
+                    "within %g s of its connection breaking; releasing its reservation",
+                    self.name, held.ticket.slot, self._unseen_timeout_s,
+                )
+                self._release(held)

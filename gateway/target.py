@@ -128,9 +128,15 @@ class Target:
         """When a request sent now could start, seconds (1–60)."""
         return self.admission.retry_after_s()
 
-    def release_abandoned(self, lease: Lease, ticket: Ticket, *, served: bool) -> None:
-        """Keep ``lease`` until the backend shows the abandoned request ended."""
-        self.slot_watch.hold(lease, ticket, served=served)
+    def release_abandoned(
+        self, lease: Lease, ticket: Ticket, *, served: bool,
+        pending: asyncio.Task[httpx.Response] | None = None, stream: bool = False,
+        launched: bool = False,
+    ) -> None:
+        """Keep ``lease`` until the backend shows the abandoned request ended (see
+        :meth:`gateway.slotwatch.SlotWatch.hold`)."""
+        self.slot_watch.hold(lease, ticket, served=served, pending=pending, stream=stream,
+                             launched=launched)
 
     # -- requests ----------------------------------------------------------------------
 

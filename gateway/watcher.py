@@ -50,9 +50,13 @@ class DisconnectWatcher:
             except asyncio.CancelledError:
                 pass
 
-    async def race(self, work: Awaitable[T]) -> T:
-        """Await ``work``; cancel it and raise :class:`ClientDisconnected` if the client
-        goes away first (the watcher task itself is the other side of the race)."""
+    async def race(self, work: Awaitable[T], *, cancel: bool = True) -> T:
+        """Await ``work``; raise :class:`ClientDisconnected` if the client goes away
+        first (the watcher task itself is the other side of the race).
+
+        :param cancel: cancel ``work`` when the client leaves. With ``False`` it goes on
+            (pass a task you keep, to hand it on).
+        """
         task = asyncio.ensure_future(work)
         watcher = self._task
         try:
@@ -63,7 +67,7 @@ class DisconnectWatcher:
                 return task.result()
             raise ClientDisconnected()
         finally:
-            if not task.done():
+            if cancel and not task.done():
                 task.cancel()
                 try:
                     await task

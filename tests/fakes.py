@@ -73,6 +73,10 @@ class FakeLlamaServer:
     # does until it notices the closed connection) until this event is set.
     linger: asyncio.Event | None = None
     slot_state: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # When set, a generation waits for it before it takes a slot (as llama-server builds
+    # a grammar from a json_schema in its HTTP thread before the task exists).
+    prepare: asyncio.Event | None = None
+    hide_slots: bool = False  # /slots shows every slot idle and without params
     count_fails: bool = False
     requests: list[httpx.Request] = field(default_factory=list)
     generations: list[dict[str, Any]] = field(default_factory=list)
@@ -107,6 +111,10 @@ class FakeLlamaServer:
             if not self.slots_route:
                 return _error(501, "This server does not support slots endpoint.",
                               "not_supported_error")
+            if self.hide_slots:
+                return httpx.Response(200, json=[{"id": i, "n_ctx": self.n_ctx,
+                                                  "is_processing": False}
+                                                 for i in range(self.slots)])
             return httpx.Response(200, json=[
                 {"id": i, "n_ctx": self.n_ctx, "is_processing": st["processing"],
                  "params": {k: st[k] for k in ("seed", "n_predict", "n_discard")}}
@@ -139,6 +147,10 @@ class FakeLlamaServer:
     async def _generate(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         self.generations.append(body)
+        if self.mode == "drop":
+            raise httpx.ReadError("connection reset by peer", request=request)
+        if self.prepare is not None:
+            await self.prepare.wait()
         if self.mode == "timeout":
             # The task took a slot and ran past the gateway's read timeout; here it has
             # ended by the time /slots is read.

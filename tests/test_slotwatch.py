@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from gateway.slotwatch import (
-    IDLE_POLLS,
     POLL_INTERVAL_S,
     Seen,
     SlotView,
@@ -172,30 +171,53 @@ async def test_backend_without_slots_falls_back_to_the_grace(
     assert h.backend.slot_watch.supported  # asked again: it may have been restarted
 
 
-async def test_request_never_seen_on_an_idle_backend_is_released(
+async def test_request_still_being_prepared_is_held_open_until_it_runs(
+    harness_factory: Any, fake: Any
+) -> None:
+    # llama-server can spend seconds building a grammar from a json_schema before the
+    # task exists; meanwhile /slots shows every slot idle. The upstream request stays open
+    # (so the backend cannot drop it unseen) and the reservation stays held.
+    clock = ManualClock()
+    h = await harness_factory(clock=clock)
+    fake.prepare, fake.hold = asyncio.Event(), asyncio.Event()
+    call = AsgiCall(h, chat(stream=False, max_tokens=900))
+    task = asyncio.ensure_future(call.run())
+    await settle()
+    call.gone.set()
+    await asyncio.wait_for(task, 2)
+    await tick(clock, times=20)  # 30 s of idle slots
+    assert reserved(h) > 0 and fake.active == 0
+    fake.prepare.set()  # the task now starts on its slot
+    await settle()
+    assert fake.active == 1
+    await tick(clock)  # seen running: the gateway closes the connection, the fake stops
+    assert fake.active == 0 and reserved(h) > 0
+    await tick(clock)  # seen ended
+    assert reserved(h) == 0
+
+
+async def test_answer_arriving_before_it_is_seen_releases_at_once(
     harness_factory: Any, fake: Any
 ) -> None:
     clock = ManualClock()
     h = await harness_factory(clock=clock)
-    fake.hold = asyncio.Event()
+    fake.hold, fake.hide_slots = asyncio.Event(), True
     await abandon(h, stream=False, max_tokens=100)
-    fake.slot_state.clear()  # as if it had never reached a slot, and nothing else runs
-    await tick(clock, times=IDLE_POLLS - 1)
+    await tick(clock, times=3)
     assert reserved(h) > 0
-    await tick(clock)
+    fake.hold.set()  # the backend finishes and sends the whole answer
+    await settle()
     assert reserved(h) == 0
 
 
-async def test_request_never_seen_beside_a_busy_slot_waits_for_the_confirm_timeout(
+async def test_connection_broken_before_it_was_seen_waits_for_the_confirm_timeout(
     harness_factory: Any, fake: Any
 ) -> None:
-    # Another slot decodes: llama-server may still hold this request in its task queue.
     clock = ManualClock()
     h = await harness_factory({"abandon_confirm_timeout_s": 30.0}, clock=clock)
-    fake.hold = asyncio.Event()
-    await abandon(h, stream=False, max_tokens=100)
-    fake.slot_state.clear()
-    fake.slot_state[3] = {"processing": True, "seed": 1, "n_predict": 5, "n_discard": 0}
+    fake.mode = "drop"  # the connection breaks; whether the task started is unknown
+    r = await h.chat("x", max_tokens=100)
+    assert r.status_code == 502
     await tick(clock, times=19)  # 28.5 s
     assert reserved(h) > 0
     await tick(clock, times=2)

@@ -70,10 +70,17 @@ class SideCalls:
         """Absolute upstream URL for ``path``."""
         return self.settings.url + path
 
-    async def get(self, path: str) -> httpx.Response:
+    async def get(self, path: str, *, timeout_s: float | None = None) -> httpx.Response:
         """``GET path``. Raises httpx transport errors (map them with
-        :func:`gateway.upstream.map_upstream_errors`)."""
-        return await self.client.get(self.url(path), timeout=self.timeout,
+        :func:`gateway.upstream.map_upstream_errors`).
+
+        :param timeout_s: a shorter read timeout for this call (seconds).
+        """
+        timeout = self.timeout
+        if timeout_s is not None:
+            timeout = httpx.Timeout(min(timeout_s, self.settings.read_timeout_s),
+                                    connect=self.settings.connect_timeout_s)
+        return await self.client.get(self.url(path), timeout=timeout,
                                      headers=self.settings.auth_headers)
 
     async def post(self, path: str, body: dict[str, Any]) -> httpx.Response:

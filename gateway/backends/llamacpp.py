@@ -44,6 +44,7 @@ CONTEXT_OVERFLOW_TEXT = "Context size has been exceeded"
 # llama-server's "no seed given": LLAMA_DEFAULT_SEED (0xFFFFFFFF) draws a random one; -1
 # in JSON reads as the same value (tools/server/server-schema.cpp, common/common.h).
 _RANDOM_SEED = 0xFFFFFFFF
+SLOTS_TIMEOUT_S = 5.0  # a /slots answer comes between two decode steps
 
 
 class LlamaCpp:
@@ -190,7 +191,8 @@ class LlamaCpp:
         :raises UpstreamError: any other failure or an answer of the wrong shape.
         """
         with map_upstream_errors(self.name):
-            resp = await self.side.get("/slots")
+            # A server shutting down can take a /slots request and never answer it.
+            resp = await self.side.get("/slots", timeout_s=SLOTS_TIMEOUT_S)
         if resp.status_code in (404, 501):
             raise SlotsUnsupported(self.name)
         try:

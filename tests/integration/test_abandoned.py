@@ -85,3 +85,28 @@ async def test_abandoned_non_stream_request_does_not_overflow_the_pool(
                 break
             await asyncio.sleep(0.1)
         assert gw.metric("gateway_kv_reserved_tokens") == 0
+
+
+async def test_request_abandoned_while_llama_server_builds_its_grammar(
+    default_server: LlamaServer,
+) -> None:
+    # A 1,500-property json_schema takes llama-server seconds to turn into a grammar, in
+    # its HTTP thread, before the task exists: /slots shows every slot idle meanwhile. The
+    # abandoned request must keep its reservation until it has run (second adversarial
+    # pass on issue 15: released early, it overflowed the pool beside the next request).
+    names = [f"p{i}" for i in range(1500)]
+    schema = {"type": "object", "properties": {n: {"type": "string"} for n in names},
+              "required": names}  # an answer that runs to its cap
+    # How the two interleave depends on the machine's load: on a quiet one llama-server
+    # often cancels X itself before Y starts. tests/test_slotwatch.py holds the
+    # deterministic version (a fake that shows idle slots while X is being prepared).
+    x = {"prompt": "alpha " * 1099, "max_tokens": 900, "json_schema": schema}
+    y = {"prompt": "alpha " * 199, "max_tokens": 1800, "ignore_eos": True, "stream": True}
+    with GatewayThread({"url": default_server.url}) as gw:
+        url = gw.url + "/v1/completions"
+        await abandoned(url, x, after_s=0.5)
+        async with httpx.AsyncClient(timeout=600) as client:
+            events = await stream_events(client, url, y)
+        assert events[-1] == "[DONE]", events[-3:]
+        assert not any("error" in json.loads(e) for e in events[:-1])
+        assert gw.metric("gateway_upstream_errors_total", kind="context_overflow") == 0
