@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -13,6 +14,7 @@ from gateway.errors import RouteNotFound
 from gateway.pipeline import prepare_exchange
 from gateway.proxy import ProxyResponse
 from gateway.state import GatewayState
+from gateway.upstream import map_upstream_errors
 
 __all__ = ["register_routes"]
 
@@ -24,6 +26,39 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         exchange = await prepare_exchange(state, request, route)
         return ProxyResponse(exchange, client=state.client, metrics=state.metrics,
                              clock=state.clock)
+
+    @app.post("/api/chat")
+    async def ollama_chat(request: Request) -> Response:
+        return await handle(request, "ollama_chat")
+
+    @app.post("/api/generate")
+    async def ollama_generate(request: Request) -> Response:
+        return await handle(request, "ollama_generate")
+
+    async def passthrough(request: Request) -> Response:
+        """Ollama's listing routes, relayed unchanged to the first Ollama backend (or the
+        one a ``model`` names), so that Ollama-aware clients and UIs can list models."""
+        body = await request.body() if request.method == "POST" else b""
+        model = None
+        if body:
+            try:
+                model = json.loads(body).get("model")
+            except (ValueError, AttributeError):
+                model = None
+        backend = state.pick_backend(model, "ollama")
+        with map_upstream_errors(backend.name):
+            resp = await state.client.request(
+                request.method, backend.url(request.url.path), content=body or None,
+                headers={"content-type": "application/json",
+                         **backend.settings.auth_headers},
+                timeout=backend.timeout)
+        request.state.backend = backend.name
+        return Response(resp.content, resp.status_code,
+                        media_type=resp.headers.get("content-type", "application/json"))
+
+    for path in ("/api/tags", "/api/version", "/api/ps"):
+        app.add_api_route(path, passthrough, methods=["GET"])
+    app.add_api_route("/api/show", passthrough, methods=["POST"])
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

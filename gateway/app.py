@@ -21,7 +21,7 @@ from gateway.admission import Clock, MonotonicClock
 from gateway.api import register_routes
 from gateway.backends import SIDE_CONNECTIONS
 from gateway.config import Settings
-from gateway.errors import GatewayError, render
+from gateway.errors import GatewayError, render, shape_of
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestAccounting
 from gateway.state import GatewayState
@@ -104,7 +104,7 @@ def create_app(
         backend = getattr(request.state, "backend", "none")
         if exc.rejection_reason:
             state.metrics.rejections.labels(backend, exc.rejection_reason).inc()
-        status, headers, body = render(exc)
+        status, headers, body = render(exc, shape_of(request.url.path))
         raw = {k.decode(): v.decode() for k, v in headers if k != b"content-length"}
         return Response(body, status, headers=raw)
 

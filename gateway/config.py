@@ -57,9 +57,10 @@ OverlongPolicy = CapPolicy
 
 
 class BackendKind(StrEnum):
-    """The kind of server behind a backend entry. Only llama.cpp is implemented."""
+    """The kind of server behind a backend entry (one module each in gateway/backends)."""
 
     llama_cpp = "llama.cpp"
+    ollama = "ollama"
 
 
 class _Strict(BaseModel):

@@ -53,7 +53,9 @@ __all__ = [
     "UpstreamUnavailable",
     "RouteNotFound",
     "error_body",
+    "ndjson_error_line",
     "render",
+    "shape_of",
     "reshape_upstream_error",
     "error_headers",
     "sse_error_event",
@@ -295,17 +297,33 @@ def reshape_upstream_error(status: int, err: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def render(exc: GatewayError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+def render(exc: GatewayError, shape: str = "openai"
+           ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """The one rendering of an error answer: status, raw headers and the JSON body.
 
+    :param shape: ``"openai"`` (``{"error": {message, type, param, code}}``) or
+        ``"ollama"`` (``{"error": "message"}``, as Ollama's native API answers,
+        ``api/types.go`` ``StatusError``).
+
     Every error the gateway answers before a response has started goes through here
-    (after that, :func:`sse_error_event`).
+    (after that, :func:`sse_error_event` or :func:`ndjson_error_line`).
     """
-    body = json.dumps(error_body(exc), separators=(",", ":")).encode()
+    payload = {"error": exc.message} if shape == "ollama" else error_body(exc)
+    body = json.dumps(payload, separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json")]
     headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc).items()]
     headers.append((b"content-length", str(len(body)).encode()))
     return exc.status_code, headers, body
+
+
+def shape_of(path: str) -> str:
+    """The error shape of a request path: Ollama's native API under ``/api/``."""
+    return "ollama" if path.startswith("/api/") else "openai"
+
+
+def ndjson_error_line(exc: GatewayError) -> bytes:
+    """The final line of an Ollama NDJSON stream that failed: ``{"error": "..."}``."""
+    return json.dumps({"error": exc.message}, separators=(",", ":")).encode() + b"\n"
 
 
 def sse_error_event(exc: GatewayError) -> bytes:

@@ -18,6 +18,7 @@ __all__ = ["GatewayMetrics"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+_ERROR_BUCKETS = (-0.5, -0.2, -0.1, -0.05, -0.02, 0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
 _TOKEN_BUCKETS = (
     16, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384,
     24576, 32768, 49152, 65536, 131072,
@@ -142,5 +143,17 @@ class GatewayMetrics:
             "gateway_request_tokens",
             "KV tokens a request really used: prompt + completion (backend usage).",
             ["backend"], buckets=_TOKEN_BUCKETS, registry=registry,
+        )
+        self.estimate_error = Histogram(
+            "gateway_prompt_estimate_error_ratio",
+            "Relative error of a local prompt estimate against the backend's count: "
+            "(charged - reported) / reported; negative means under-counted.",
+            ["backend"], buckets=_ERROR_BUCKETS, registry=registry,
+        )
+        self.suspected_truncations = Counter(
+            "gateway_suspected_truncations",
+            "Requests whose reported prompt count was under half the gateway's estimate "
+            "(the backend probably dropped part of the prompt).",
+            ["backend"], registry=registry,
         )
         registry.register(_AdmissionCollector(stats_source))

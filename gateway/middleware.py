@@ -21,7 +21,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import GatewayError, HeadersTooLarge, render
+from gateway.errors import GatewayError, HeadersTooLarge, render, shape_of
 from gateway.metrics import GatewayMetrics
 
 __all__ = ["MAX_HEADERS", "MAX_HEADER_BYTES", "RequestAccounting", "error_messages",
@@ -35,6 +35,7 @@ MAX_HEADER_BYTES = 16 * 1024  # names + values, all headers together
 _ROUTES = {
     "/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models",
     "/health": "health", "/ready": "ready", "/metrics": "metrics",
+    "/api/chat": "ollama_chat", "/api/generate": "ollama_generate",
 }
 
 
@@ -43,9 +44,9 @@ def route_of(path: str) -> str:
     return _ROUTES.get(path, "other")
 
 
-def error_messages(exc: GatewayError) -> tuple[Message, Message]:
-    """The two ASGI messages of an OpenAI-style JSON error response."""
-    status, headers, body = render(exc)
+def error_messages(exc: GatewayError, shape: str = "openai") -> tuple[Message, Message]:
+    """The two ASGI messages of a JSON error response (``shape``: see :func:`render`)."""
+    status, headers, body = render(exc, shape)
     return (
         {"type": "http.response.start", "status": status, "headers": headers},
         {"type": "http.response.body", "body": body},
@@ -93,7 +94,7 @@ class RequestAccounting:
             await self.app(scope, receive, tracking_send)
         except GatewayError as exc:
             if not status:
-                for message in error_messages(exc):
+                for message in error_messages(exc, shape_of(scope["path"])):
                     await tracking_send(message)
         except ClientDisconnect:
             log.info("client left while sending its body (%s)", scope.get("path"))
@@ -102,7 +103,7 @@ class RequestAccounting:
             if not status:
                 for message in error_messages(_InternalError(
                     "The gateway failed on this request; the error is in its log."
-                )):
+                ), shape_of(scope["path"])):
                     await tracking_send(message)
         finally:
             final = state.get("final_status") or status or 499

@@ -15,9 +15,14 @@ from gateway.proxy import Exchange
 from gateway.state import GatewayState
 from gateway.target import Target
 from gateway.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
-from gateway.validation import ParsedRequest, check_content_type, parse_body
+from gateway.validation import (
+    ParsedRequest,
+    check_content_type,
+    parse_body,
+    parse_ollama_body,
+)
 
-__all__ = ["count_prompt", "prepare_exchange", "read_body"]
+__all__ = ["count_prompt", "estimate_prompt", "prepare_exchange", "read_body"]
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -38,19 +43,30 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _estimate(state: GatewayState, req: ParsedRequest) -> int:
-    margin = state.settings.admission.estimate_margin
+async def _estimate(req: ParsedRequest, margin: float) -> int:
     if req.route == "chat":
         text, messages = chat_text(req.body)
-        return await estimate_tokens(text, messages=messages, margin=margin)
-    counts = [len(p) if isinstance(p, tuple) else await estimate_tokens(p, margin=margin)
-              for p in req.prompts]
-    return max(counts)
+        counted = await estimate_tokens(text, messages=messages, margin=margin)
+    else:
+        counted = max([len(p) if isinstance(p, tuple) else
+                       await estimate_tokens(p, margin=margin) for p in req.prompts])
+    return counted + req.extra_prompt_tokens
 
 
-async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest) -> int:
+async def estimate_prompt(state: GatewayState, backend: Target, req: ParsedRequest
+                          ) -> tuple[int, int]:
+    """A local estimate of the prompt tokens, as (charged, raw): raw with no margin, and
+    charged with the backend's factor for the model (the configured
+    ``estimate_margin``, or a calibrated one; see :mod:`gateway.backends.ollama`)."""
+    model = str(req.body.get("model") or "")
+    factor = backend.dialect.estimate_factor(model, state.settings.admission.estimate_margin)
+    return await _estimate(req, factor), await _estimate(req, 1.0)
+
+
+async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest
+                       ) -> tuple[int, int | None]:
     """Prompt tokens as the backend counts them (the longest prompt of a batch), else a
-    local estimate.
+    local estimate; as (charged, raw estimate or ``None`` when counted exactly).
 
     :raises InvalidRequest: the backend refused the body as a client error (4xx).
     :raises UpstreamUnavailable: the backend cannot be reached (counted as ``connect``).
@@ -69,20 +85,21 @@ async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest)
         if kind == "connect":
             state.metrics.upstream_errors.labels(backend.name, kind).inc()
         raise
-    source = "backend"
+    raw = None
     if counted is None:
-        source, counted = "estimate", await _estimate(state, req)
+        counted, raw = await estimate_prompt(state, backend, req)
+    source = "backend" if raw is None else "estimate"
     state.metrics.token_count_source.labels(backend.name, source).inc()
-    return counted
+    return counted, raw
 
 
 def _prompt_floor(req: ParsedRequest) -> int:
     """Tokens the prompt has at least, from its size alone (no backend call)."""
     if req.route == "completions":
-        ids = [len(p) for p in req.prompts if isinstance(p, tuple)]
+        ids = [len(p) + req.extra_prompt_tokens for p in req.prompts if isinstance(p, tuple)]
         texts = [p for p in req.prompts if isinstance(p, str)]
         return max([tokens_at_least(texts), *ids])
-    texts = [t for message in req.body["messages"] for t in content_texts(message)]
+    texts = [t for message in req.body.get("messages") or [] for t in content_texts(message)]
     return tokens_at_least(["".join(texts)])
 
 
@@ -106,7 +123,8 @@ def _require_ready(backend: Target) -> None:
 
 
 async def prepare_exchange(state: GatewayState, request: Request, route: str) -> Exchange:
-    """Run the pipeline for one request on ``route`` (``chat`` or ``completions``).
+    """Run the pipeline for one request on ``route``: ``chat`` or ``completions`` (the
+    OpenAI API), ``ollama_chat`` or ``ollama_generate`` (Ollama's native API).
 
     :raises GatewayError: the first step that refuses the request (4xx for the client's
         mistakes, 503 when the backend is not ready or its queue is full).
@@ -116,8 +134,13 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
     _count_sdk_retry(state, request)
     check_content_type(request.headers.get("content-type"),
                        request.headers.get("content-encoding"))
-    req = parse_body(route, await read_body(request, state.settings.server.max_body_bytes))
-    backend = state.pick_backend(req.body.get("model"))
+    raw = await read_body(request, state.settings.server.max_body_bytes)
+    native = route.startswith("ollama_")
+    if native:
+        req = parse_ollama_body("chat" if route == "ollama_chat" else "completions", raw)
+    else:
+        req = parse_body(route, raw)
+    backend = state.pick_backend(req.body.get("model"), "ollama" if native else None)
     request.state.backend = backend.name
     _require_ready(backend)
     layout = backend.layout
@@ -131,7 +154,7 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
             f"{layout.ctx_per_slot} tokens holds. Shorten the prompt.",
             param="messages" if route == "chat" else "prompt",
         )
-    prompt_tokens = await count_prompt(state, backend, req)
+    prompt_tokens, raw_estimate = await count_prompt(state, backend, req)
     admission = state.settings.admission
     batch = max(1, len(req.prompts))
     charge = plan_charge(
@@ -151,5 +174,6 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         backend=backend, route=route, body=body, charge=charge, stream=req.stream,
         started=started, headers=list(request.headers.raw),
         client_wants_usage=bool(options.get("include_usage")),
-        extra_headers=extra, tag=tag, prompts=batch,
+        extra_headers=extra, tag=tag, prompts=batch, api=req.api,
+        raw_estimate=raw_estimate,
     )

@@ -31,6 +31,7 @@ from gateway.errors import (
     ClientDisconnected,
     GatewayError,
     UpstreamError,
+    ndjson_error_line,
     reshape_upstream_error,
     sse_error_event,
 )
@@ -55,6 +56,7 @@ _FORWARD_REQUEST_HEADERS = {
 }
 # Upstream response headers relayed on whole (non-SSE) answers.
 _PASS_RESPONSE_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
+_NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"x-accel-buffering", b"no")]
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -73,6 +75,10 @@ class Exchange:
     :param tag: the ``(param, value)`` the gateway added to identify the request
         upstream, or ``None`` (:mod:`gateway.slotwatch`).
     :param prompts: prompts in the body (a completions batch has several).
+    :param api: ``"openai"``, or ``"ollama"`` for Ollama's native routes (errors then
+        take Ollama's ``{"error": "..."}`` shape, and streams are NDJSON).
+    :param raw_estimate: the local prompt estimate with no margin, when the backend
+        could not count (compared with the count the backend reports, to calibrate).
     """
 
     backend: Target
@@ -87,6 +93,8 @@ class Exchange:
     status: int = 0
     tag: tuple[str, int] | None = None
     prompts: int = 1
+    api: str = "openai"
+    raw_estimate: int | None = None
 
 
 class ProxyResponse(Response):
@@ -121,7 +129,7 @@ class ProxyResponse(Response):
             self.metrics.duration.labels(name).observe(self.clock.now() - x.started)
 
     async def _send_error(self, send: Send, exc: GatewayError) -> None:
-        start, body = error_messages(exc)
+        start, body = error_messages(exc, self.x.api)
         self.x.status = exc.status_code
         await send(start)
         await send(body)
@@ -211,9 +219,11 @@ class ProxyResponse(Response):
         self._launched = True
         self._done = self._done or not x.stream
         try:
-            is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-            if x.stream and is_sse and resp.status_code < 400:
-                await watcher.race(self._relay_stream(send, resp))
+            ctype = resp.headers.get("content-type", "")
+            ndjson = ctype.startswith("application/x-ndjson")
+            if x.stream and resp.status_code < 400 and (
+                    ctype.startswith("text/event-stream") or ndjson):
+                await watcher.race(self._relay_stream(send, resp, ndjson=ndjson))
             else:
                 await self._relay_whole(watcher, send, resp)
         finally:
@@ -251,7 +261,8 @@ class ProxyResponse(Response):
                     x.backend.upstream_failed(kind)
                 await self._send_error(send, exc)
                 return
-            body = _reshaped(resp.status_code, body)
+            if x.api == "openai":
+                body = _reshaped(resp.status_code, body)
         else:
             self._record_usage(await _usage_of(body))
         await self._send_whole(send, resp, body)
@@ -287,41 +298,90 @@ class ProxyResponse(Response):
                         "backend %s counted %d prompt tokens, the gateway charged %d",
                         name, reported, prompt,
                     )
+                self._calibrate(reported)
                 prompt = reported
         self.metrics.prompt_tokens.labels(name).observe(prompt)
         if isinstance(completion, int):
             self.metrics.request_tokens.labels(name).observe(prompt + completion)
 
-    async def _relay_stream(self, send: Send, resp: httpx.Response) -> None:
+    def _calibrate(self, reported: int) -> None:
+        """Compare a locally estimated prompt with the backend's count of it."""
+        x = self.x
+        if x.raw_estimate is None or reported <= 0:
+            return
+        name = x.backend.name
+        self.metrics.estimate_error.labels(name).observe(
+            (x.charge.prompt_tokens - reported) / reported)
+        if x.backend.dialect.observe(str(x.body.get("model") or ""), x.raw_estimate,
+                                     reported):
+            self.metrics.suspected_truncations.labels(name).inc()
+
+    async def _relay_stream(self, send: Send, resp: httpx.Response, *, ndjson: bool = False
+                            ) -> None:
+        """Relay an SSE stream (or, ``ndjson``, Ollama's newline-delimited JSON) event by
+        event; a failure after the start becomes one final error event or line."""
         x, m, name = self.x, self.metrics, self.x.backend.name
         x.status = resp.status_code
+        headers = _NDJSON_HEADERS if ndjson else _SSE_HEADERS
         await send({
             "type": "http.response.start", "status": resp.status_code,
-            "headers": _SSE_HEADERS + x.extra_headers,
+            "headers": headers + x.extra_headers,
         })
-        splitter = EventSplitter()
+        splitter = EventSplitter(lines=ndjson)
+        inspect = self._inspect_line if ndjson else self._inspect_event
+        final = ndjson_error_line if ndjson else sse_error_event
         state = _StreamState()
         try:
             with map_upstream_errors(name):
                 async for chunk in resp.aiter_raw():
                     for raw in splitter.feed(chunk):
-                        if self._inspect_event(raw, state):
+                        if inspect(raw, state):
                             await send(_body(raw))
         except EventTooLarge as too_large:
             m.upstream_errors.labels(name, "stream_aborted").inc()
-            await send(_body(sse_error_event(UpstreamError(
+            await send(_body(final(UpstreamError(
                 f"Backend {name!r} sent an event too large to relay: {too_large}."))))
         except GatewayError as exc:
             m.upstream_errors.labels(name, _failure_kind(exc)).inc()
-            await send(_body(sse_error_event(exc)))
+            await send(_body(final(exc)))
         else:
             self._done = True
             if not state.done and not state.errored:
                 m.upstream_errors.labels(name, "stream_aborted").inc()
                 exc2 = UpstreamError(f"Backend {name!r} closed the stream before it finished.")
-                await send(_body(sse_error_event(exc2)))
+                await send(_body(final(exc2)))
         self._record_usage(state.usage)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _inspect_line(self, raw: bytes, state: _StreamState) -> bool:
+        """Update metrics from one NDJSON line of an Ollama stream (``api/types.go``
+        ``ChatResponse``/``GenerateResponse``); every line is relayed."""
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            return True
+        if not isinstance(obj, dict):
+            return True
+        if "error" in obj:
+            state.errored = True
+            self.metrics.upstream_errors.labels(self.x.backend.name, "stream_aborted").inc()
+            return True
+        message = obj.get("message") if isinstance(obj.get("message"), dict) else {}
+        if obj.get("response") or message.get("content") or message.get("thinking"):
+            self._token_seen(state)
+        if obj.get("done") is True:
+            state.done = True
+            state.usage = _native_usage(obj)
+        return True
+
+    def _token_seen(self, state: _StreamState) -> None:
+        now = self.clock.now()
+        name = self.x.backend.name
+        if state.last_token is None:
+            self.metrics.ttft.labels(name).observe(now - self.x.started)
+        else:
+            self.metrics.itl.labels(name).observe(now - state.last_token)
+        state.last_token = now
 
     def _inspect_event(self, raw: bytes, state: _StreamState) -> bool:
         """Update metrics from one event; return False to drop it (unrequested usage)."""
@@ -350,13 +410,7 @@ class ProxyResponse(Response):
             state.usage = obj["usage"]
         choices = obj.get("choices")
         if _has_token(choices):
-            now = self.clock.now()
-            name = self.x.backend.name
-            if state.last_token is None:
-                self.metrics.ttft.labels(name).observe(now - self.x.started)
-            else:
-                self.metrics.itl.labels(name).observe(now - state.last_token)
-            state.last_token = now
+            self._token_seen(state)
         if choices == [] and state.usage is obj.get("usage") and not self.x.client_wants_usage:
             return False
         return True
@@ -393,13 +447,28 @@ async def _usage_of(body: bytes) -> Any:
 
     def parse() -> Any:
         try:
-            return json.loads(body).get("usage")
+            data = json.loads(body)
+            return data.get("usage") or _native_usage(data)
         except (ValueError, AttributeError, RecursionError):
             return None
 
     if len(body) > _THREAD_PARSE_BYTES:
         return await anyio.to_thread.run_sync(parse)
     return parse()
+
+
+def _native_usage(obj: dict[str, Any]) -> dict[str, int] | None:
+    """Ollama's final counts as OpenAI usage: ``prompt_eval_count`` (cached prompt tokens
+    included, ``llm/llama_server.go``) and ``eval_count``."""
+    prompt, completion = obj.get("prompt_eval_count"), obj.get("eval_count")
+    if not isinstance(prompt, int) and not isinstance(completion, int):
+        return None
+    usage = {}
+    if isinstance(prompt, int):
+        usage["prompt_tokens"] = prompt
+    if isinstance(completion, int):
+        usage["completion_tokens"] = completion
+    return usage
 
 
 @dataclass

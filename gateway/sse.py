@@ -14,6 +14,7 @@ import re
 __all__ = ["EventSplitter", "EventTooLarge", "event_data"]
 
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_NEWLINE = re.compile(rb"\n")
 _LINE = re.compile(rb"\r\n|\n|\r")
 
 
@@ -29,9 +30,12 @@ class EventSplitter:
 
     :param max_event_bytes: largest event accepted; a longer one raises
         :class:`EventTooLarge` so that one response cannot hold unbounded memory.
+    :param lines: split newline-delimited JSON (Ollama's native streams) into lines
+        instead of SSE events.
     """
 
-    def __init__(self, max_event_bytes: int = 8 * 1024 * 1024) -> None:
+    def __init__(self, max_event_bytes: int = 8 * 1024 * 1024, *, lines: bool = False) -> None:
+        self._boundary = _NEWLINE if lines else _BOUNDARY
         self._buffer = bytearray()
         self._scanned = 0  # bytes of the buffer already searched for a boundary
         self._max = max_event_bytes
@@ -45,7 +49,7 @@ class EventSplitter:
         events: list[bytes] = []
         start = 0
         pos = max(0, self._scanned - 3)
-        while (match := _BOUNDARY.search(self._buffer, pos)) is not None:
+        while (match := self._boundary.search(self._buffer, pos)) is not None:
             events.append(bytes(self._buffer[start : match.end()]))
             start = pos = match.end()
         if start:

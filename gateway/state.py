@@ -10,6 +10,7 @@ import httpx
 
 from gateway.admission import AdmissionStats, Clock
 from gateway.config import Settings
+from gateway.errors import RouteNotFound
 from gateway.metrics import GatewayMetrics
 from gateway.target import Target
 
@@ -32,8 +33,17 @@ class GatewayState:
         for name, backend in self.backends.items():
             yield name, backend.stats(), backend.ready
 
-    def pick_backend(self, model: object) -> Target:
-        """The backend named like ``model``, else the first configured one."""
-        if isinstance(model, str) and model in self.backends:
-            return self.backends[model]
-        return next(iter(self.backends.values()))
+    def pick_backend(self, model: object, kind: str | None = None) -> Target:
+        """The backend named like ``model``, else the first configured one (of ``kind``,
+        when given).
+
+        :raises RouteNotFound: no backend of ``kind`` is configured (404).
+        """
+        named = self.backends.get(model) if isinstance(model, str) else None
+        if named is not None and (kind is None or named.kind == kind):
+            return named
+        for backend in self.backends.values():
+            if kind is None or backend.kind == kind:
+                return backend
+        raise RouteNotFound(f"This route needs a backend of kind {kind!r}; none is "
+                            "configured.")

@@ -49,7 +49,7 @@ class Target:
         self.settings = settings
         self.name = settings.name
         self.kind = settings.kind.value
-        self.dialect: BackendKind = dialect or kind_class(self.kind)(
+        self.dialect: BackendKind = dialect or kind_class(self.kind)(  # type: ignore[call-arg]
             settings, SideCalls(settings, side_client))
         self.clock = clock or MonotonicClock()
         self.reachable = False
@@ -187,7 +187,7 @@ class Target:
         ctx = s.ctx_per_slot or (found.ctx_per_slot if found else None)
         if slots is None or ctx is None:
             return None
-        if not s.kv_unified:
+        if not s.kv_unified or not self.dialect.unified_pool:
             return Layout(slots, ctx)
         pool = max(ctx, (s.pool_tokens or ctx) - self._pool_penalty)
         return Layout(slots, ctx, pool_tokens=pool)

@@ -19,7 +19,7 @@ from typing import Any
 
 from gateway.errors import InvalidRequest, UnsupportedMediaType
 
-__all__ = ["ParsedRequest", "check_content_type", "parse_body"]
+__all__ = ["ParsedRequest", "check_content_type", "parse_body", "parse_ollama_body"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's documented maximum for top_logprobs
 MAX_N_PROBS = 100  # llama-server n_probs; each adds an entry to every token event
@@ -57,6 +57,10 @@ class ParsedRequest:
     :param stream: whether SSE streaming was requested.
     :param cap_field: which field gave ``max_tokens`` (for error messages).
     :param prompts: for completions, the prompts (one, or a batch); empty for chat.
+    :param api: ``"openai"``, or ``"ollama"`` for Ollama's native ``/api/chat`` and
+        ``/api/generate`` (then ``route`` is ``chat`` or ``completions``).
+    :param extra_prompt_tokens: prompt tokens given as ids besides the text (Ollama's
+        ``context`` array on ``/api/generate``).
     """
 
     route: str
@@ -66,6 +70,8 @@ class ParsedRequest:
     stream: bool
     cap_field: str = "max_tokens"
     prompts: tuple[str | tuple[int, ...], ...] = ()
+    api: str = "openai"
+    extra_prompt_tokens: int = 0
 
 
 def check_content_type(value: str | None, encoding: str | None = None) -> None:
@@ -300,4 +306,68 @@ def parse_body(route: str, raw: bytes) -> ParsedRequest:
     return ParsedRequest(
         route=route, body=body, max_tokens=max_tokens, n=n or 1,
         stream=bool(body.get("stream")), cap_field=cap_field, prompts=prompts,
+    )
+
+
+def _ollama_messages(body: dict[str, Any]) -> None:
+    messages = body.get("messages")
+    if messages is None:
+        return  # a request with no messages only loads the model
+    if not isinstance(messages, list):
+        raise InvalidRequest("messages must be an array.", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(f"messages[{i}] must be an object with a string role.",
+                                 param=f"messages[{i}]")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}].content must be a string.",
+                                 param=f"messages[{i}].content")
+
+
+def parse_ollama_body(route: str, raw: bytes) -> ParsedRequest:
+    """Decode and validate a body of Ollama's native API (``api/types.go``:
+    ``ChatRequest`` for ``route == "chat"``, ``GenerateRequest`` for ``"completions"``).
+
+    The cap is ``options.num_predict`` (``-1``/``-2``, "no limit"/"fill the context",
+    count as none); ``stream`` defaults to true, as in Ollama. On ``/api/generate`` the
+    ``system`` text joins the prompt and a ``context`` array of token ids adds its length.
+
+    :raises InvalidRequest: as :func:`parse_body`, for Ollama's fields.
+    """
+    body = _decode(raw)
+    if not isinstance(body, dict):
+        raise InvalidRequest("The body must be a JSON object.")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise InvalidRequest("model is required.", param="model")
+    options = body.get("options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidRequest("options must be an object.", param="options")
+    options = options or {}
+    for key, kind in (("stream", bool), ("truncate", bool), ("raw", bool)):
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            raise InvalidRequest(f"{key} has the wrong type: {body[key]!r}.", param=key)
+    _check_sampling(options, "chat")
+    num_predict = _int_field(options, "num_predict", -2, INT32[1])
+    _int_field(options, "num_ctx", 1, INT32[1])
+    prompts: tuple[str | tuple[int, ...], ...] = ()
+    context_tokens = 0
+    if route == "chat":
+        _ollama_messages(body)
+    else:
+        prompt, system = body.get("prompt", ""), body.get("system", "")
+        if not isinstance(prompt, str) or not isinstance(system, str):
+            raise InvalidRequest("prompt and system must be strings.", param="prompt")
+        context = body.get("context")
+        if context is not None:
+            if not isinstance(context, list) or _token_ids(context) is None and context:
+                raise InvalidRequest("context must be an array of token ids.",
+                                     param="context")
+            context_tokens = len(context)
+        prompts = ("\n".join(t for t in (system, prompt) if t) or " ",)
+    return ParsedRequest(
+        route=route, body=body, max_tokens=None if num_predict in (None, -1, -2, 0)
+        else num_predict, n=1, stream=body.get("stream") is not False,
+        cap_field="options.num_predict", prompts=prompts, api="ollama",
+        extra_prompt_tokens=context_tokens,
     )

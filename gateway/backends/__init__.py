@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from gateway.backends.base import SIDE_CONNECTIONS, BackendKind, Discovered, SideCalls
 from gateway.backends.llamacpp import LlamaCpp
+from gateway.backends.ollama import Ollama
 
 __all__ = ["KINDS", "SIDE_CONNECTIONS", "BackendKind", "Discovered", "SideCalls", "kind_class"]
 
-KINDS: dict[str, type[LlamaCpp]] = {LlamaCpp.kind: LlamaCpp}
+KINDS: dict[str, type[BackendKind]] = {LlamaCpp.kind: LlamaCpp, Ollama.kind: Ollama}
 
 
-def kind_class(kind: str) -> type[LlamaCpp]:
+def kind_class(kind: str) -> type[BackendKind]:
     """The class of backend ``kind``.
 
     :raises ValueError: an unknown kind; the message names the valid ones.

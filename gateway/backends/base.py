@@ -98,6 +98,8 @@ class BackendKind(Protocol):
 
     kind: ClassVar[str]
     route_paths: ClassVar[Mapping[str, str]]
+    unified_pool: ClassVar[bool]  # its slots may share one KV pool (kv_unified applies)
+    counts_exactly: ClassVar[bool]  # count_prompt is the server's own count
 
     async def discover(self) -> Discovered:
         """Read the server's capacity. Raises :class:`GatewayError` when it cannot."""
@@ -105,6 +107,15 @@ class BackendKind(Protocol):
 
     async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:
         """Prompt tokens as the server counts them, or ``None`` to estimate."""
+        ...
+
+    def estimate_factor(self, model: str, margin: float) -> float:
+        """The multiplier on a raw local estimate for ``model`` (``margin`` by default)."""
+        ...
+
+    def observe(self, model: str, raw_estimate: int, reported: int) -> bool:
+        """Learn from a finished request's reported prompt count; True when it suggests
+        the server truncated the prompt."""
         ...
 
     def check_request(self, req: ParsedRequest) -> None:

@@ -58,6 +58,9 @@ class LlamaCpp:
     route_paths: ClassVar[dict[str, str]] = {
         "chat": "/v1/chat/completions", "completions": "/v1/completions",
     }
+    unified_pool: ClassVar[bool] = True  # -np unset, or --kv-unified
+    default_slots: ClassVar[int | None] = None  # always discovered from /props
+    counts_exactly: ClassVar[bool] = True
 
     def __init__(self, settings: Any, side: SideCalls) -> None:
         self.name = settings.name
@@ -277,6 +280,14 @@ class LlamaCpp:
         if resp.status_code != 200:
             return self._refused(resp)
         return len(resp.json()["tokens"])
+
+    def estimate_factor(self, model: str, margin: float) -> float:
+        """The multiplier on a local estimate, used only when counting failed: ``margin``."""
+        return margin
+
+    def observe(self, model: str, raw_estimate: int, reported: int) -> bool:
+        """Nothing to calibrate: llama-server counts exactly. Never a truncation."""
+        return False
 
     # -- errors ------------------------------------------------------------------------
 
