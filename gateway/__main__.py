@@ -39,6 +39,12 @@ def _check(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
     print(json.dumps(settings.model_dump(mode="json"), indent=2))  # noqa: T201
     for backend in settings.backends:
+        if backend.kind == "ollama":
+            ctx = (f"ctx_per_slot = {backend.ctx_per_slot}" if backend.ctx_per_slot
+                   else "4096 (Ollama's default; set ctx_per_slot)")
+            print(f"backend {backend.name}: Ollama shows its parallel count nowhere: slots = "  # noqa: T201
+                  f"{backend.slots or 1} (OLLAMA_NUM_PARALLEL); a slot's context is read "
+                  f"from /api/ps while a model is loaded, else {ctx}", file=sys.stderr)
         if backend.api_key is not None:
             source = f"from {backend.api_key_file}" if backend.api_key_file else "inline"
             print(f"backend {backend.name}: an API key ({source}) is sent as "  # noqa: T201

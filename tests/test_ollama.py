@@ -1,0 +1,240 @@
+"""The gateway in front of Ollama (``kind = "ollama"``), against the fake in
+tests/fake_ollama.py: Ollama cannot run on these machines. Shared cases P03, P05 and
+P10 (Ollama's unbounded wait, silent truncation, busy 503) are here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.app import create_app
+from gateway.backends.ollama import Calibration
+from gateway.config import load_settings
+from tests.conftest import Harness
+from tests.fake_ollama import BUSY, FakeOllama
+
+pytestmark = pytest.mark.anyio
+MODEL = "llama3.2:1b"
+
+
+@pytest.fixture
+def ollama() -> FakeOllama:
+    return FakeOllama()
+
+
+@pytest.fixture
+async def make(ollama: FakeOllama) -> Any:
+    made: list[Harness] = []
+
+    async def build(admission: dict[str, Any] | None = None, **backend: Any) -> Harness:
+        settings = load_settings(
+            admission={"disconnect_grace_s": 0.0, **(admission or {})},
+            backends=[{"name": "ollama", "url": "http://ollama:11434", "kind": "ollama",
+                       **backend}])
+        app = create_app(settings, http_client=ollama.client(), registry=CollectorRegistry(),
+                         discover=False)
+        h = Harness(app, ollama)  # type: ignore[arg-type]
+        await app.state.gateway.backends["ollama"].discover()
+        made.append(h)
+        return h
+
+    yield build
+    for h in made:
+        await h.client.aclose()
+
+
+def ndjson(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def sample(h: Harness, name: str, **labels: str) -> float:
+    value = h.registry.get_sample_value(name, {"backend": "ollama", **labels})
+    return 0.0 if value is None else value
+
+
+async def test_discovery_reads_the_loaded_context_and_configured_slots(make: Any) -> None:
+    h = await make(slots=2)
+    ready = (await h.client.get("/ready")).json()["backends"]["ollama"]
+    assert (ready["kind"], ready["slots"], ready["ctx_per_slot"]) == ("ollama", 2, 4096)
+    assert ready["kv_unified"] is False and ready["capacity_tokens"] == 8192
+
+
+async def test_unloaded_model_uses_the_configured_context(make: Any, ollama: FakeOllama
+                                                          ) -> None:
+    ollama.loaded = False
+    h = await make(ctx_per_slot=2048)
+    assert h.state.backends["ollama"].layout.ctx_per_slot == 2048
+
+
+async def test_native_chat_streams_ndjson_with_the_cap_and_truncate_false(
+    make: Any, ollama: FakeOllama
+) -> None:
+    h = await make()
+    r = await h.client.post("/api/chat", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Why is the sky blue?"}],
+        "options": {"num_predict": 3}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+    lines = ndjson(r.text)
+    assert [x["message"]["content"] for x in lines[:-1]] == ["t0 ", "t1 ", "t2 "]
+    assert lines[-1]["done"] is True and lines[-1]["eval_count"] == 3
+    sent = ollama.generations[-1]
+    assert sent["options"]["num_predict"] == 3 and sent["truncate"] is False
+    assert sample(h, "gateway_completion_tokens_sum") == 3
+    assert sample(h, "gateway_ttft_seconds_count") == 1
+    assert sample(h, "gateway_token_count_source_total", source="estimate") == 1
+
+
+async def test_native_generate_whole_answer_and_default_cap(make: Any, ollama: FakeOllama
+                                                            ) -> None:
+    h = await make({"default_max_tokens": 4})
+    r = await h.client.post("/api/generate", json={"model": MODEL, "prompt": "Hello there",
+                                                   "stream": False})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["done"] is True and body["response"] == "tok tok tok tok "
+    assert ollama.generations[-1]["options"]["num_predict"] == 4
+
+
+async def test_openai_routes_go_through_ollama_v1(make: Any, ollama: FakeOllama) -> None:
+    h = await make()
+    r = await h.client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert ollama.generations[-1]["max_tokens"] == 2
+    assert "id_slot" not in ollama.generations[-1] and "n_discard" not in ollama.generations[-1]
+
+
+async def test_listing_routes_pass_through(make: Any) -> None:
+    h = await make()
+    assert (await h.client.get("/api/tags")).json()["models"][0]["name"] == MODEL
+    assert (await h.client.get("/api/version")).json()["version"] == "0.33.0"
+    assert (await h.client.get("/api/ps")).json()["models"][0]["context_length"] == 4096
+    show = await h.client.post("/api/show", json={"model": MODEL})
+    assert show.json()["model_info"]["general.architecture"] == "llama"
+
+
+async def test_p03_one_slot_means_one_at_a_time_and_a_bounded_queue(
+    make: Any, ollama: FakeOllama
+) -> None:
+    # Ollama waits on an unbounded semaphore for a loaded model; the gateway sends it one
+    # request per slot and bounds the wait.
+    ollama.hold = asyncio.Event()
+    h = await make({"max_queue": 1})
+    body = {"model": MODEL, "prompt": "x", "stream": False}
+    first = asyncio.ensure_future(h.client.post("/api/generate", json=body))
+    second = asyncio.ensure_future(h.client.post("/api/generate", json=body))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    third = await h.client.post("/api/generate", json=body)
+    assert third.status_code == 503 and "queue for this backend is full" in third.json()["error"]
+    assert "retry-after" in third.headers
+    ollama.hold.set()
+    assert [r.status_code for r in await asyncio.gather(first, second)] == [200, 200]
+    assert ollama.peak == 1
+
+
+async def test_p10_busy_503_keeps_retry_after_and_the_native_error_shape(
+    make: Any, ollama: FakeOllama
+) -> None:
+    h = await make()
+    ollama.mode = "busy"
+    r = await h.client.post("/api/chat", json={"model": MODEL, "stream": False,
+                                               "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 503 and BUSY in r.json()["error"]
+    assert isinstance(r.json()["error"], str) and "retry-after" in r.headers
+    v1 = await h.client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    assert v1.status_code == 503 and v1.json()["error"]["code"] == "backend_unavailable"
+
+
+async def test_p05_a_prompt_over_the_slot_is_refused_not_truncated(
+    make: Any, ollama: FakeOllama
+) -> None:
+    h = await make()
+    long = "word " * 5000  # over the 4096-token slot by any count
+    r = await h.client.post("/api/chat", json={
+        "model": MODEL, "messages": [{"role": "user", "content": long}], "stream": False})
+    assert r.status_code == 400 and "4096" in r.json()["error"]
+    r = await h.client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": long}]})
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert ollama.generations == []
+
+
+async def test_p05_ollamas_own_over_length_400_is_context_length_exceeded(
+    make: Any, ollama: FakeOllama
+) -> None:
+    ollama.num_ctx = 4096
+    h = await make(ctx_per_slot=8192)  # config says more than Ollama really has
+    ollama.loaded = False  # (so the configured value is used)
+    await h.state.backends["ollama"].discover()
+    r = await h.client.post("/api/generate", json={
+        "model": MODEL, "prompt": "word " * 5000, "stream": False,
+        "options": {"num_predict": 10}})
+    assert r.status_code == 400 and "exceeds the context length" in r.json()["error"]
+    assert ollama.generations[-1]["truncate"] is False
+
+
+async def test_suspected_truncation_is_counted(make: Any, ollama: FakeOllama) -> None:
+    h = await make()
+    ollama.num_ctx = 300  # Ollama's real context is smaller than the gateway believes
+    msgs = [{"role": "user", "content": "word " * 200} for _ in range(3)]
+    r = await h.client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": msgs, "max_tokens": 2})
+    assert r.status_code == 200  # the fake's /v1 route drops old messages silently
+    assert sample(h, "gateway_suspected_truncations_total") == 1
+
+
+async def test_model_load_is_waited_for(make: Any, ollama: FakeOllama) -> None:
+    ollama.loaded, ollama.load_delay = False, 0.05
+    h = await make(ctx_per_slot=4096)
+    r = await h.client.post("/api/generate", json={"model": MODEL, "prompt": "hi",
+                                                   "stream": False})
+    assert r.status_code == 200 and ollama.loaded
+
+
+async def test_unknown_model_gets_ollamas_404(make: Any) -> None:
+    h = await make()
+    r = await h.client.post("/api/generate", json={"model": "nope", "prompt": "hi"})
+    assert r.status_code == 404 and "not found" in r.json()["error"]
+
+
+async def test_native_errors_of_the_gateway_take_the_native_shape(make: Any) -> None:
+    h = await make()
+    r = await h.client.post("/api/chat", json={"messages": []})
+    assert r.status_code == 400 and isinstance(r.json()["error"], str)
+
+
+async def test_calibration_uses_a_high_quantile_of_the_observed_ratio() -> None:
+    cal = Calibration()
+    assert cal.factor("m", 1.25) == 1.25  # until MIN_SAMPLES
+    for i in range(100):
+        cal.observe("m", 100, 100 + (30 if i == 50 else i % 10))
+    factor = cal.factor("m", 1.25)
+    assert 1.09 * 1.02 <= factor < 1.3 * 1.02  # covers all but the top 1 %
+    assert cal.factor("other", 1.25) == 1.25
+
+
+async def test_the_ollama_client_library_works_unchanged(make: Any) -> None:
+    import ollama as ollama_lib
+
+    h = await make()
+    client = ollama_lib.AsyncClient(host="http://gateway",
+                                    transport=httpx.ASGITransport(app=h.app))
+    reply = await client.chat(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                              options={"num_predict": 2})
+    assert reply.message.content == "tok tok " and reply.done
+    parts = [p async for p in await client.generate(model=MODEL, prompt="hi", stream=True,
+                                                     options={"num_predict": 3})]
+    assert "".join(p.response for p in parts) == "t0 t1 t2 " and parts[-1].eval_count == 3
+    assert (await client.list()).models[0].model == MODEL
+    assert (await client.ps()).models[0].context_length == 4096
+    with pytest.raises(ollama_lib.ResponseError) as err:
+        await client.generate(model="missing", prompt="hi")
+    assert err.value.status_code == 404
