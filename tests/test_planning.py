@@ -170,3 +170,15 @@ def test_plan_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["kv_bytes_per_token"] == 163_840
     assert main(["plan", "--layers", "40"]) == 2
     assert "give --gguf" in capsys.readouterr().err
+
+
+def test_ollama_line_is_per_slot_even_for_a_unified_plan() -> None:
+    # Ollama launches llama-server with -c NumCtx*NumParallel -np NumParallel: 4 slots of
+    # 8,192 each would be 4x the memory of a unified pool of 8,192 cells.
+    r = build_report(GEMMA, ctx=2048, parallel=4, unified=True)
+    assert r["chosen"]["n_ctx"] == 8192
+    assert r["launch"]["ollama_env"] == {"OLLAMA_NUM_PARALLEL": "4",
+                                         "OLLAMA_CONTEXT_LENGTH": "2048"}
+    assert "own context" in r["launch"]["ollama_note"]
+    per_slot = build_report(GEMMA, ctx=2048, parallel=4)
+    assert per_slot["launch"]["ollama_env"]["OLLAMA_CONTEXT_LENGTH"] == "2048"

@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from gateway.planner.planning import (
+    CTX_ALIGN,
     ModelShape,
     SlotOption,
     bytes_per_token,
@@ -43,9 +44,16 @@ def _launch(opt: SlotOption, unified: bool, type_k: str, type_v: str, shape: Mod
         flags += ["-ctk", type_k, "-ctv", type_v]
     if type_v not in ("f16", "bf16", "f32"):
         flags += ["-fa", "on"]  # a quantized V cache needs flash attention
-    ollama = {"OLLAMA_NUM_PARALLEL": str(opt.slots),
-              "OLLAMA_CONTEXT_LENGTH": str(opt.ctx_per_slot)}
+    # Ollama has no shared pool: it launches llama-server with -c NumCtx*NumParallel
+    # -np NumParallel (llm/llama_server.go), so each slot gets OLLAMA_CONTEXT_LENGTH cells
+    # of its own. Its line is per-slot with the plan's memory split evenly; a unified plan's
+    # whole pool there would allocate slots x the memory budgeted.
+    per_slot = max(CTX_ALIGN, opt.kv.n_ctx // opt.slots // CTX_ALIGN * CTX_ALIGN)
+    ollama = {"OLLAMA_NUM_PARALLEL": str(opt.slots), "OLLAMA_CONTEXT_LENGTH": str(per_slot)}
     ollama_note = None
+    if unified and opt.slots > 1:
+        ollama_note = (f"Ollama gives each slot its own context: {per_slot} each is this "
+                       f"plan's memory; no request there can use the whole {opt.kv.n_ctx}")
     if type_k != "f16" or type_v != "f16":
         if type_k == type_v and type_k in _OLLAMA_TYPES:
             ollama["OLLAMA_KV_CACHE_TYPE"] = type_k

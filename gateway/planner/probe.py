@@ -85,7 +85,7 @@ def _ollama(client: httpx.Client, url: str, version: dict[str, Any]) -> dict[str
         ],
         "backend_block": "\n".join([
             "[[backends]]", 'name = "ollama"', f'url = "{url}"',
-            'kind = "ollama"   # served by the Ollama backend kind (separate issue)',
+            'kind = "ollama"',
             "slots = 1         # OLLAMA_NUM_PARALLEL", f"ctx_per_slot = {ctx or 4096}",
             "kv_unified = false",
         ]),
