@@ -356,11 +356,8 @@ class ProxyResponse(Response):
     def _inspect_line(self, raw: bytes, state: _StreamState) -> bool:
         """Update metrics from one NDJSON line of an Ollama stream (``api/types.go``
         ``ChatResponse``/``GenerateResponse``); every line is relayed."""
-        try:
-            obj = json.loads(raw)
-        except ValueError:
-            return True
-        if not isinstance(obj, dict):
+        obj = _json_object(raw)
+        if obj is None:
             return True
         if "error" in obj:
             state.errored = True
@@ -391,11 +388,8 @@ class ProxyResponse(Response):
         if data.strip() == "[DONE]":
             state.done = True
             return True
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return True
-        if not isinstance(obj, dict):
+        obj = _json_object(data)
+        if obj is None:
             return True
         if "error" in obj:
             state.errored = True
@@ -455,6 +449,15 @@ async def _usage_of(body: bytes) -> Any:
     if len(body) > _THREAD_PARSE_BYTES:
         return await anyio.to_thread.run_sync(parse)
     return parse()
+
+
+def _json_object(text: str | bytes) -> dict[str, Any] | None:
+    """``text`` parsed as a JSON object, or ``None`` when it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def _native_usage(obj: dict[str, Any]) -> dict[str, int] | None:
