@@ -52,15 +52,21 @@ class Lease:
 
     :param waited_s: time spent queued, seconds.
     :param slot_ids: the backend slot ids this lease holds in the gateway's slot map
-        (``n`` of them when that many were free; fewer only after a layout change).
-        The first is sent upstream as llama-server's ``id_slot``, so that the gateway
-        knows which slot to watch when it must confirm that a request has ended.
+        (``n`` of them when that many were free; fewer only after a layout change), or
+        none for an unpinned lease. The first is sent upstream as llama-server's
+        ``id_slot``, so that the gateway knows which slot to watch when it must confirm
+        that a request has ended.
     """
 
     charge: Charge
     waited_s: float = 0.0
     released: bool = False
     slot_ids: tuple[int, ...] = ()
+
+    @property
+    def pinned(self) -> bool:
+        """The lease holds known slots (its request is sent with ``id_slot``)."""
+        return bool(self.slot_ids)
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,7 @@ class Admission:
         self._durations: deque[float] = deque(maxlen=64)
         self._delayed: set[asyncio.Task[None]] = set()
         self._held_slots: set[int] = set()
+        self._unpinned = 0  # unpinned leases in flight: their slots are llama-server's pick
         self._slot_last_used: dict[int, float] = {}
 
     @property
@@ -266,6 +273,8 @@ class Admission:
             return
         lease.released = True
         now = self._clock.now()
+        if not lease.pinned:
+            self._unpinned -= 1
         for slot in lease.slot_ids:
             self._held_slots.discard(slot)
             self._slot_last_used[slot] = now
@@ -298,13 +307,26 @@ class Admission:
         """Slot ids held by leases in flight (abandoned ones awaiting release included)."""
         return frozenset(self._held_slots)
 
-    def _pick_slots(self, n: int) -> tuple[int, ...]:
-        """The ``n`` least recently used slot ids that no lease holds (as llama-server
-        itself falls back to its least recently used slot, ``server-context.cpp``)."""
+    def _pick_slots(self, charge: Charge) -> tuple[int, ...]:
+        """Slot ids for a new lease, chosen as llama-server will place its tasks, or none.
+
+        The first (the ``id_slot`` sent) is the least recently used free slot; the
+        others, for ``n > 1``, are the lowest-numbered free ones, which is where
+        llama-server puts a request's extra completions (``get_free_slots`` in
+        ``server-context.cpp``). A batch of prompts is not pinned, and while any
+        unpinned lease is in flight no lease is: llama-server places those tasks itself,
+        so the gateway's map of which slot is free would be wrong.
+        """
+        if not charge.pinnable or self._unpinned:
+            self._unpinned += 1
+            return ()
         slots = self._layout.slots if self._layout else 0
         free = [i for i in range(slots) if i not in self._held_slots]
-        free.sort(key=lambda i: self._slot_last_used.get(i, float("-inf")))
-        chosen = tuple(free[:n])
+        if not free:
+            self._unpinned += 1
+            return ()
+        first = min(free, key=lambda i: self._slot_last_used.get(i, float("-inf")))
+        chosen = (first, *[i for i in free if i != first][:charge.slots - 1])
         self._held_slots.update(chosen)
         return chosen
 
@@ -320,7 +342,7 @@ class Admission:
     def _grant(self, charge: Charge, *, waited_s: float) -> Lease:
         self._budget = capacity.reserve(self._budget, charge)
         self._inflight += 1
-        return Lease(charge, waited_s=waited_s, slot_ids=self._pick_slots(charge.slots))
+        return Lease(charge, waited_s=waited_s, slot_ids=self._pick_slots(charge))
 
     def _abandon(self, waiter: _Waiter) -> None:
         fut = waiter.future

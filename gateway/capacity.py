@@ -104,6 +104,8 @@ class Charge:
     :param n: number of completions (each one a slot and a reservation).
     :param clamped: the requested cap was lowered to fit the slot.
     :param defaulted: no cap was requested; the configured default was used.
+    :param pinnable: one prompt (its tasks can be told which slots to use); a batch of
+        prompts is not.
     """
 
     prompt_tokens: int
@@ -111,6 +113,7 @@ class Charge:
     n: int = 1
     clamped: bool = False
     defaulted: bool = False
+    pinnable: bool = True
 
     @property
     def tokens(self) -> int:

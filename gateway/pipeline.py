@@ -7,6 +7,8 @@ here waits for capacity (that is the :class:`~gateway.proxy.ProxyResponse`'s job
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from starlette.requests import Request
 
 from gateway.capacity import plan_charge
@@ -157,11 +159,11 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
     prompt_tokens, raw_estimate = await count_prompt(state, backend, req)
     admission = state.settings.admission
     batch = max(1, len(req.prompts))
-    charge = plan_charge(
+    charge = replace(plan_charge(
         layout, prompt_tokens, req.max_tokens, n=req.n * batch,
         default_max_tokens=admission.default_max_tokens,
         policy=admission.overlong, cap_field=req.cap_field,
-    )
+    ), pinnable=batch == 1)
     extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]
     if charge.defaulted:
         state.metrics.default_max_tokens_applied.labels(backend.name).inc()

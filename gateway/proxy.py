@@ -151,7 +151,15 @@ class ProxyResponse(Response):
         self._lease = lease
         held_since = self.clock.now()
         try:
-            await self._forward(watcher, send)
+            if lease.pinned:
+                await self._forward(watcher, send)
+            else:
+                # llama-server placed this request's tasks itself, so /slots cannot show
+                # which are its own once a later request reuses a slot: it is read to its
+                # end even if the client leaves, and released then.
+                await self._forward(_Unraced(), _unless_gone(send, watcher))
+                if watcher.disconnected.is_set():
+                    x.status = 499
         except ClientDisconnected:
             x.status = 499  # nginx's "client closed request", even if a 200 had started
             log.info("client left %s request on backend %s; upstream closed", x.route, name)
@@ -449,6 +457,26 @@ async def _usage_of(body: bytes) -> Any:
     if len(body) > _THREAD_PARSE_BYTES:
         return await anyio.to_thread.run_sync(parse)
     return parse()
+
+
+class _Unraced:
+    """A stand-in for :class:`DisconnectWatcher` that never interrupts the work."""
+
+    async def race(self, work: Any, *, cancel: bool = True) -> Any:
+        return await work
+
+
+def _unless_gone(send: Send, watcher: DisconnectWatcher) -> Send:
+    """``send`` that drops messages once the client has gone."""
+
+    async def guarded(message: Message) -> None:
+        if not watcher.disconnected.is_set():
+            try:
+                await send(message)
+            except OSError:
+                pass
+
+    return guarded
 
 
 def _json_object(text: str | bytes) -> dict[str, Any] | None:

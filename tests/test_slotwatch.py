@@ -253,3 +253,67 @@ async def test_shutdown_releases_what_is_held(harness_factory: Any, fake: Any) -
     assert reserved(h) > 0
     await h.backend.slot_watch.close()
     assert reserved(h) == 0
+
+
+async def test_abandoned_batch_is_read_to_its_end_then_released(
+    harness_factory: Any, fake: Any
+) -> None:
+    # Third adversarial pass: llama-server put the batch's tasks on slots of its choosing;
+    # later pinned requests overwrote their tags, and the reservation was never released.
+    clock = ManualClock()
+    h = await harness_factory(clock=clock)
+    fake.hold = asyncio.Event()
+    call = AsgiCall(h, {"prompt": ["a b", "c d"], "max_tokens": 50, "stream": True},
+                    path="/v1/completions")
+    task = asyncio.ensure_future(call.run())
+    try:
+        for _ in range(100):
+            await settle()
+            if fake.active:
+                break
+        call.gone.set()
+        await settle()
+        assert reserved(h) > 0 and fake.closed_streams == 0  # not closed: read to the end
+    finally:
+        fake.hold.set()
+    await asyncio.wait_for(task, 2)
+    assert reserved(h) == 0
+    assert h.sample("gateway_requests_total", backend="local", route="completions",
+                    code="499") == 1
+
+
+async def test_no_request_is_pinned_while_a_batch_is_in_flight(
+    harness_factory: Any, fake: Any
+) -> None:
+    h = await harness_factory()
+    hold = fake.hold = asyncio.Event()
+    batch = asyncio.ensure_future(h.client.post("/v1/completions", json={
+        "prompt": ["a b", "c d"], "max_tokens": 5, "stream": False}))
+    try:
+        for _ in range(100):
+            await settle()
+            if fake.active:
+                break
+        fake.hold = None
+        assert (await h.chat("x", max_tokens=5, stream=False)).status_code == 200
+        assert "id_slot" not in fake.generations[-1]
+    finally:
+        hold.set()
+    assert (await batch).status_code == 200
+    assert (await h.chat("y", max_tokens=5, stream=False)).status_code == 200
+    assert "id_slot" in fake.generations[-1]  # pinned again once the batch is done
+
+
+def test_extra_completions_get_the_lowest_free_slots() -> None:
+    from gateway.admission import Admission
+    from gateway.capacity import Charge, Layout
+
+    adm = Admission(Layout(4, 2048, pool_tokens=8192), max_queue=4, max_wait_s=30,
+                    clock=ManualClock())
+    first = adm.try_admit(Charge(10, 10))
+    assert first is not None and first.slot_ids == (0,)
+    adm.release(first)  # slot 0 is now the most recently used
+    pair = adm.try_admit(Charge(10, 10, n=2))
+    assert pair is not None and pair.slot_ids == (1, 0)  # LRU first, then lowest free
+    assert adm.try_admit(Charge(10, 10, pinnable=False)).slot_ids == ()
+    assert adm.try_admit(Charge(10, 10)).slot_ids == ()  # nothing pinned meanwhile
