@@ -110,3 +110,29 @@ async def test_request_abandoned_while_llama_server_builds_its_grammar(
         assert events[-1] == "[DONE]", events[-3:]
         assert not any("error" in json.loads(e) for e in events[:-1])
         assert gw.metric("gateway_upstream_errors_total", kind="context_overflow") == 0
+
+
+async def test_abandoned_batch_is_released_even_when_its_slots_are_reused(
+    default_server: LlamaServer,
+) -> None:
+    # Third adversarial pass: llama-server placed the batch's tasks on slots 3 and 2, the
+    # next two requests were pinned there, overwrote the batch's tags, and its reservation
+    # stayed held for good.
+    with GatewayThread({"url": default_server.url}) as gw:
+        url = gw.url + "/v1/completions"
+        batch = {"prompt": ["Once upon a time", "The quick brown fox"], "max_tokens": 400,
+                 "stream": True}
+        async with httpx.AsyncClient(timeout=600) as client:
+            async with client.stream("POST", url, json=batch) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # the client leaves after the first event
+            follow = [client.post(url, json={"prompt": "Hello", "max_tokens": 60})
+                      for _ in range(2)]
+            assert [r.status_code for r in await asyncio.gather(*follow)] == [200, 200]
+        for _ in range(300):
+            if gw.metric("gateway_kv_reserved_tokens") == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert gw.metric("gateway_kv_reserved_tokens") == 0
+        assert gw.metric("gateway_abandoned_reservations") == 0
