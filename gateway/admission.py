@@ -122,7 +122,8 @@ class Admission:
         self._delayed: set[asyncio.Task[None]] = set()
         self._held_slots: set[int] = set()
         self._unpinned = 0  # unpinned leases in flight: their slots are llama-server's pick
-        self._slot_last_used: dict[int, float] = {}
+        # Free slot ids, least recently used first (never-used ones in index order).
+        self._free: deque[int] = deque(range(layout.slots if layout else 0))
 
     @property
     def layout(self) -> Layout | None:
@@ -138,6 +139,10 @@ class Admission:
         if self._layout is not None and layout != self._layout:
             self._layout_changes += 1
         self._layout = layout
+        count = layout.slots if layout else 0
+        kept = [i for i in self._free if i < count]
+        self._free = deque(kept + [i for i in range(count)
+                                   if i not in self._held_slots and i not in kept])
         if layout is not None:
             for waiter in list(self._queue):
                 if not capacity.fits_alone(layout, waiter.charge):
@@ -277,7 +282,8 @@ class Admission:
             self._unpinned -= 1
         for slot in lease.slot_ids:
             self._held_slots.discard(slot)
-            self._slot_last_used[slot] = now
+            if slot < (self._layout.slots if self._layout else 0):
+                self._free.append(slot)  # held slots are never in _free
         self._budget = capacity.release(self._budget, lease.charge)
         self._inflight -= 1
         if served:
@@ -320,13 +326,16 @@ class Admission:
         if not charge.pinnable or self._unpinned:
             self._unpinned += 1
             return ()
-        slots = self._layout.slots if self._layout else 0
-        free = [i for i in range(slots) if i not in self._held_slots]
-        if not free:
+        if not self._free:
             self._unpinned += 1
             return ()
-        first = min(free, key=lambda i: self._slot_last_used.get(i, float("-inf")))
-        chosen = (first, *[i for i in free if i != first][:charge.slots - 1])
+        first = self._free.popleft()
+        rest: list[int] = []
+        if charge.slots > 1:
+            rest = sorted(self._free)[:charge.slots - 1]
+            for slot in rest:
+                self._free.remove(slot)
+        chosen = (first, *rest)
         self._held_slots.update(chosen)
         return chosen
 
