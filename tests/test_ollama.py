@@ -1,6 +1,7 @@
 """The gateway in front of Ollama (``kind = "ollama"``), against the fake in
-tests/fake_ollama.py: Ollama cannot run on these machines. Shared cases P03, P05 and
-P10 (Ollama's unbounded wait, silent truncation, busy 503) are here.
+tests/fake_ollama.py: Ollama cannot run on these machines. Shared cases P03 (busy 503),
+P04 (unbounded wait for a loaded model), P05 (silent truncation) and P07 (streamed usage)
+are here.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ async def test_listing_routes_pass_through(make: Any) -> None:
     assert show.json()["model_info"]["general.architecture"] == "llama"
 
 
-async def test_p03_one_slot_means_one_at_a_time_and_a_bounded_queue(
+async def test_p04_one_slot_means_one_at_a_time_and_a_bounded_queue(
     make: Any, ollama: FakeOllama
 ) -> None:
     # Ollama waits on an unbounded semaphore for a loaded model; the gateway sends it one
@@ -139,7 +140,7 @@ async def test_p03_one_slot_means_one_at_a_time_and_a_bounded_queue(
     assert ollama.peak == 1
 
 
-async def test_p10_busy_503_keeps_retry_after_and_the_native_error_shape(
+async def test_p03_busy_503_keeps_retry_after_and_the_native_error_shape(
     make: Any, ollama: FakeOllama
 ) -> None:
     h = await make()
@@ -238,3 +239,20 @@ async def test_the_ollama_client_library_works_unchanged(make: Any) -> None:
     with pytest.raises(ollama_lib.ResponseError) as err:
         await client.generate(model="missing", prompt="hi")
     assert err.value.status_code == 404
+
+
+async def test_p07_streamed_usage_only_when_asked_but_always_counted(
+    make: Any, ollama: FakeOllama
+) -> None:
+    h = await make()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3, "stream": True}
+    plain = await h.client.post("/v1/chat/completions", json=body)
+    assert "usage" not in plain.text and plain.text.rstrip().endswith("data: [DONE]")
+    asked = await h.client.post("/v1/chat/completions",
+                                json={**body, "stream_options": {"include_usage": True}})
+    events = [json.loads(e[6:]) for e in asked.text.split("\n\n")
+              if e.startswith("data: {")]
+    assert [e for e in events if "usage" in e][-1]["usage"]["completion_tokens"] == 3
+    assert ollama.generations[0]["stream_options"]["include_usage"] is True
+    assert sample(h, "gateway_completion_tokens_sum") == 6
