@@ -24,7 +24,7 @@ from gateway.slotwatch import SlotView
 from gateway.validation import ParsedRequest
 
 __all__ = ["BackendKind", "Discovered", "SideCalls", "error_message", "is_error_object",
-           "seconds"]
+           "openai_body", "seconds"]
 
 # Side calls (discovery, counting, /slots) go through their own small pool per backend.
 # llama-server's HTTP server keeps a worker thread per open connection, and it has
@@ -148,6 +148,24 @@ class BackendKind(Protocol):
     def is_overflow_event(self, data: dict[str, Any]) -> bool:
         """True when a streamed error event means the server ran out of KV cache."""
         ...
+
+
+def openai_body(req: ParsedRequest, charge: Charge, aliases: tuple[str, ...]
+                ) -> dict[str, Any]:
+    """An OpenAI-style body to forward: the client's, with the charged cap in
+    ``max_tokens`` and in each of ``aliases`` the client used (so that no field gets a
+    request past its reservation), and, on streams, ``stream_options.include_usage`` so
+    that completion tokens are known."""
+    body = dict(req.body)
+    body["max_tokens"] = charge.max_tokens
+    for alias in aliases:
+        if alias in body:
+            body[alias] = charge.max_tokens
+    if req.stream:
+        options = dict(body.get("stream_options") or {})
+        options["include_usage"] = True
+        body["stream_options"] = options
+    return body
 
 
 def seconds(header: str | None) -> float | None:

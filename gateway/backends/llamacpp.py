@@ -20,6 +20,7 @@ from gateway.backends.base import (
     SideCalls,
     error_message,
     is_error_object,
+    openai_body,
     seconds,
 )
 from gateway.capacity import Charge
@@ -133,24 +134,11 @@ class LlamaCpp:
                 )
 
     def prepare_body(self, req: ParsedRequest, charge: Charge) -> dict[str, Any]:
-        """The client's body with the charged cap in every cap field and, on streams,
-        ``stream_options.include_usage`` so that completion tokens are known.
-
-        ``max_tokens`` (and ``max_completion_tokens``/``n_predict`` when the client used
-        them: llama-server reads ``n_predict`` over ``max_tokens``,
-        ``tools/server/server-schema.cpp``) become the charged cap, so the server cannot
-        generate past the reservation.
-        """
-        body = dict(req.body)
-        body["max_tokens"] = charge.max_tokens
-        for alias in ("max_completion_tokens", "n_predict"):
-            if alias in body:
-                body[alias] = charge.max_tokens
-        if req.stream:
-            options = dict(body.get("stream_options") or {})
-            options["include_usage"] = True
-            body["stream_options"] = options
-        return body
+        """The client's body with the charged cap in ``max_tokens`` and in
+        ``max_completion_tokens``/``n_predict`` when the client used them (llama-server
+        reads ``n_predict`` over ``max_tokens``, ``tools/server/server-schema.cpp``), and
+        ``stream_options.include_usage`` on streams."""
+        return openai_body(req, charge, ("max_completion_tokens", "n_predict"))
 
     def tag_request(self, body: dict[str, Any]) -> tuple[str, int] | None:
         """Tag ``body`` so that the request can be recognised in ``GET /slots``, and

@@ -29,7 +29,7 @@ from collections import deque
 from typing import Any, ClassVar
 
 from gateway.admission import Lease
-from gateway.backends.base import Discovered, SideCalls, error_message, seconds
+from gateway.backends.base import Discovered, SideCalls, error_message, openai_body, seconds
 from gateway.capacity import Charge
 from gateway.errors import (
     BackendNotReady,
@@ -143,21 +143,14 @@ class Ollama:
         ``num_predict``, ``openai/openai.go``), ``options.num_predict`` natively, with
         ``truncate: false`` so that Ollama refuses rather than drops what does not fit
         (``api/types.go``, since v0.12.4)."""
-        body = dict(req.body)
         if req.api == "ollama":
+            body = dict(req.body)
             options = dict(body.get("options") or {})
             options["num_predict"] = charge.max_tokens
             body["options"] = options
             body["truncate"] = False
             return body
-        body["max_tokens"] = charge.max_tokens
-        if "max_completion_tokens" in body:
-            body["max_completion_tokens"] = charge.max_tokens
-        if req.stream:
-            stream_options = dict(body.get("stream_options") or {})
-            stream_options["include_usage"] = True
-            body["stream_options"] = stream_options
-        return body
+        return openai_body(req, charge, ("max_completion_tokens",))
 
     def tag_request(self, body: dict[str, Any]) -> tuple[str, int] | None:
         """``None``: Ollama shows no slots to find a request in."""
