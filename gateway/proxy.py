@@ -180,6 +180,19 @@ class ProxyResponse(Response):
             else:
                 x.backend.release(lease, served=served)
 
+    def _broke(self, exc: GatewayError) -> str:
+        """Note an upstream failure; return its ``gateway_upstream_errors_total`` kind.
+
+        A refused connection reached nothing. A connection the backend broke under an
+        unpinned request ends that request too (nothing else can be learnt of it:
+        ``/slots`` cannot tell its tasks apart); a timeout may leave it running.
+        """
+        kind = _failure_kind(exc)
+        unpinned = self._lease is not None and not self._lease.pinned
+        if kind == "connect" or (unpinned and kind != "timeout"):
+            self._done = True
+        return kind
+
     def _ticket(self, lease: Lease) -> Ticket:
         x = self.x
         pinned = x.prompts == 1 and bool(lease.slot_ids)
@@ -216,8 +229,7 @@ class ProxyResponse(Response):
                     self._pending = sending
                     raise
         except GatewayError as exc:
-            kind = _failure_kind(exc)
-            self._done = kind == "connect"  # nothing reached the backend
+            kind = self._broke(exc)
             m.upstream_errors.labels(name, kind).inc()
             x.backend.upstream_failed(kind)
             await self._send_error(send, exc)
@@ -245,7 +257,7 @@ class ProxyResponse(Response):
                 self._done = True
                 return body
         except GatewayError as exc:
-            kind = _failure_kind(exc)
+            kind = self._broke(exc)
             self.metrics.upstream_errors.labels(self.x.backend.name, kind).inc()
             raise
 
@@ -350,7 +362,7 @@ class ProxyResponse(Response):
             await send(_body(final(UpstreamError(
                 f"Backend {name!r} sent an event too large to relay: {too_large}."))))
         except GatewayError as exc:
-            m.upstream_errors.labels(name, _failure_kind(exc)).inc()
+            m.upstream_errors.labels(name, self._broke(exc)).inc()
             await send(_body(final(exc)))
         else:
             self._done = True

@@ -288,9 +288,10 @@ class SlotWatch:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._release_all()
+        self.release_all()
 
-    def _release_all(self) -> None:
+    def release_all(self) -> None:
+        """Release everything held (the backend restarted, or is gone)."""
         for held in list(self._held):
             self._release(held)
 
@@ -320,7 +321,7 @@ class SlotWatch:
             return
         except UpstreamUnavailable:
             log.info("backend %s is unreachable; its abandoned requests are gone", self.name)
-            self._release_all()
+            self.release_all()
             return
         except GatewayError as exc:
             log.debug("backend %s: /slots failed: %s", self.name, exc.message)
@@ -339,7 +340,10 @@ class SlotWatch:
                 continue
             open_upstream = held.follow is not None and not held.follow.done()
             late = now - held.ticket.since >= self._unseen_timeout_s
-            if seen is Seen.unseen and not open_upstream and not held.seen_running and late:
+            # A pinned request seen running is followed on its slot; anything else that
+            # stays unseen (never seen, or a batch on slots llama-server chose) times out.
+            followed = held.seen_running and held.ticket.slot is not None
+            if seen is Seen.unseen and not open_upstream and not followed and late:
                 log.warning(
                     "backend %s: an abandoned request (slot %s) was not seen in /slots "
                     "within %g s of its connection breaking; releasing its reservation",

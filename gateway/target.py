@@ -214,6 +214,9 @@ class Target:
             log.log(logging.WARNING if old is not None else logging.INFO,
                     "backend %s layout changed: %s -> %s", self.name, _describe(old),
                     _describe(layout))
+            if old is not None:
+                # A new layout is a restarted server: it runs nothing of the old one.
+                self.slot_watch.release_all()
             self.admission.set_layout(layout)
         return layout
 

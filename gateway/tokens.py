@@ -30,6 +30,7 @@ import anyio.to_thread
 
 __all__ = [
     "MAX_BYTES_PER_TOKEN",
+    "IMAGE_TOKENS",
     "MESSAGE_OVERHEAD_TOKENS",
     "PROMPT_OVERHEAD_TOKENS",
     "chat_text",
@@ -55,6 +56,9 @@ _THREAD_THRESHOLD_CHARS = 16_384
 MAX_BYTES_PER_TOKEN = 128
 
 Encoder = Callable[[str], int]
+# Tokens charged per image on Ollama's native routes: Ollama's own truncation heuristic
+# counts 768 per image (server/prompt.go); projectors of larger models use up to ~1,600.
+IMAGE_TOKENS = 1600
 
 
 def tokens_at_least(texts: list[str]) -> int:
@@ -96,6 +100,8 @@ def chat_text(body: dict[str, Any]) -> tuple[str, int]:
 
     Text parts of multi-part contents are joined; tool definitions, tool calls and
     other non-content fields are included as JSON so that they are not under-counted.
+    Ollama's base64 ``images`` are left out: they are charged per image instead
+    (``IMAGE_TOKENS``).
     """
     parts: list[str] = []
     messages = body.get("messages") or []
@@ -103,7 +109,7 @@ def chat_text(body: dict[str, Any]) -> tuple[str, int]:
         if not isinstance(message, dict):
             continue
         parts += content_texts(message)
-        extra = {k: v for k, v in message.items() if k not in ("role", "content")}
+        extra = {k: v for k, v in message.items() if k not in ("role", "content", "images")}
         if extra:
             parts.append(json.dumps(extra, ensure_ascii=False))
     if body.get("tools"):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import InvalidRequest, UnsupportedMediaType
+from gateway.tokens import IMAGE_TOKENS
 
 __all__ = ["ParsedRequest", "check_content_type", "parse_body", "parse_ollama_body"]
 
@@ -331,7 +332,8 @@ def parse_ollama_body(route: str, raw: bytes) -> ParsedRequest:
 
     The cap is ``options.num_predict`` (``-1``/``-2``, "no limit"/"fill the context",
     count as none); ``stream`` defaults to true, as in Ollama. On ``/api/generate`` the
-    ``system`` text joins the prompt and a ``context`` array of token ids adds its length.
+    ``system``, ``template`` and ``suffix`` texts join the prompt, and a ``context`` array
+    of token ids adds its length; each image adds ``IMAGE_TOKENS``.
 
     :raises InvalidRequest: as :func:`parse_body`, for Ollama's fields.
     """
@@ -354,17 +356,22 @@ def parse_ollama_body(route: str, raw: bytes) -> ParsedRequest:
     context_tokens = 0
     if route == "chat":
         _ollama_messages(body)
+        images = sum(len(m.get("images") or []) for m in body.get("messages") or []
+                     if isinstance(m.get("images"), list))
     else:
-        prompt, system = body.get("prompt", ""), body.get("system", "")
-        if not isinstance(prompt, str) or not isinstance(system, str):
-            raise InvalidRequest("prompt and system must be strings.", param="prompt")
+        texts = [body.get(k, "") for k in ("system", "template", "prompt", "suffix")]
+        if not all(isinstance(t, str) for t in texts):
+            raise InvalidRequest("prompt, system, template and suffix must be strings.",
+                                 param="prompt")
         context = body.get("context")
         if context is not None:
             if not isinstance(context, list) or _token_ids(context) is None and context:
                 raise InvalidRequest("context must be an array of token ids.",
                                      param="context")
             context_tokens = len(context)
-        prompts = ("\n".join(t for t in (system, prompt) if t) or " ",)
+        images = len(body["images"]) if isinstance(body.get("images"), list) else 0
+        prompts = ("\n".join(t for t in texts if t) or " ",)
+    context_tokens += images * IMAGE_TOKENS
     return ParsedRequest(
         route=route, body=body, max_tokens=None if num_predict in (None, -1, -2, 0)
         else num_predict, n=1, stream=body.get("stream") is not False,

@@ -256,3 +256,32 @@ async def test_p07_streamed_usage_only_when_asked_but_always_counted(
     assert [e for e in events if "usage" in e][-1]["usage"]["completion_tokens"] == 3
     assert ollama.generations[0]["stream_options"]["include_usage"] is True
     assert sample(h, "gateway_completion_tokens_sum") == 6
+
+
+async def test_generate_counts_suffix_template_and_images(make: Any, ollama: FakeOllama
+                                                          ) -> None:
+    # Fourth adversarial pass: these were not counted, or images counted as text.
+    h = await make()
+    plain = await h.client.post("/api/generate", json={"model": MODEL, "prompt": "hi",
+                                                       "stream": False})
+    base = int(plain.headers["x-gateway-prompt-tokens"])
+    suffix = await h.client.post("/api/generate", json={
+        "model": MODEL, "prompt": "hi", "suffix": "word " * 300, "stream": False})
+    assert int(suffix.headers["x-gateway-prompt-tokens"]) >= base + 300
+    image = "A" * 400_000  # base64 of a 300 KB picture
+    chat = await h.client.post("/api/chat", json={"model": MODEL, "stream": False,
+                                                  "messages": [{"role": "user",
+                                                                "content": "hi",
+                                                                "images": [image]}]})
+    assert chat.status_code == 200
+    assert 1600 <= int(chat.headers["x-gateway-prompt-tokens"]) < 1700
+
+
+async def test_a_client_num_ctx_is_replaced_by_the_loaded_one(make: Any, ollama: FakeOllama
+                                                              ) -> None:
+    h = await make()
+    r = await h.client.post("/api/chat", json={
+        "model": MODEL, "stream": False, "options": {"num_ctx": 131072},
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
+    assert ollama.generations[-1]["options"]["num_ctx"] == 4096

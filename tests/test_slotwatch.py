@@ -317,3 +317,30 @@ def test_extra_completions_get_the_lowest_free_slots() -> None:
     assert pair is not None and pair.slot_ids == (1, 0)  # LRU first, then lowest free
     assert adm.try_admit(Charge(10, 10, pinnable=False)).slot_ids == ()
     assert adm.try_admit(Charge(10, 10)).slot_ids == ()  # nothing pinned meanwhile
+
+
+async def test_a_restarted_backend_releases_what_was_held_for_the_old_one(
+    harness_factory: Any, fake: Any
+) -> None:
+    # Fourth adversarial pass: requests that died with the old process kept their
+    # reservations against the new, smaller layout.
+    clock = ManualClock()
+    h = await harness_factory(clock=clock)
+    fake.hold, fake.linger = asyncio.Event(), asyncio.Event()
+    await abandon(h, stream=False, max_tokens=500)
+    await tick(clock, times=2)
+    assert reserved(h) > 0
+    fake.n_ctx = 1024  # restarted with another layout
+    await h.backend.discover()
+    assert reserved(h) == 0 and h.backend.slot_watch.waiting == 0
+
+
+async def test_a_batch_whose_connection_breaks_is_released_at_once(
+    harness_factory: Any, fake: Any
+) -> None:
+    h = await harness_factory()
+    fake.mode, fake.tokens = "midstream", 6
+    r = await h.client.post("/v1/completions", json={"prompt": ["a b", "c d"],
+                                                     "max_tokens": 6, "stream": True})
+    assert r.status_code == 200 and '"error"' in r.text
+    assert reserved(h) == 0 and h.backend.slot_watch.waiting == 0

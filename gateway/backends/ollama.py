@@ -47,6 +47,7 @@ __all__ = ["Calibration", "Ollama"]
 log = logging.getLogger(__name__)
 
 DEFAULT_NUM_CTX = 4096
+SUSPECT_MIN_TOKENS = 64  # shorter estimates are never taken for a truncation
 _TOO_LONG = ("longer than the context length", "exceeds the context length")
 _BUSY = ("server busy", "maximum pending requests", "no slots")
 
@@ -104,6 +105,8 @@ class Ollama:
         self.side = side
         self.calibration = Calibration()
         self.loaded: dict[str, int] = {}  # loaded model -> context_length (/api/ps)
+        self.context_length = settings.ctx_per_slot or DEFAULT_NUM_CTX  # a slot's, tokens
+        self.num_ctx_overridden = 0  # client num_ctx values replaced by the loaded one
 
     async def discover(self) -> Discovered:
         """``GET /api/version`` (liveness) and ``GET /api/ps`` (loaded models' contexts).
@@ -125,6 +128,7 @@ class Ollama:
                                 ) from exc
         ctx = min(self.loaded.values()) if self.loaded else (
             self.settings.ctx_per_slot or DEFAULT_NUM_CTX)
+        self.context_length = self.settings.ctx_per_slot or ctx
         return Discovered(slots=self.settings.slots or self.default_slots, ctx_per_slot=ctx)
 
     async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:
@@ -142,11 +146,18 @@ class Ollama:
         """The body with the charged cap: ``max_tokens`` on ``/v1`` (Ollama maps it to
         ``num_predict``, ``openai/openai.go``), ``options.num_predict`` natively, with
         ``truncate: false`` so that Ollama refuses rather than drops what does not fit
-        (``api/types.go``, since v0.12.4)."""
+        (``api/types.go``, since v0.12.4). A client's ``options.num_ctx`` is replaced by
+        the loaded context."""
         if req.api == "ollama":
             body = dict(req.body)
             options = dict(body.get("options") or {})
             options["num_predict"] = charge.max_tokens
+            if "num_ctx" in options:
+                # Another num_ctx makes Ollama reload the model with that context
+                # (server/sched.go), which the layout admissions are checked against
+                # would no longer describe: the loaded context is kept.
+                options["num_ctx"] = self.context_length
+                self.num_ctx_overridden += 1
             body["options"] = options
             body["truncate"] = False
             return body
@@ -203,8 +214,10 @@ class Ollama:
 
     def observe(self, model: str, raw_estimate: int, reported: int) -> bool:
         """Calibrate on a finished request; True when ``reported`` is so far below the
-        raw estimate (under half) that Ollama probably truncated the prompt."""
-        suspected = reported * 2 < raw_estimate
+        raw estimate (under half, for estimates of at least ``SUSPECT_MIN_TOKENS``) that
+        Ollama probably truncated the prompt."""
+        # Short prompts are mostly template allowance, which varies by model.
+        suspected = raw_estimate >= SUSPECT_MIN_TOKENS and reported * 2 < raw_estimate
         if suspected:
             log.warning("backend %s: model %s counted %d prompt tokens where the gateway "
                         "estimated %d; the prompt was probably truncated", self.name,
