@@ -176,6 +176,6 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         backend=backend, route=route, body=body, charge=charge, stream=req.stream,
         started=started, headers=list(request.headers.raw),
         client_wants_usage=bool(options.get("include_usage")),
-        extra_headers=extra, tag=tag, prompts=batch, api=req.api,
+        extra_headers=extra, tag=tag, api=req.api,
         raw_estimate=raw_estimate,
     )

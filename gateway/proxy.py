@@ -74,7 +74,6 @@ class Exchange:
     :param client_wants_usage: the client asked for the streamed usage chunk itself.
     :param tag: the ``(param, value)`` the gateway added to identify the request
         upstream, or ``None`` (:mod:`gateway.slotwatch`).
-    :param prompts: prompts in the body (a completions batch has several).
     :param api: ``"openai"``, or ``"ollama"`` for Ollama's native routes (errors then
         take Ollama's ``{"error": "..."}`` shape, and streams are NDJSON).
     :param raw_estimate: the local prompt estimate with no margin, when the backend
@@ -92,7 +91,6 @@ class Exchange:
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     status: int = 0
     tag: tuple[str, int] | None = None
-    prompts: int = 1
     api: str = "openai"
     raw_estimate: int | None = None
 
@@ -195,9 +193,8 @@ class ProxyResponse(Response):
 
     def _ticket(self, lease: Lease) -> Ticket:
         x = self.x
-        pinned = x.prompts == 1 and bool(lease.slot_ids)
         return Ticket(
-            slot=lease.slot_ids[0] if pinned else None, tasks=x.charge.n,
+            slot=lease.slot_ids[0] if lease.pinned else None, tasks=x.charge.n,
             tag=x.tag, n_predict=x.charge.max_tokens, since=self.clock.now(),
         )
 
@@ -210,7 +207,7 @@ class ProxyResponse(Response):
             # llama-server closes the connection after a chunked answer despite announcing
             # keep-alive; reusing that pooled connection would fail the next request.
             headers.append((b"connection", b"close"))
-        body = x.body if self._lease is None else x.backend.pin(x.body, self._lease, x.prompts)
+        body = x.body if self._lease is None else x.backend.pin(x.body, self._lease)
         return self.client.build_request(
             "POST", x.backend.route_url(x.route), headers=headers,
             content=json.dumps(body).encode(), timeout=x.backend.timeout,

@@ -242,9 +242,7 @@ class SlotWatch:
         :param launched: the request is known to have started.
         """
         if not self.supported:
-            if pending is not None:
-                pending.cancel()
-            self._admission.release_later(lease, self._grace_s, served=served)
+            self._fall_back(lease, served, pending)
             return
         held = _Held(lease, ticket, served, seen_running=launched)
         if pending is not None:
@@ -275,6 +273,13 @@ class SlotWatch:
             held.seen_running = True
         else:
             self._release(held)
+
+    def _fall_back(self, lease: Lease, served: bool, upstream: asyncio.Task[Any] | None
+                   ) -> None:
+        """No /slots: close any open upstream request and release after the grace."""
+        if upstream is not None:
+            upstream.cancel()
+        self._admission.release_later(lease, self._grace_s, served=served)
 
     def _release(self, held: _Held) -> None:
         if held in self._held:
@@ -315,9 +320,7 @@ class SlotWatch:
             self._unsupported_at = self._clock.now()
             self._held, held = [], self._held
             for h in held:
-                if h.follow is not None:
-                    h.follow.cancel()
-                self._admission.release_later(h.lease, self._grace_s, served=h.served)
+                self._fall_back(h.lease, h.served, h.follow)
             return
         except UpstreamUnavailable:
             log.info("backend %s is unreachable; its abandoned requests are gone", self.name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -99,8 +100,7 @@ class Target:
 
     def stats(self) -> AdmissionStats:
         """Queue, reservation and slot-watch figures, for metrics."""
-        stats = self.admission.stats()
-        return AdmissionStats(**{**stats.__dict__, "abandoned_held": self.slot_watch.waiting})
+        return replace(self.admission.stats(), abandoned_held=self.slot_watch.waiting)
 
     # -- admission ---------------------------------------------------------------------
 
@@ -164,9 +164,9 @@ class Target:
         body = self.dialect.prepare_body(req, charge)
         return body, self.dialect.tag_request(body)
 
-    def pin(self, body: dict[str, Any], lease: Lease, prompts: int) -> dict[str, Any]:
+    def pin(self, body: dict[str, Any], lease: Lease) -> dict[str, Any]:
         """``body`` as sent once admitted on ``lease``."""
-        return self.dialect.pin(body, lease, prompts)
+        return self.dialect.pin(body, lease)
 
     def translate_error(self, status: int, body: bytes, retry_after: str | None
                         ) -> tuple[GatewayError | None, str]:

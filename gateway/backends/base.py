@@ -130,7 +130,7 @@ class BackendKind(Protocol):
         """Mark ``body`` so that :meth:`read_slots` can recognise it; the tag or ``None``."""
         ...
 
-    def pin(self, body: dict[str, Any], lease: Lease, prompts: int) -> dict[str, Any]:
+    def pin(self, body: dict[str, Any], lease: Lease) -> dict[str, Any]:
         """``body`` as sent once admitted on ``lease`` (slot pinning, where supported)."""
         ...
 

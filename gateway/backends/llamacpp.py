@@ -160,16 +160,17 @@ class LlamaCpp:
         return name, value
 
     @staticmethod
-    def pin(body: dict[str, Any], lease: Lease, prompts: int) -> dict[str, Any]:
-        """``body`` with ``id_slot`` set to the lease's first slot, for a single prompt;
-        a client's own ``id_slot`` is overwritten (the gateway assigns the slots).
+    def pin(body: dict[str, Any], lease: Lease) -> dict[str, Any]:
+        """``body`` with ``id_slot`` set to the lease's first slot; a client's own
+        ``id_slot`` is overwritten (the gateway assigns the slots).
 
         llama-server runs a task on the slot it names, or defers it until that slot is
         free (``get_available_slot``/``process_single_task`` in ``server-context.cpp``).
-        A batch of prompts is not pinned, and loses any ``id_slot``: every task of a
-        batch reads the same one, so they would run one after another.
+        An unpinned lease (a batch of prompts, whose tasks would all read the same
+        ``id_slot`` and run one after another, or any lease while a batch is in flight)
+        loses any ``id_slot``.
         """
-        if prompts > 1 or not lease.slot_ids:
+        if not lease.pinned:
             return {k: v for k, v in body.items() if k != "id_slot"}
         return {**body, "id_slot": lease.slot_ids[0]}
 

@@ -168,7 +168,7 @@ class Ollama:
         return None
 
     @staticmethod
-    def pin(body: dict[str, Any], lease: Lease, prompts: int) -> dict[str, Any]:
+    def pin(body: dict[str, Any], lease: Lease) -> dict[str, Any]:
         """``body`` unchanged: Ollama picks its own slot."""
         return body
 
