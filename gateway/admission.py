@@ -81,7 +81,9 @@ class AdmissionStats:
     slots: int
     ctx_per_slot: int
     layout_changes: int = 0
+    admitted: int = 0  # leases granted since start
     abandoned_held: int = 0  # filled in by the backend: held until /slots shows them ended
+    preemptions: int = 0  # filled in by the backend: server preemptions it caused
 
 
 @dataclass
@@ -116,6 +118,7 @@ class Admission:
         self._budget = Budget()
         self._layout_changes = 0
         self._inflight = 0
+        self._admitted = 0
         self._queue: deque[_Waiter] = deque()
         self._releases: deque[float] = deque(maxlen=64)
         self._durations: deque[float] = deque(maxlen=64)
@@ -167,6 +170,7 @@ class Admission:
             slots=layout.slots if layout else 0,
             ctx_per_slot=layout.ctx_per_slot if layout else 0,
             layout_changes=self._layout_changes,
+            admitted=self._admitted,
         )
 
     def retry_after_s(self) -> float:
@@ -351,6 +355,7 @@ class Admission:
     def _grant(self, charge: Charge, *, waited_s: float) -> Lease:
         self._budget = capacity.reserve(self._budget, charge)
         self._inflight += 1
+        self._admitted += 1
         return Lease(charge, waited_s=waited_s, slot_ids=self._pick_slots(charge))
 
     def _abandon(self, waiter: _Waiter) -> None:

@@ -22,6 +22,15 @@ The llama-server facts behind it (``shared/design/backends.md`` §1.1–1.3, §4
 
 A reservation is ``n × (prompt tokens + output cap)`` and takes ``n`` slots, since
 llama-server gives each of the ``n`` completions its own slot (``server-schema.cpp``).
+
+vLLM (``shared/design/backends.md`` §3, §4.5) is the unified layout with two changes:
+
+* its KV cache is paged in blocks of ``block_size`` tokens, so a request holds
+  ``ceil((prompt + cap) / block_size)`` whole blocks: the reservation is rounded up to
+  a multiple of ``block_size``;
+* ``prompt + max_tokens ≤ max_model_len`` is checked strictly, with no token kept back
+  (``tests/v1/e2e/test_context_length.py``: 2047 + 1 fits 2048): ``stop_margin`` is 0
+  where llama-server's is 1. Its "slots" are ``max_num_seqs``.
 """
 
 from __future__ import annotations
@@ -60,12 +69,19 @@ class Layout:
         ``default_generation_settings.n_ctx``).
     :param pool_tokens: P, the cells of the shared pool when the KV cache is unified;
         ``None`` for the per-slot layout.
-    :raises ValueError: a value is out of range (slots < 1, S < 2, P < S).
+    :param block_size: tokens per KV block; reservations are rounded up to whole blocks
+        (1 for llama-server's cells, vLLM's ``cache_config.block_size`` for vLLM).
+    :param stop_margin: tokens of S a request can never use: 1 for llama-server (it
+        stops at ``n_ctx − 1``), 0 for vLLM (``prompt + max_tokens ≤ max_model_len``).
+    :raises ValueError: a value is out of range (slots < 1, S < 2, P < S, block_size < 1,
+        stop_margin not 0 or 1).
     """
 
     slots: int
     ctx_per_slot: int
     pool_tokens: int | None = None
+    block_size: int = 1
+    stop_margin: int = 1
 
     def __post_init__(self) -> None:
         if self.slots < 1:
@@ -76,6 +92,10 @@ class Layout:
             raise ValueError(
                 f"pool_tokens ({self.pool_tokens}) must be >= ctx_per_slot ({self.ctx_per_slot})"
             )
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.stop_margin not in (0, 1):
+            raise ValueError(f"stop_margin must be 0 or 1, got {self.stop_margin}")
 
     @property
     def unified(self) -> bool:
@@ -84,8 +104,8 @@ class Layout:
 
     @property
     def usable_per_slot(self) -> int:
-        """Tokens one request may use in a slot: S − 1 (llama-server stops at n_ctx − 1)."""
-        return self.ctx_per_slot - 1
+        """Tokens one request may use (prompt + cap): S − ``stop_margin``."""
+        return self.ctx_per_slot - self.stop_margin
 
     @property
     def capacity_tokens(self) -> int:
@@ -106,6 +126,8 @@ class Charge:
     :param defaulted: no cap was requested; the configured default was used.
     :param pinnable: one prompt (its tasks can be told which slots to use); a batch of
         prompts is not.
+    :param block_size: the layout's KV block size; each completion's reservation is
+        rounded up to whole blocks.
     """
 
     prompt_tokens: int
@@ -114,11 +136,13 @@ class Charge:
     clamped: bool = False
     defaulted: bool = False
     pinnable: bool = True
+    block_size: int = 1
 
     @property
     def tokens(self) -> int:
-        """KV cells reserved: n × (prompt + cap)."""
-        return self.n * (self.prompt_tokens + self.max_tokens)
+        """KV cells reserved: n × (prompt + cap), each rounded up to whole blocks."""
+        blocks = -(-(self.prompt_tokens + self.max_tokens) // self.block_size)
+        return self.n * blocks * self.block_size
 
     @property
     def slots(self) -> int:
@@ -151,7 +175,7 @@ def plan_charge(
     """Decide the output cap to charge for a request, or refuse one that can never fit.
 
     The cap is the requested one when given; otherwise ``default_max_tokens`` clamped to
-    the room left in a slot (S − 1 − prompt).
+    the room left in a slot (S − ``stop_margin`` − prompt).
 
     :param prompt_tokens: prompt length in tokens, as the backend counts it.
     :param requested_max_tokens: ``max_tokens``/``max_completion_tokens``, or ``None``.
@@ -165,7 +189,7 @@ def plan_charge(
     if room < 1:
         raise ContextLengthExceeded(
             f"This request's prompt is {prompt_tokens} tokens, which leaves no room for output "
-            f"in a slot of {layout.ctx_per_slot} tokens (at most {layout.usable_per_slot} "
+            f"in a context of {layout.ctx_per_slot} tokens (at most {layout.usable_per_slot} "
             f"usable, prompt + max_tokens). Shorten the prompt.",
             param="messages",
         )
@@ -181,20 +205,21 @@ def plan_charge(
         if policy is CapPolicy.reject:
             raise ContextLengthExceeded(
                 f"This request needs {prompt_tokens + requested_max_tokens} tokens "
-                f"(prompt {prompt_tokens} + {cap_field} {requested_max_tokens}), but a slot "
-                f"holds at most {layout.usable_per_slot} (context {layout.ctx_per_slot}). "
+                f"(prompt {prompt_tokens} + {cap_field} {requested_max_tokens}), but one request "
+                f"may use at most {layout.usable_per_slot} (context {layout.ctx_per_slot}). "
                 f"Lower {cap_field} to {room} or shorten the prompt.",
                 param=cap_field,
             )
         cap, clamped = room, True
     else:
         cap = requested_max_tokens
-    charge = Charge(prompt_tokens, cap, n=n, clamped=clamped, defaulted=defaulted)
+    charge = Charge(prompt_tokens, cap, n=n, clamped=clamped, defaulted=defaulted,
+                    block_size=layout.block_size)
     if charge.tokens > layout.capacity_tokens:
         raise ContextLengthExceeded(
             f"This request needs {charge.tokens} KV tokens (n {n} × (prompt {prompt_tokens} + "
-            f"max_tokens {cap})), more than the backend's whole pool of "
-            f"{layout.capacity_tokens}. Lower n or max_tokens.",
+            f"max_tokens {cap}), in blocks of {layout.block_size}), more than the backend's "
+            f"whole pool of {layout.capacity_tokens}. Lower n or max_tokens.",
             param="n",
         )
     return charge

@@ -72,6 +72,15 @@ class _AdmissionCollector(Collector):
         for name, stats, _ready in rows:
             changes.add_metric([name], float(stats.layout_changes))
         yield changes
+        preempted = CounterMetricFamily(
+            "gateway_backend_preemptions",
+            "Requests the backend preempted (vLLM vllm:num_preemptions_total) while the "
+            "gateway had work admitted; each rise shrinks the pool model.",
+            labels=["backend"],
+        )
+        for name, stats, _ready in rows:
+            preempted.add_metric([name], float(stats.preemptions))
+        yield preempted
 
 
 class GatewayMetrics:

@@ -27,6 +27,7 @@ __all__ = ["Target"]
 log = logging.getLogger(__name__)
 
 RETRY_DISCOVERY_S = 1.0  # delay between discovery attempts while the backend is down
+PREEMPTION_WATCH_S = 5.0  # discovery interval at most, where the server counts preemptions
 
 
 class Target:
@@ -57,6 +58,9 @@ class Target:
         self.discovered: Discovered | None = None
         self.problem: str | None = None  # why the last discovery failed
         self._pool_penalty = 0  # tokens taken off the unified pool after overflows
+        self.preemptions_seen = 0  # server preemptions while the gateway admitted work
+        self._busy_at_check = False  # leases in flight at the last preemption check
+        self._admitted_at_check = 0  # leases granted by then
         self._rediscovery: asyncio.Task[None] | None = None
         self.admission = Admission(
             self._configured_layout(None),
@@ -100,7 +104,8 @@ class Target:
 
     def stats(self) -> AdmissionStats:
         """Queue, reservation and slot-watch figures, for metrics."""
-        return replace(self.admission.stats(), abandoned_held=self.slot_watch.waiting)
+        return replace(self.admission.stats(), abandoned_held=self.slot_watch.waiting,
+                       preemptions=self.preemptions_seen)
 
     # -- admission ---------------------------------------------------------------------
 
@@ -181,16 +186,26 @@ class Target:
     # -- discovery ---------------------------------------------------------------------
 
     def _configured_layout(self, found: Discovered | None) -> Layout | None:
-        """Config wins over discovery for each value (config is the operator's word)."""
+        """Config wins over discovery for each value (config is the operator's word).
+
+        The pool is ``pool_tokens`` from config, else the one the server reports (vLLM),
+        else one slot's context (the safe guess, ``shared/design/backends.md`` §4.7); less
+        the penalty taken after overflows or preemptions. A reported pool smaller than
+        the context lowers the context to it.
+        """
         s = self.settings
         slots = s.slots or (found.slots if found else None)
         ctx = s.ctx_per_slot or (found.ctx_per_slot if found else None)
         if slots is None or ctx is None:
             return None
+        margin = self.dialect.stop_margin
+        block = found.block_size if found else 1
         if not s.kv_unified or not self.dialect.unified_pool:
-            return Layout(slots, ctx)
-        pool = max(ctx, (s.pool_tokens or ctx) - self._pool_penalty)
-        return Layout(slots, ctx, pool_tokens=pool)
+            return Layout(slots, ctx, stop_margin=margin)
+        pool = s.pool_tokens or (found.pool_tokens if found else None) or ctx
+        ctx = max(2, min(ctx, pool))
+        pool = max(ctx, pool - self._pool_penalty)
+        return Layout(slots, ctx, pool_tokens=pool, block_size=block, stop_margin=margin)
 
     async def discover(self) -> Layout | None:
         """Read the backend's capacity and update the admission layout. A failure is
@@ -207,6 +222,7 @@ class Target:
             raise
         self.reachable, self.problem = True, None
         self._warn_disagreement(found)
+        self._check_preemptions(found)
         self.discovered = found
         layout = self._configured_layout(found)
         old = self.admission.layout
@@ -222,12 +238,16 @@ class Target:
 
     async def run_discovery(self) -> None:
         """Discover the capacity forever: every second until known, then every
-        ``discovery_interval_s`` (on the injected clock)."""
+        ``discovery_interval_s`` (on the injected clock); at least every
+        :data:`PREEMPTION_WATCH_S` where the server counts its preemptions."""
         failing = False
         while True:
             try:
-                await self.discover()
+                found = await self.discover()
                 delay = self.settings.discovery_interval_s
+                if found is not None and self.discovered and (
+                        self.discovered.preemptions is not None):
+                    delay = min(delay, PREEMPTION_WATCH_S)
                 if failing:
                     log.info("backend %s is reachable again", self.name)
                 failing = False
@@ -275,6 +295,24 @@ class Target:
         log.warning("backend %s overflowed its KV pool; pool model %d -> %s tokens", self.name,
                     layout.pool_tokens, smaller.pool_tokens if smaller else None)
         self.admission.set_layout(smaller)
+
+    def _check_preemptions(self, found: Discovered) -> None:
+        """A rise in the server's preemption count while the gateway had requests in
+        flight means its model of the pool let in more than the server holds (vLLM
+        preempts and recomputes rather than failing): counted like an overflow, and the
+        pool model shrinks (``shared/cases/public.md`` P10)."""
+        before = self.discovered.preemptions if self.discovered else None
+        now = found.preemptions
+        if before is None or now is None:
+            return
+        stats = self.admission.stats()
+        ours = self._busy_at_check or stats.inflight > 0 or stats.admitted > self._admitted_at_check
+        if now > before and ours:
+            log.warning("backend %s preempted %d requests while the gateway admitted work; "
+                        "its pool model is too large", self.name, now - before)
+            self.preemptions_seen += now - before
+            self._shrink_pool()
+        self._busy_at_check, self._admitted_at_check = stats.inflight > 0, stats.admitted
 
     def _warn_disagreement(self, found: Discovered) -> None:
         s = self.settings

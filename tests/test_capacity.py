@@ -38,6 +38,8 @@ def test_layout_capacity() -> None:
 @pytest.mark.parametrize("bad", [
     dict(slots=0, ctx_per_slot=2048), dict(slots=1, ctx_per_slot=1),
     dict(slots=2, ctx_per_slot=2048, pool_tokens=1024),
+    dict(slots=2, ctx_per_slot=2048, block_size=0), dict(slots=2, ctx_per_slot=2048,
+                                                         stop_margin=2),
 ])
 def test_layout_rejects_nonsense(bad: dict[str, int]) -> None:
     with pytest.raises(ValueError):
@@ -124,6 +126,41 @@ def test_release_underflow_is_an_error() -> None:
         release(Budget(), Charge(1, 1))
 
 
+# vLLM (kind "vllm"): paged blocks, strict prompt + max_tokens <= max_model_len.
+VLLM = Layout(slots=16, ctx_per_slot=8192, pool_tokens=20_000, block_size=16, stop_margin=0)
+
+
+def test_p09_vllm_limit_is_strict_with_no_token_kept_back() -> None:
+    # shared case P09: --max-model-len 8192; 4192 + 4000 is exactly 8192 and is admitted.
+    c = plan(VLLM, 4192, 4000)
+    assert (c.max_tokens, c.clamped) == (4000, False)
+    with pytest.raises(ContextLengthExceeded) as info:  # 4200 + 4000 = 8200: refused
+        plan(VLLM, 4200, 4000)
+    assert "8200" in info.value.message and "3992" in info.value.message
+    c = plan(VLLM, 4200, 4000, policy=CapPolicy.clamp)  # or clamped, before queueing
+    assert (c.max_tokens, c.clamped) == (3992, True)
+    assert plan(Layout(4, 2048, 2048, stop_margin=0), 2047, 1).max_tokens == 1  # 2047+1 fits
+    with pytest.raises(ContextLengthExceeded):
+        plan(Layout(4, 2048, 2048, stop_margin=0), 2048, 1)  # 2048+1 does not
+
+
+def test_vllm_reservation_is_whole_blocks() -> None:
+    c = plan(VLLM, 3000, 1500)
+    assert c.tokens == 4512 == 282 * 16  # ceil(4500 / 16) blocks
+    assert plan(VLLM, 3000, 1504).tokens == 4512  # already a whole number of blocks
+    budget = Budget()
+    admitted = 0
+    for _ in range(6):  # shared case P10: 6 × (3000 + 1500) on a 20,000-token pool
+        if fits(VLLM, budget, c):
+            budget, admitted = reserve(budget, c), admitted + 1
+    assert admitted == 4 and budget.reserved_tokens == 4 * 4512
+
+
+def test_vllm_missing_cap_defaults_to_room_left_clamped_by_default() -> None:
+    assert plan(VLLM, 8000, None).max_tokens == 192  # room left: 8192 - 8000
+    assert plan(VLLM, 100, None).max_tokens == 1024  # default_max_tokens
+
+
 def test_fits_alone_after_layout_shrinks() -> None:
     c = plan(UNIFIED, 1000, 900)
     assert fits_alone(UNIFIED, c)
@@ -133,8 +170,10 @@ def test_fits_alone_after_layout_shrinks() -> None:
 # --- properties ---------------------------------------------------------------
 
 layouts = st.builds(
-    lambda slots, ctx, extra, unified: Layout(slots, ctx, ctx + extra if unified else None),
+    lambda slots, ctx, extra, unified, block, margin: Layout(
+        slots, ctx, ctx + extra if unified else None, block_size=block, stop_margin=margin),
     st.integers(1, 8), st.integers(2, 8192), st.integers(0, 8192), st.booleans(),
+    st.sampled_from([1, 1, 16, 32, 7]), st.sampled_from([0, 1]),
 )
 
 
@@ -148,7 +187,10 @@ def test_planned_charge_always_fits_an_idle_backend(
     except (ContextLengthExceeded, InvalidRequest):
         return
     assert c.max_tokens >= 1
-    assert c.prompt_tokens + c.max_tokens <= layout.ctx_per_slot - 1
+    assert c.prompt_tokens + c.max_tokens <= layout.ctx_per_slot - layout.stop_margin
+    assert c.tokens % layout.block_size == 0
+    assert c.n * (c.prompt_tokens + c.max_tokens) <= c.tokens
+    assert c.tokens < c.n * (c.prompt_tokens + c.max_tokens + layout.block_size)
     assert fits(layout, Budget(), c)
     if cap is not None and not c.clamped:
         assert c.max_tokens == cap
@@ -165,7 +207,7 @@ def test_reserving_only_what_fits_never_exceeds_capacity(
         if finish and held:
             budget = release(budget, held.pop(0))
             continue
-        c = Charge(prompt, cap)
+        c = Charge(prompt, cap, block_size=layout.block_size)
         if fits(layout, budget, c):
             budget = reserve(budget, c)
             held.append(c)

@@ -42,11 +42,19 @@ class Discovered:
     :param ctx_per_slot: tokens one request may use (llama-server
         ``default_generation_settings.n_ctx``).
     :param n_vocab: the model's vocabulary size, when known.
+    :param pool_tokens: the KV pool the server reports itself (vLLM's cache size in
+        tokens); ``None`` where no endpoint shows it (llama-server, Ollama).
+    :param block_size: tokens per KV block (vLLM's ``block_size``; 1 for cells).
+    :param preemptions: the server's running count of preempted requests (vLLM
+        ``vllm:num_preemptions_total``), when it shows one.
     """
 
     slots: int
     ctx_per_slot: int
     n_vocab: int | None = None
+    pool_tokens: int | None = None
+    block_size: int = 1
+    preemptions: int | None = None
 
 
 class SideCalls:
@@ -100,6 +108,7 @@ class BackendKind(Protocol):
     route_paths: ClassVar[Mapping[str, str]]
     unified_pool: ClassVar[bool]  # its slots may share one KV pool (kv_unified applies)
     counts_exactly: ClassVar[bool]  # count_prompt is the server's own count
+    stop_margin: ClassVar[int]  # tokens of the context a request cannot use (Layout)
 
     async def discover(self) -> Discovered:
         """Read the server's capacity. Raises :class:`GatewayError` when it cannot."""

@@ -62,6 +62,7 @@ class LlamaCpp:
     unified_pool: ClassVar[bool] = True  # -np unset, or --kv-unified
     default_slots: ClassVar[int | None] = None  # always discovered from /props
     counts_exactly: ClassVar[bool] = True
+    stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
 
     def __init__(self, settings: Any, side: SideCalls) -> None:
         self.name = settings.name

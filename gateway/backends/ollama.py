@@ -98,6 +98,7 @@ class Ollama:
     unified_pool: ClassVar[bool] = False
     default_slots: ClassVar[int] = 1
     counts_exactly: ClassVar[bool] = False
+    stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
 
     def __init__(self, settings: Any, side: SideCalls) -> None:
         self.name = settings.name
