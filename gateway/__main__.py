@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gateway.config import ConfigError, load_settings
+from gateway.config import BackendSettings, ConfigError, load_settings
 
 __all__ = ["main"]
 
@@ -45,11 +45,30 @@ def _check(args: argparse.Namespace) -> int:
             print(f"backend {backend.name}: Ollama shows its parallel count nowhere: slots = "  # noqa: T201
                   f"{backend.slots or 1} (OLLAMA_NUM_PARALLEL); a slot's context is read "
                   f"from /api/ps while a model is loaded, else {ctx}", file=sys.stderr)
+        if backend.kind == "llama.cpp" and backend.kv_unified:
+            print(f"backend {backend.name}: {_unified_note(backend)}",  # noqa: T201
+                  file=sys.stderr)
         if backend.api_key is not None:
             source = f"from {backend.api_key_file}" if backend.api_key_file else "inline"
             print(f"backend {backend.name}: an API key ({source}) is sent as "  # noqa: T201
                   "Authorization: Bearer on every upstream call", file=sys.stderr)
     return 0
+
+
+def _unified_note(b: BackendSettings) -> str:
+    """How the gateway reads a unified llama-server layout (``shared/design/backends.md``
+    §4.7): the pool is never shown over HTTP."""
+    if b.pool_tokens is None:
+        return ("kv_unified with no pool_tokens: the pool is taken to be one slot's "
+                "context (the safe guess; it is what llama-server allocates without -c). "
+                "With --kv-unified-per-slot N, /props shows N as the slot context; set "
+                "pool_tokens to -c, or to slots x N when -c is not given.")
+    if b.slots and b.ctx_per_slot and b.pool_tokens >= b.slots * b.ctx_per_slot:
+        return (f"a pool of {b.pool_tokens} holds all {b.slots} slots of "
+                f"{b.ctx_per_slot} at once (as with --kv-unified-per-slot "
+                f"{b.ctx_per_slot}): it cannot overflow, and the slots alone bound admission.")
+    return (f"slots share a pool of {b.pool_tokens} cells; the gateway admits while the "
+            "reservations in flight fit it.")
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -75,6 +75,19 @@ def test_check_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "nope: unknown key" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra,needle", [
+    ("", "the pool is taken to be one slot's context"),
+    ("slots = 4\nctx_per_slot = 512\npool_tokens = 2048\n", "it cannot overflow"),
+    ("slots = 4\nctx_per_slot = 2048\npool_tokens = 4096\n", "share a pool of 4096"),
+])
+def test_check_config_explains_the_unified_layout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: str, needle: str
+) -> None:
+    path = write(tmp_path, f'[[backends]]\nname = "a"\n{extra}')
+    assert main(["check-config", str(path)]) == 0
+    assert needle in capsys.readouterr().err
+
+
 def test_python_dash_m_gateway_runs() -> None:
     import subprocess
     import sys

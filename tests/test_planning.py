@@ -117,6 +117,17 @@ def test_report_unified_pool_block() -> None:
     assert "--kv-unified" in r["launch"]["llama_server"]
 
 
+def test_unified_plan_offers_slots_capped_at_pool_over_slots() -> None:
+    r = build_report(GEMMA, ctx=512, parallel=4, unified=True)
+    capped = r["launch"]["llama_server_capped"]
+    assert capped["llama_server"].endswith("-c 2048 -np 4 --kv-unified --kv-unified-per-slot 512")
+    assert "ctx_per_slot = 512" in capped["gateway"] and "pool_tokens = 2048" in capped["gateway"]
+    assert "--kv-unified-per-slot 512" in render_report(r)
+    assert build_report(GEMMA, ctx=512, parallel=4)["launch"]["llama_server_capped"] is None
+    assert build_report(GEMMA, ctx=512, parallel=1, unified=True)["launch"][
+        "llama_server_capped"] is None
+
+
 def test_report_memory_minus_weights_and_errors() -> None:
     shape = ModelShape("m", (8,) * 32, 128, 128, weights_bytes=4 * 1024**3)
     r = build_report(shape, memory=parse_bytes("5GiB"), parallel=1)

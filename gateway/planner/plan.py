@@ -71,13 +71,38 @@ def _launch(opt: SlotOption, unified: bool, type_k: str, type_v: str, shape: Mod
         f"slots = {opt.slots}", f"ctx_per_slot = {opt.ctx_per_slot}",
         f"kv_unified = {'true' if unified else 'false'}",
     ]
+    capped: dict[str, str] | None = None
     if unified:
         gateway_block.append(f"pool_tokens = {opt.kv.n_ctx}")
+        if opt.slots > 1:
+            capped = _capped_launch(opt, flags, name)
     return {
         "llama_server": "llama-server -m MODEL.gguf " + " ".join(flags),
+        "llama_server_capped": capped,
         "ollama_env": ollama, "ollama_note": ollama_note,
         "vllm": "vllm serve MODEL " + " ".join(vllm), "vllm_note": vllm_note,
         "gateway": "\n".join(gateway_block),
+    }
+
+
+def _capped_launch(opt: SlotOption, flags: list[str], name: str) -> dict[str, str]:
+    """The same unified pool with every slot capped at pool / slots
+    (``--kv-unified-per-slot N``, ``tools/server/server-context.cpp``): no mix of requests
+    can overflow the pool, even one that bypasses the gateway, at the price of no request
+    using more than N tokens. llama-server's ``/props`` then shows N as the slot context
+    and the pool is invisible, hence ``pool_tokens`` in the block."""
+    cap = opt.kv.n_ctx // opt.slots
+    block = [
+        "[[backends]]", f'name = "{name}"', 'url = "http://127.0.0.1:8080"',
+        'kind = "llama.cpp"', f"slots = {opt.slots}", f"ctx_per_slot = {cap}",
+        "kv_unified = true", f"pool_tokens = {opt.kv.n_ctx}",
+    ]
+    return {
+        "llama_server": "llama-server -m MODEL.gguf " + " ".join(flags)
+        + f" --kv-unified-per-slot {cap}",
+        "note": f"each slot capped at {cap} tokens: safe without the gateway too, but no "
+                f"request can use the whole pool of {opt.kv.n_ctx}",
+        "gateway": "\n".join(block),
     }
 
 
@@ -193,4 +218,10 @@ def render_report(r: dict[str, Any]) -> str:
         lines.append("               (" + launch["ollama_note"] + ")")
     lines += ["vLLM           " + launch["vllm"], "               (" + launch["vllm_note"] + ")",
               "", "gateway config:", launch["gateway"]]
+    capped = launch.get("llama_server_capped")
+    if capped:
+        lines += ["", "or, safe for traffic that bypasses the gateway too:",
+                  "llama-server   " + capped["llama_server"],
+                  "               (" + capped["note"] + ")", "", "gateway config:",
+                  capped["gateway"]]
     return "\n".join(lines)

@@ -50,6 +50,10 @@ def _llama(client: httpx.Client, url: str, props: dict[str, Any]) -> dict[str, A
         "kv_unified: whether the slots share one KV pool (llama-server's default without "
         "-np) or each has its own (-np N); /props and /slots look the same either way",
         f"pool_tokens: the unified pool size (-c); {ctx} per slot is all that is visible",
+        f"--kv-unified-per-slot N: /props then shows N ({ctx} here) as the slot context; "
+        f"the pool is -c, or slots x N = {slots * ctx} without -c, and a slot can never "
+        "use more than N, so the pool cannot overflow even for traffic that bypasses the "
+        "gateway",
     ]
     found["backend_block"] = "\n".join([
         "[[backends]]", 'name = "local"', f'url = "{url}"', 'kind = "llama.cpp"',
@@ -58,6 +62,7 @@ def _llama(client: httpx.Client, url: str, props: dict[str, Any]) -> dict[str, A
         *(['api_key = "..."   # the key given to llama-server --api-key']
           if client.headers.get("authorization") else []),
         f"# pool_tokens = {ctx}   # the -c value, when unified and larger than one slot",
+        f"# pool_tokens = {slots * ctx}   # with --kv-unified-per-slot {ctx} and no -c",
     ])
     return found
 

@@ -42,6 +42,27 @@ def test_plan_predicts_the_kv_size_llama_server_prints(
     assert [round(kv.full_bytes / 2**20, 2), round(kv.swa_bytes / 2**20, 2)] == printed
 
 
+def test_capped_unified_plan_runs_as_planned(llama_parts: tuple[Any, Any]) -> None:
+    """``gateway plan``'s --kv-unified-per-slot line: llama-server allocates the planned
+    pool, /props shows the cap as the slot context, and probe explains the layout."""
+    binary, model = llama_parts
+    shape = modelshape.from_gguf(model)
+    from gateway.planner.plan import build_report
+
+    report = build_report(shape, ctx=512, parallel=4, unified=True)
+    capped = report["launch"]["llama_server_capped"]
+    args = capped["llama_server"].split("MODEL.gguf ", 1)[1].split()
+    server = LlamaServer([*args, "-lv", "4"], binary=binary, model=model)
+    with server.running():
+        found = probe(server.url)
+        printed = [float(x) for x in KV_LINE.findall(server.log())]
+    assert (found["slots"], found["ctx_per_slot"]) == (4, 512)
+    assert any("--kv-unified-per-slot" in note for note in found["undiscoverable"])
+    kv = kv_size(shape, 2048, 4, unified=True)
+    assert [round(kv.full_bytes / 2**20, 2), round(kv.swa_bytes / 2**20, 2)] == printed
+    assert "pool_tokens = 2048" in capped["gateway"]
+
+
 def test_probe_real_llama_server(default_server: LlamaServer) -> None:
     found = probe(default_server.url)
     assert (found["kind"], found["slots"], found["ctx_per_slot"]) == ("llama.cpp", 4, 2048)
