@@ -61,6 +61,7 @@ class BackendKind(StrEnum):
 
     llama_cpp = "llama.cpp"
     ollama = "ollama"
+    vllm = "vllm"
 
 
 class _Strict(BaseModel):

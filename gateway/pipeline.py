@@ -159,9 +159,11 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
     prompt_tokens, raw_estimate = await count_prompt(state, backend, req)
     admission = state.settings.admission
     batch = max(1, len(req.prompts))
+    default_cap = min(admission.default_max_tokens,
+                      backend.dialect.default_caps.get(route, admission.default_max_tokens))
     charge = replace(plan_charge(
         layout, prompt_tokens, req.max_tokens, n=req.n * batch,
-        default_max_tokens=admission.default_max_tokens,
+        default_max_tokens=default_cap,
         policy=admission.overlong, cap_field=req.cap_field,
     ), pinnable=batch == 1)
     extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from gateway.__main__ import main
+from gateway.config import load_settings
 from gateway.planner import modelshape
 from gateway.planner.plan import build_report, render_report
 from gateway.planner.planning import (
@@ -106,6 +108,9 @@ def test_report_launch_settings() -> None:
     assert launch["ollama_env"]["OLLAMA_CONTEXT_LENGTH"] == str(c["ctx_per_slot"])
     assert f"--max-model-len {c['ctx_per_slot']} --max-num-seqs 4" in launch["vllm"]
     assert "kv_unified = false" in launch["gateway"]
+    for block in (launch["gateway"], launch["vllm_gateway"]):  # blocks the gateway accepts
+        load_settings(backends=tomllib.loads(block)["backends"])
+    assert 'kind = "vllm"' in launch["vllm_gateway"] and "slots = 4" in launch["vllm_gateway"]
     text = render_report(r)
     assert "87,040 bytes" in text and "[[backends]]" in text
 

@@ -4,9 +4,13 @@ and §3 (vLLM /v1/models and /metrics)."""
 
 from __future__ import annotations
 
+import tomllib
+
 import httpx
 
+from gateway.config import load_settings
 from gateway.planner.probe import probe, render_probe
+from tests.fake_vllm import FakeVllm
 from tests.fakes import FakeLlamaServer
 
 OLLAMA_PS = {"models": [{
@@ -58,6 +62,23 @@ def test_probe_vllm() -> None:
     assert found["kind"] == "vllm" and found["max_model_len"] == 8192
     assert (found["block_size"], found["num_gpu_blocks"], found["pool_tokens"]) == (16, 1250, 20000)
     assert "--max-num-seqs" in render_probe(found)
+    block = tomllib.loads(found["backend_block"])["backends"][0]
+    settings = load_settings(backends=[block])  # a block the gateway accepts
+    assert (settings.backends[0].kind, settings.backends[0].slots) == ("vllm", 256)
+
+
+def test_probe_newer_vllm_reads_the_pool_label_from_the_recorded_metrics() -> None:
+    metrics = FakeVllm(num_gpu_blocks=900, block_size=16).metrics_text()
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=VLLM_MODELS)
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=metrics)
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    found = probe("http://vllm:8000", client_for(handle))
+    assert (found["kv_cache_size_tokens"], found["pool_tokens"]) == (14_400, 14_400)
 
 
 def test_probe_llama_server_fake() -> None:

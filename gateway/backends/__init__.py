@@ -9,10 +9,13 @@ from __future__ import annotations
 from gateway.backends.base import SIDE_CONNECTIONS, BackendKind, Discovered, SideCalls
 from gateway.backends.llamacpp import LlamaCpp
 from gateway.backends.ollama import Ollama
+from gateway.backends.vllm import Vllm
 
 __all__ = ["KINDS", "SIDE_CONNECTIONS", "BackendKind", "Discovered", "SideCalls", "kind_class"]
 
-KINDS: dict[str, type[BackendKind]] = {LlamaCpp.kind: LlamaCpp, Ollama.kind: Ollama}
+KINDS: dict[str, type[BackendKind]] = {
+    LlamaCpp.kind: LlamaCpp, Ollama.kind: Ollama, Vllm.kind: Vllm,
+}
 
 
 def kind_class(kind: str) -> type[BackendKind]:

@@ -63,6 +63,7 @@ class LlamaCpp:
     default_slots: ClassVar[int | None] = None  # always discovered from /props
     counts_exactly: ClassVar[bool] = True
     stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
+    default_caps: ClassVar[dict[str, int]] = {}  # no cap of its own: the gateway's default
 
     def __init__(self, settings: Any, side: SideCalls) -> None:
         self.name = settings.name

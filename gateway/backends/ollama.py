@@ -99,6 +99,7 @@ class Ollama:
     default_slots: ClassVar[int] = 1
     counts_exactly: ClassVar[bool] = False
     stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
+    default_caps: ClassVar[dict[str, int]] = {}  # no cap of its own: the gateway's default
 
     def __init__(self, settings: Any, side: SideCalls) -> None:
         self.name = settings.name

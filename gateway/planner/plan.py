@@ -66,6 +66,10 @@ def _launch(opt: SlotOption, unified: bool, type_k: str, type_v: str, shape: Mod
         util = min(0.95, math.ceil((shape.weights_bytes + opt.kv.total_bytes) / memory * 100
                                    + 5) / 100)
         vllm += ["--gpu-memory-utilization", f"{util:.2f}"]
+    vllm_block = "\n".join([
+        "[[backends]]", f'name = "{name}"', 'url = "http://127.0.0.1:8000"', 'kind = "vllm"',
+        f"slots = {opt.slots}   # --max-num-seqs; max_model_len and the pool are discovered",
+    ])
     gateway_block = [
         "[[backends]]", f'name = "{name}"', 'url = "http://127.0.0.1:8080"', 'kind = "llama.cpp"',
         f"slots = {opt.slots}", f"ctx_per_slot = {opt.ctx_per_slot}",
@@ -81,6 +85,7 @@ def _launch(opt: SlotOption, unified: bool, type_k: str, type_v: str, shape: Mod
         "llama_server_capped": capped,
         "ollama_env": ollama, "ollama_note": ollama_note,
         "vllm": "vllm serve MODEL " + " ".join(vllm), "vllm_note": vllm_note,
+        "vllm_gateway": vllm_block,
         "gateway": "\n".join(gateway_block),
     }
 
@@ -217,7 +222,8 @@ def render_report(r: dict[str, Any]) -> str:
     if launch["ollama_note"]:
         lines.append("               (" + launch["ollama_note"] + ")")
     lines += ["vLLM           " + launch["vllm"], "               (" + launch["vllm_note"] + ")",
-              "", "gateway config:", launch["gateway"]]
+              "", "gateway config:", launch["gateway"], "",
+              "gateway config, in front of vLLM:", launch["vllm_gateway"]]
     capped = launch.get("llama_server_capped")
     if capped:
         lines += ["", "or, safe for traffic that bypasses the gateway too:",

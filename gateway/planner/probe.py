@@ -98,30 +98,32 @@ def _ollama(client: httpx.Client, url: str, version: dict[str, Any]) -> dict[str
 
 
 def _vllm(client: httpx.Client, url: str, models: dict[str, Any]) -> dict[str, Any]:
-    from prometheus_client.parser import text_string_to_metric_families
+    from gateway.backends.vllm import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, parse_metrics
 
     model = models["data"][0]
     found: dict[str, Any] = {"kind": "vllm", "model": model.get("id"),
                              "max_model_len": model.get("max_model_len"), "slots": None}
     try:
-        text = client.get(url + "/metrics").text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name.startswith("vllm:cache_config_info"):
-                    found["block_size"] = int(sample.labels.get("block_size", 0)) or None
-                    found["num_gpu_blocks"] = int(sample.labels.get("num_gpu_blocks", 0)) or None
-                elif sample.name.startswith("vllm:kv_cache_size_tokens"):
-                    found["kv_cache_size_tokens"] = int(sample.value)
+        found.update(parse_metrics(client.get(url + "/metrics").text))
     except (httpx.HTTPError, ValueError):
         pass
+    block = found.get("block_size") or DEFAULT_BLOCK_SIZE
     pool = found.get("kv_cache_size_tokens") or (
-        (found.get("block_size") or 0) * (found.get("num_gpu_blocks") or 0) or None)
+        block * found["num_gpu_blocks"] if found.get("num_gpu_blocks") else None)
     found["pool_tokens"] = pool
-    found["undiscoverable"] = ["--max-num-seqs (concurrent sequences) is not exposed"]
+    found["undiscoverable"] = [
+        f"--max-num-seqs (concurrent sequences) is not exposed; vLLM's default is "
+        f"{DEFAULT_MAX_NUM_SEQS} (1024 on the largest GPUs)",
+        *([] if pool else ["the KV pool: /metrics shows no vllm:cache_config_info; set "
+                           "pool_tokens to the 'GPU KV cache size' of vLLM's startup log"]),
+    ]
     found["backend_block"] = "\n".join([
-        "[[backends]]", 'name = "vllm"', f'url = "{url}"',
-        'kind = "vllm"   # served by the vLLM backend kind (separate issue)',
-        f"ctx_per_slot = {found['max_model_len']}", f"pool_tokens = {pool}",
+        "[[backends]]", 'name = "vllm"', f'url = "{url}"', 'kind = "vllm"',
+        f"slots = {DEFAULT_MAX_NUM_SEQS}   # --max-num-seqs",
+        f"# ctx_per_slot = {found['max_model_len']}   # max_model_len, read from /v1/models",
+        f"# pool_tokens = {pool}   # read from /metrics" if pool else
+        "# pool_tokens = N   # the 'GPU KV cache size' of vLLM's log; unset, the gateway "
+        "admits one max_model_len at a time",
     ])
     return found
 

@@ -1,0 +1,307 @@
+"""vLLM (``kind = "vllm"``): ``shared/design/backends.md`` §3, from vLLM's sources.
+
+* **Capacity, paged blocks.** vLLM keeps one pool of KV blocks for every running
+  sequence. The pool is the ``kv_cache_size_tokens`` label of ``vllm:cache_config_info``
+  in ``/metrics`` where vLLM exports it, else ``num_gpu_blocks × block_size`` from the
+  same labels (:func:`parse_metrics`). A request holds ``ceil((prompt + cap) /
+  block_size)`` blocks at its end, so the gateway reserves that many whole blocks
+  (:class:`gateway.capacity.Layout` ``block_size``). vLLM itself admits on the first
+  prefill chunk and preempts running requests when blocks run out (shared case P10),
+  which is what the reservation prevents.
+* **Limits.** ``max_model_len`` comes from ``GET /v1/models``, and vLLM refuses
+  ``prompt + max_tokens > max_model_len`` with no token kept back
+  (``tests/v1/e2e/test_context_length.py``: 2047 + 1 fits 2048): ``stop_margin`` 0.
+  ``--max-num-seqs`` is shown nowhere: ``backends[].slots``, else vLLM's default.
+  A missing cap is charged as vLLM defaults it: the room left (chat), at most 16 on
+  ``/v1/completions`` (``completion/protocol.py``), within ``default_max_tokens``.
+* **Counting.** ``POST /tokenize`` with ``messages`` (chat template applied) or
+  ``prompt`` (``vllm/entrypoints/serve/tokenize/protocol.py``): exact.
+* **Preemptions.** ``vllm:num_preemptions_total`` is read at every discovery; a rise
+  while the gateway had work admitted shrinks the pool model
+  (:meth:`gateway.target.Target.discover`).
+* **Errors.** ``{"error": {"message", "type", "param", "code"}}``: the context-length
+  400s (every wording vLLM has used) become ``context_length_exceeded``; 503 (queue
+  caps, engine not ready) stays 503 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.admission import Lease
+from gateway.backends.base import (
+    Discovered,
+    SideCalls,
+    error_message,
+    is_error_object,
+    openai_body,
+    seconds,
+)
+from gateway.capacity import Charge
+from gateway.errors import (
+    BackendNotReady,
+    ContextLengthExceeded,
+    GatewayError,
+    InvalidRequest,
+    UpstreamAuthFailed,
+    UpstreamError,
+    UpstreamRefused,
+)
+from gateway.slotwatch import SlotsUnsupported, SlotView
+from gateway.upstream import map_upstream_errors
+from gateway.validation import ParsedRequest
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_NUM_SEQS", "Vllm", "parse_metrics"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_SEQS = 256  # --max-num-seqs when unset (vllm/engine/arg_utils.py)
+DEFAULT_BLOCK_SIZE = 16  # --block-size when unset on CUDA (vllm/config/cache.py)
+# The wordings of vLLM's context-length 400 across versions (backends.md §3, §4.10).
+_TOO_LONG = ("maximum context length", "context length is only", "maximum model length",
+             "cannot be greater than max_model_len")
+# /tokenize fields that change the count of a chat (the rest of a chat body is not read).
+_CHAT_COUNT_FIELDS = ("model", "messages", "tools", "chat_template", "chat_template_kwargs",
+                      "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                      "mm_processor_kwargs")
+
+
+def parse_metrics(text: str) -> dict[str, int]:
+    """What the gateway reads of vLLM's ``/metrics`` text (``vllm/v1/metrics/loggers.py``).
+
+    ``vllm:cache_config_info`` is a gauge of 1 whose labels are the fields of vLLM's
+    ``CacheConfig`` (``vllm/config/cache.py``): ``block_size``, ``num_gpu_blocks`` and,
+    in newer versions, ``kv_cache_size_tokens``. With several engines (data parallel),
+    each has its own pool and a request runs on one: the smallest is kept.
+    ``vllm:num_preemptions_total`` is summed over its ``model_name``/``engine`` labels.
+
+    :returns: any of ``block_size``, ``num_gpu_blocks``, ``kv_cache_size_tokens``,
+        ``preemptions``.
+    :raises ValueError: the text is not the Prometheus exposition format.
+    """
+    found: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name == "vllm:cache_config_info":
+                for key in ("block_size", "num_gpu_blocks", "kv_cache_size_tokens"):
+                    value = sample.labels.get(key, "")
+                    if value.isdigit() and int(value) > 0:
+                        found[key] = min(found.get(key, int(value)), int(value))
+            elif name == "vllm:num_preemptions_total":
+                found["preemptions"] = found.get("preemptions", 0) + int(sample.value)
+    return found
+
+
+class Vllm:
+    """The vLLM dialect.
+
+    :param settings: the ``[[backends]]`` entry.
+    :param side: the backend's side-call channel.
+    """
+
+    kind: ClassVar[str] = "vllm"
+    route_paths: ClassVar[dict[str, str]] = {
+        "chat": "/v1/chat/completions", "completions": "/v1/completions",
+    }
+    unified_pool: ClassVar[bool] = True  # one block pool for every sequence
+    default_slots: ClassVar[int] = DEFAULT_MAX_NUM_SEQS
+    counts_exactly: ClassVar[bool] = True
+    stop_margin: ClassVar[int] = 0  # prompt + max_tokens <= max_model_len, strictly
+    # vLLM's own cap when a request sets none, per route (None: the room left).
+    default_caps: ClassVar[dict[str, int]] = {"completions": 16}
+
+    def __init__(self, settings: Any, side: SideCalls) -> None:
+        self.name = settings.name
+        self.settings = settings
+        self.side = side
+        self.max_model_len: int | None = None
+
+    # -- discovery ---------------------------------------------------------------------
+
+    async def discover(self) -> Discovered:
+        """``GET /v1/models`` (``max_model_len``; the smallest, if several models are
+        served) and ``GET /metrics`` (pool, block size, preemptions).
+
+        A ``/metrics`` that cannot be read leaves the pool to config (``pool_tokens``),
+        else to one request's context.
+
+        :raises BackendNotReady: ``/health`` or ``/v1/models`` answered 503 (the engine
+            is dead or not ready; ``serve/instrumentator/health.py``).
+        :raises UpstreamAuthFailed: 401/403, the gateway's ``api_key`` is missing or wrong.
+        :raises UpstreamUnavailable: vLLM cannot be reached.
+        :raises UpstreamError: ``/v1/models`` is not vLLM's shape.
+        """
+        with map_upstream_errors(self.name):
+            health = await self.side.get("/health")
+            resp = await self.side.get("/v1/models")
+        if 503 in (health.status_code, resp.status_code):
+            raise BackendNotReady(f"Backend {self.name!r} is not ready yet.")
+        if resp.status_code in (401, 403):
+            raise UpstreamAuthFailed(self._auth_problem(resp.status_code))
+        try:
+            lengths = [int(m["max_model_len"]) for m in resp.json()["data"]
+                       if isinstance(m, dict) and m.get("max_model_len")]
+            if resp.status_code != 200 or not lengths:
+                raise ValueError("no model with max_model_len")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UpstreamError(
+                f"Backend {self.name!r} answered /v1/models with HTTP {resp.status_code} "
+                f"that is not vLLM's shape ({exc})."
+            ) from exc
+        self.max_model_len = min(lengths)
+        metrics = await self._read_metrics()
+        block = metrics.get("block_size") or DEFAULT_BLOCK_SIZE
+        pool = metrics.get("kv_cache_size_tokens") or (
+            metrics["num_gpu_blocks"] * block if "num_gpu_blocks" in metrics else None)
+        return Discovered(
+            slots=self.settings.slots or self.default_slots, ctx_per_slot=self.max_model_len,
+            pool_tokens=pool, block_size=block, preemptions=metrics.get("preemptions"),
+        )
+
+    async def _read_metrics(self) -> dict[str, int]:
+        try:
+            with map_upstream_errors(self.name):
+                resp = await self.side.get("/metrics")
+            if resp.status_code != 200:
+                raise ValueError(f"HTTP {resp.status_code}")
+            return parse_metrics(resp.text)
+        except (GatewayError, ValueError) as exc:
+            log.info("backend %s: /metrics unreadable (%s); pool from config", self.name, exc)
+            return {}
+
+    def _auth_problem(self, status: int) -> str:
+        given = "was refused" if self.settings.api_key else "is needed and none is configured"
+        return (f"Backend {self.name!r} answered HTTP {status}: an API key {given}. "
+                "Set backends[].api_key (or api_key_file) to the key vLLM was started "
+                "with (--api-key).")
+
+    # -- requests ----------------------------------------------------------------------
+
+    def check_request(self, req: ParsedRequest) -> None:
+        """Nothing beyond validation: vLLM checks token ids itself."""
+
+    def prepare_body(self, req: ParsedRequest, charge: Charge) -> dict[str, Any]:
+        """The client's body with the charged cap in ``max_tokens`` (and in
+        ``max_completion_tokens`` when the client used it, which vLLM reads first), and
+        ``stream_options.include_usage`` on streams."""
+        return openai_body(req, charge, ("max_completion_tokens",))
+
+    def tag_request(self, body: dict[str, Any]) -> tuple[str, int] | None:
+        """``None``: vLLM shows no slots to find a request in."""
+        return None
+
+    @staticmethod
+    def pin(body: dict[str, Any], lease: Lease) -> dict[str, Any]:
+        """``body`` unchanged: vLLM schedules its own sequences."""
+        return body
+
+    async def read_slots(self) -> list[SlotView]:
+        """vLLM has no ``/slots``. It aborts a request when its client leaves
+        (``with_cancellation``, ``vllm/entrypoints/utils.py``), freeing its blocks, so
+        the fixed ``disconnect_grace_s`` applies.
+
+        :raises SlotsUnsupported: always.
+        """
+        raise SlotsUnsupported(self.name)
+
+    # -- counting ----------------------------------------------------------------------
+
+    async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:
+        """Count the prompt exactly as vLLM will: ``POST /tokenize`` with the chat's
+        ``messages`` (and what else changes the templated prompt) or the completion's
+        ``prompt``; token-id prompts are counted directly.
+
+        :returns: the count, or ``None`` (estimate instead) when vLLM cannot count.
+        :raises InvalidRequest: vLLM refused the body as a client error (4xx); the
+            generation would fail the same way.
+        :raises BackendNotReady: 503.
+        :raises UpstreamAuthFailed: the gateway's API key was refused.
+        :raises UpstreamUnavailable: vLLM cannot be connected to.
+        """
+        if route == "chat":
+            query = {k: body[k] for k in _CHAT_COUNT_FIELDS if k in body}
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return len(prompt)
+            if not isinstance(prompt, str):
+                return None
+            query = {k: body[k] for k in ("model", "add_special_tokens") if k in body}
+            query["prompt"] = prompt
+        try:
+            with map_upstream_errors(self.name):
+                resp = await self.side.post("/tokenize", query)
+            if resp.status_code == 200:
+                return int(resp.json()["count"])
+        except GatewayError as exc:
+            if exc.upstream_kind == "connect":
+                raise
+            log.info("backend %s could not count tokens: %s", self.name, exc)
+            return None
+        except (ValueError, KeyError, TypeError) as exc:
+            log.info("backend %s could not count tokens: %s", self.name, exc)
+            return None
+        return self._refused(resp.status_code, resp.content)
+
+    def _refused(self, status: int, body: bytes) -> None:
+        """A failed ``/tokenize``: the client's mistake or an unready engine (raise), or
+        a server that cannot count (``None``)."""
+        if status == 503:
+            raise BackendNotReady(f"Backend {self.name!r} is not ready.")
+        if status in (401, 403):
+            raise UpstreamAuthFailed(self._auth_problem(status))
+        message = error_message(body)
+        if status == 400 and any(t in message.lower() for t in _TOO_LONG):
+            raise ContextLengthExceeded(f"Backend {self.name!r}: {message}")
+        if 400 <= status < 500 and status not in (404, 405, 501):
+            raise InvalidRequest(f"Backend {self.name!r} refused the request: {message}")
+        log.info("backend %s could not count tokens: HTTP %d %s", self.name, status, message)
+        return None
+
+    def estimate_factor(self, model: str, margin: float) -> float:
+        """The multiplier on a local estimate, used only when counting failed: ``margin``."""
+        return margin
+
+    def observe(self, model: str, raw_estimate: int, reported: int) -> bool:
+        """Nothing to calibrate: vLLM counts exactly, and never truncates a prompt."""
+        return False
+
+    # -- errors ------------------------------------------------------------------------
+
+    def translate_error(
+        self, status: int, body: bytes, retry_after: str | None, *, retry_after_s: float
+    ) -> tuple[GatewayError | None, str]:
+        """Map a vLLM error answer to a gateway error, or ``None`` to relay it.
+
+        400 naming the context length → ``context_length_exceeded``; 503 → 503 with the
+        upstream's ``Retry-After`` (else the gateway's estimate); other 5xx → 502;
+        401/403 → 502 ``upstream_auth_failed``; empty or plain-text 4xx →
+        ``upstream_refused``; other 4xx with an error object are relayed.
+        """
+        message = error_message(body)
+        if status == 400 and any(t in message.lower() for t in _TOO_LONG):
+            return ContextLengthExceeded(f"Backend {self.name!r}: {message}"), ""
+        if status == 503:
+            wait = seconds(retry_after) or retry_after_s
+            return BackendNotReady(f"Backend {self.name!r} is unavailable: {message}",
+                                   retry_after_s=wait), "status_5xx"
+        if status >= 500:
+            return UpstreamError(f"Backend {self.name!r} failed with HTTP {status}: "
+                                 f"{message}"), "status_5xx"
+        if status in (401, 403):
+            log.error("%s", self._auth_problem(status))
+            return UpstreamAuthFailed(self._auth_problem(status)), "auth"
+        if not is_error_object(body):
+            shown = message.strip() or "no error message"
+            return UpstreamRefused(
+                f"Backend {self.name!r} refused the request with HTTP {status}: {shown}.",
+                status_code=status, retry_after=retry_after), ""
+        return None, ""
+
+    def is_overflow_event(self, data: dict[str, Any]) -> bool:
+        """False: vLLM preempts rather than failing when its blocks run out."""
+        return False

@@ -1,0 +1,297 @@
+"""The gateway in front of vLLM (``kind = "vllm"``), against the fake in
+tests/fake_vllm.py: vLLM cannot run on these machines (no GPU). Shared cases P07
+(streamed usage), P09 (strict max_model_len) and P10 (preemption on over-admission) are
+here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.app import create_app
+from gateway.backends.vllm import parse_metrics
+from gateway.config import load_settings
+from tests.conftest import Harness
+from tests.fake_vllm import FakeVllm
+
+pytestmark = pytest.mark.anyio
+MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
+
+
+@pytest.fixture
+def vllm() -> FakeVllm:
+    return FakeVllm()
+
+
+@pytest.fixture
+async def make(vllm: FakeVllm) -> Any:
+    made: list[Harness] = []
+
+    async def build(admission: dict[str, Any] | None = None, **backend: Any) -> Harness:
+        backend.setdefault("slots", 16)  # --max-num-seqs 16
+        settings = load_settings(
+            admission={"disconnect_grace_s": 0.0, **(admission or {})},
+            backends=[{"name": "vllm", "url": "http://vllm:8000", "kind": "vllm", **backend}])
+        app = create_app(settings, http_client=vllm.client(), registry=CollectorRegistry(),
+                         discover=False)
+        h = Harness(app, vllm)  # type: ignore[arg-type]
+        await target(h).discover()
+        made.append(h)
+        return h
+
+    yield build
+    for h in made:
+        await h.client.aclose()
+
+
+def target(h: Harness) -> Any:
+    return h.state.backends["vllm"]
+
+
+def sample(h: Harness, name: str, **labels: str) -> float:
+    value = h.registry.get_sample_value(name, {"backend": "vllm", **labels})
+    return 0.0 if value is None else value
+
+
+def chat(content: str = "Why is the sky blue?", **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def ids(n: int) -> list[int]:
+    """A token-id prompt of exactly ``n`` tokens (vLLM counts ids as given)."""
+    return [7] * n
+
+
+async def test_discovery_reads_max_model_len_and_the_block_pool(make: Any, vllm: FakeVllm
+                                                                ) -> None:
+    h = await make()
+    ready = (await h.client.get("/ready")).json()["backends"]["vllm"]
+    assert (ready["kind"], ready["slots"], ready["ctx_per_slot"]) == ("vllm", 16, 8192)
+    assert ready["capacity_tokens"] == 20_000 and ready["kv_unified"] is True
+    layout = target(h).layout
+    assert (layout.block_size, layout.stop_margin) == (16, 0)
+
+
+async def test_older_vllm_pool_is_blocks_times_block_size(make: Any, vllm: FakeVllm) -> None:
+    vllm.show_pool_tokens, vllm.num_gpu_blocks, vllm.block_size = False, 600, 32
+    h = await make()
+    assert (target(h).layout.pool_tokens, target(h).layout.block_size) == (19_200, 32)
+    assert parse_metrics(vllm.metrics_text()) == {
+        "block_size": 32, "num_gpu_blocks": 600, "preemptions": 0}
+
+
+async def test_max_num_seqs_defaults_to_vllms_own(make: Any) -> None:
+    h = await make(slots=None)
+    assert target(h).layout.slots == 256
+
+
+async def test_chat_is_counted_by_tokenize_and_capped(make: Any, vllm: FakeVllm) -> None:
+    h = await make()
+    r = await h.client.post("/v1/chat/completions", json=chat(max_tokens=4))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    counted = vllm.prompt_tokens(chat())
+    assert r.headers["x-gateway-prompt-tokens"] == str(counted) == str(
+        r.json()["usage"]["prompt_tokens"])
+    tokenize = [json.loads(q.content) for q in vllm.requests if q.url.path == "/tokenize"]
+    assert tokenize[-1]["messages"] == chat()["messages"] and "max_tokens" not in tokenize[-1]
+    assert vllm.generations[-1]["max_tokens"] == 4
+    assert sample(h, "gateway_token_count_source_total", source="backend") == 1
+
+
+async def test_max_completion_tokens_gets_the_charged_cap_too(make: Any, vllm: FakeVllm
+                                                              ) -> None:
+    # vLLM reads max_completion_tokens before max_tokens: both carry the charge.
+    h = await make({"overlong": "clamp"})
+    r = await h.client.post("/v1/chat/completions", json=chat(max_completion_tokens=9000))
+    assert r.status_code == 200
+    sent = vllm.generations[-1]
+    assert sent["max_completion_tokens"] == sent["max_tokens"] == int(
+        r.headers["x-gateway-max-tokens-clamped"])
+
+
+async def test_completions_without_a_cap_get_vllms_16(make: Any, vllm: FakeVllm) -> None:
+    h = await make()
+    r = await h.client.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+    assert vllm.generations[-1]["max_tokens"] == 16
+    r = await h.client.post("/v1/chat/completions", json=chat())  # chat: the room left,
+    assert vllm.generations[-1]["max_tokens"] == 1024  # within default_max_tokens
+
+
+async def test_streams_relay_sse_and_count_usage(make: Any, vllm: FakeVllm) -> None:
+    h = await make()
+    r = await h.client.post("/v1/completions", json={
+        "model": MODEL, "prompt": "Once upon", "max_tokens": 3, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in r.text.split("\n\n")
+             if e.startswith("data: {")]
+    assert "".join(texts) == "t0 t1 t2 " and r.text.rstrip().endswith("data: [DONE]")
+    assert sample(h, "gateway_completion_tokens_sum") == 3
+    assert target(h).stats().reserved_tokens == 0
+
+
+async def test_p07_usage_only_when_asked_but_always_counted(make: Any, vllm: FakeVllm) -> None:
+    # vLLM sends usage only when stream_options is present (and "{}" already asks).
+    h = await make()
+    body = chat(max_tokens=2, stream=True)
+    plain = await h.client.post("/v1/chat/completions", json=body)
+    empty = await h.client.post("/v1/chat/completions", json={**body, "stream_options": {}})
+    asked = await h.client.post("/v1/chat/completions",
+                                json={**body, "stream_options": {"include_usage": True}})
+    assert "usage" not in plain.text and "usage" not in empty.text
+    usage = [json.loads(e[6:]) for e in asked.text.split("\n\n") if '"usage"' in e]
+    assert len(usage) == 1 and usage[0]["choices"] == []
+    assert all(g["stream_options"]["include_usage"] for g in vllm.generations)
+    assert sample(h, "gateway_completion_tokens_sum") == 6
+
+
+async def test_p09_exactly_max_model_len_is_admitted(make: Any, vllm: FakeVllm) -> None:
+    # shared case P09: --max-model-len 8192; 4192 + 4000 is exactly 8192.
+    h = await make()
+    ok = await h.client.post("/v1/completions", json={
+        "model": MODEL, "prompt": ids(4192), "max_tokens": 4000})
+    assert ok.status_code == 200 and ok.json()["usage"]["total_tokens"] == 8192
+
+
+async def test_p09_one_over_is_refused_before_queueing_not_by_vllm(make: Any, vllm: FakeVllm
+                                                                   ) -> None:
+    h = await make()
+    r = await h.client.post("/v1/completions", json={
+        "model": MODEL, "prompt": ids(4200), "max_tokens": 4000})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+    assert "4200" in err["message"] and "3992" in err["message"] and "8192" in err["message"]
+    assert vllm.generations == []  # never forwarded, never queued
+    assert "retry-after" not in r.headers
+
+
+async def test_p09_clamp_policy_forwards_the_room_left(make: Any, vllm: FakeVllm) -> None:
+    h = await make({"overlong": "clamp"})
+    r = await h.client.post("/v1/completions", json={
+        "model": MODEL, "prompt": ids(4200), "max_tokens": 4000})
+    assert r.status_code == 200 and r.headers["x-gateway-max-tokens-clamped"] == "3992"
+    assert vllm.generations[-1]["max_tokens"] == 3992
+    assert r.json()["usage"]["total_tokens"] == 8192
+
+
+async def p10_requests(url: str, client: httpx.AsyncClient) -> list[httpx.Response]:
+    body = {"model": MODEL, "prompt": ids(3000), "max_tokens": 1500, "ignore_eos": True}
+    return list(await asyncio.gather(*[client.post(url, json=body, timeout=60)
+                                       for _ in range(6)]))
+
+
+async def test_p10_vllm_alone_preempts_when_over_admitted(vllm: FakeVllm) -> None:
+    # The baseline: 6 x (3000 + 1500) on a 20,000-token pool, straight to vLLM.
+    async with vllm.client() as client:
+        replies = await p10_requests("http://vllm:8000/v1/completions", client)
+    assert [r.status_code for r in replies] == [200] * 6
+    assert vllm.preemptions > 0 and vllm.peak_running > 4
+
+
+async def test_p10_the_gateway_admits_what_fits_and_nothing_is_preempted(
+    make: Any, vllm: FakeVllm
+) -> None:
+    h = await make()
+    replies = await p10_requests("/v1/completions", h.client)
+    assert [r.status_code for r in replies] == [200] * 6
+    assert vllm.preemptions == 0 and vllm.peak_running == 4  # 4 x 4512 <= 20,000
+    assert sample(h, "gateway_queue_wait_seconds_count") == 6
+    await target(h).discover()
+    assert sample(h, "gateway_backend_preemptions_total") == 0
+
+
+async def test_preemptions_while_admitting_shrink_the_pool_model(make: Any, vllm: FakeVllm
+                                                                ) -> None:
+    # A config that claims twice the real pool lets vLLM over-admit; the rise in
+    # vllm:num_preemptions_total is seen at the next discovery and the model shrinks.
+    h = await make(pool_tokens=40_000)
+    assert target(h).layout.pool_tokens == 40_000
+    replies = await p10_requests("/v1/completions", h.client)
+    assert [r.status_code for r in replies] == [200] * 6 and vllm.preemptions > 0
+    await target(h).discover()
+    assert target(h).layout.pool_tokens == 36_000
+    assert sample(h, "gateway_backend_preemptions_total") == vllm.preemptions
+    await target(h).discover()  # no new preemptions, no further shrink
+    assert target(h).layout.pool_tokens == 36_000
+
+
+async def test_preemptions_without_gateway_traffic_are_not_blamed(make: Any, vllm: FakeVllm
+                                                                  ) -> None:
+    h = await make()
+    vllm.preemptions += 5  # someone else's traffic, with nothing admitted here
+    await target(h).discover()
+    assert target(h).layout.pool_tokens == 20_000
+    assert sample(h, "gateway_backend_preemptions_total") == 0
+
+
+@pytest.mark.parametrize("wording", ["renderer", "legacy", "newer"])
+async def test_vllms_own_context_400_is_context_length_exceeded(
+    make: Any, vllm: FakeVllm, wording: str
+) -> None:
+    vllm.wording = wording
+    h = await make(ctx_per_slot=16_384, pool_tokens=20_000)  # config claims a longer context
+    r = await h.client.post("/v1/completions", json={
+        "model": MODEL, "prompt": ids(6000), "max_tokens": 4000})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "8192" in r.json()["error"]["message"]
+    assert target(h).stats().reserved_tokens == 0
+
+
+async def test_queue_cap_503_keeps_retry_after(make: Any, vllm: FakeVllm) -> None:
+    vllm.max_waiting = 0  # --max-num-queued-reqs 0: anything that would wait is refused
+    vllm.max_num_seqs = 0
+    h = await make()
+    r = await h.client.post("/v1/chat/completions", json=chat(max_tokens=2))
+    assert r.status_code == 503 and "retry-after" in r.headers
+    assert "engine is currently busy" in r.json()["error"]["message"]
+    assert sample(h, "gateway_upstream_errors_total", kind="status_5xx") == 1
+
+
+async def test_dead_engine_is_not_ready(make: Any, vllm: FakeVllm) -> None:
+    h = await make()
+    vllm.healthy = False
+    with pytest.raises(Exception, match="not ready"):
+        await target(h).discover()
+    r = await h.client.post("/v1/chat/completions", json=chat(max_tokens=2))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable"
+
+
+async def test_api_key_is_sent_and_a_missing_one_is_named(vllm: FakeVllm, make: Any) -> None:
+    vllm.api_key = "s3cret"
+    h = await make(api_key="s3cret")
+    r = await h.client.post("/v1/chat/completions", json=chat(max_tokens=2))
+    assert r.status_code == 200
+    with pytest.raises(Exception, match="api_key"):
+        await make()
+
+
+async def test_a_bad_body_refused_by_tokenize_is_a_client_error(make: Any, vllm: FakeVllm
+                                                                ) -> None:
+    h = await make()
+    r = await h.client.post("/v1/chat/completions", json={**chat(), "model": "other"})
+    assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
+    assert target(h).stats().reserved_tokens == 0
+
+
+async def test_the_openai_client_library_works_unchanged(make: Any, vllm: FakeVllm) -> None:
+    import openai
+
+    h = await make()
+    client = openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="x",
+                                http_client=httpx.AsyncClient(
+                                    transport=httpx.ASGITransport(app=h.app)))
+    reply = await client.chat.completions.create(model=MODEL, max_tokens=3, messages=[
+        {"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content == "tok tok tok " and reply.usage.total_tokens > 3
+    stream = await client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                             stream=True)
+    assert "".join([c.choices[0].text async for c in stream if c.choices]) == "t0 t1 "
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(model=MODEL, prompt=ids(8192), max_tokens=1)
+    assert err.value.code == "context_length_exceeded"
