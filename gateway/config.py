@@ -100,9 +100,12 @@ class AdmissionSettings(_Strict):
 class BackendSettings(_Strict):
     """One upstream server and what is known of its KV layout.
 
-    Omitted ``slots``/``ctx_per_slot`` are discovered from llama-server's ``GET /props``.
-    ``kv_unified`` and ``pool_tokens`` cannot be discovered over HTTP
-    (``shared/design/backends.md`` §4.7), so they come from here.
+    Omitted ``slots``/``ctx_per_slot`` are discovered where the kind shows them
+    (llama-server ``/props``; Ollama ``/api/ps``; vLLM ``/v1/models`` ``max_model_len``).
+    ``kv_unified`` and ``pool_tokens`` of llama-server cannot be discovered over HTTP
+    (``shared/design/backends.md`` §4.7), so they come from here; vLLM shows its pool in
+    ``/metrics``. Ollama's and vLLM's ``slots`` (``OLLAMA_NUM_PARALLEL``,
+    ``--max-num-seqs``) are shown nowhere and default to the server's own default.
     """
 
     name: str = Field(min_length=1)
@@ -116,7 +119,7 @@ class BackendSettings(_Strict):
     # Longest silence allowed while reading the upstream response (prefill included).
     read_timeout_s: float = Field(600.0, gt=0)
     discovery_interval_s: float = Field(30.0, gt=0)
-    # The key llama-server was started with (--api-key), sent as "Authorization: Bearer"
+    # The key the server was started with (--api-key), sent as "Authorization: Bearer"
     # on every upstream call; or a file holding it (read once, at load).
     api_key: SecretStr | None = None
     api_key_file: Path | None = None
