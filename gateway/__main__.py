@@ -30,7 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
     uvicorn.run(
         app, host=server.host, port=server.port, log_level=server.log_level,
-        loop="uvloop", **uvicorn_options(),
+        loop="uvloop", **uvicorn_options(settings),
     )
     return 0
 

@@ -24,7 +24,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
 
     async def handle(request: Request, route: str) -> Response:
         exchange = await prepare_exchange(state, request, route)
-        return ProxyResponse(exchange, client=state.client, metrics=state.metrics,
+        return ProxyResponse(exchange, client=exchange.backend.client, metrics=state.metrics,
                              clock=state.clock)
 
     @app.post("/api/chat")
@@ -47,7 +47,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
                 model = None
         backend = state.pick_backend(model, "ollama")
         with map_upstream_errors(backend.name):
-            resp = await state.client.request(
+            resp = await backend.client.request(
                 request.method, backend.url(request.url.path), content=body or None,
                 headers={"content-type": "application/json",
                          **backend.settings.auth_headers},
@@ -73,7 +73,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         data: list[Any] = []
         for backend in state.backends.values():
             try:
-                resp = await state.client.get(backend.url("/v1/models"), timeout=backend.timeout,
+                resp = await backend.client.get(backend.url("/v1/models"), timeout=backend.timeout,
                                               headers=backend.settings.auth_headers)
                 data.extend(resp.json().get("data", []))
             except Exception:  # an unreachable backend lists nothing

@@ -33,16 +33,17 @@ __all__ = ["GatewayState", "create_app", "uvicorn_options"]
 log = logging.getLogger(__name__)
 
 
-def uvicorn_options() -> dict[str, Any]:
+def uvicorn_options(settings: Settings | None = None) -> dict[str, Any]:
     """How uvicorn serves the gateway, shared by ``gateway serve``, ``make run`` and the
-    tests.
+    tests: h11, and idle client connections kept ``server.keepalive_timeout_s``.
 
     The HTTP implementation is h11: it frames a response by the client's HTTP version, so
     an HTTP/1.0 client gets a close-delimited stream. uvicorn's httptools protocol always
     adds ``Transfer-Encoding: chunked`` to a body of unknown length, which an HTTP/1.0
     client cannot read (``uvicorn/protocols/http/httptools_impl.py``).
     """
-    return {"http": "h11", "timeout_graceful_shutdown": 5}
+    keepalive = (settings or Settings()).server.keepalive_timeout_s
+    return {"http": "h11", "timeout_graceful_shutdown": 5, "timeout_keep_alive": keepalive}
 
 
 def create_app(
@@ -63,14 +64,16 @@ def create_app(
     :param discover: run background capacity discovery during the app's lifespan.
     """
     owns_client = http_client is None
-    client = http_client or build_client()
-    side_clients = (
-        {b.name: build_client(max_connections=SIDE_CONNECTIONS) for b in settings.backends}
-        if owns_client else {}
-    )
+    gen_clients = {b.name: http_client or build_client(keepalive_expiry_s=b.keepalive_expiry_s)
+                   for b in settings.backends}
+    side_clients = {b.name: http_client or build_client(
+        max_connections=SIDE_CONNECTIONS, keepalive_expiry_s=b.keepalive_expiry_s)
+        for b in settings.backends}
+    client = http_client or next(iter(gen_clients.values()))
     clock = clock or MonotonicClock()
     backends = {
-        b.name: Target(b, settings.admission, side_clients.get(b.name, client), clock)
+        b.name: Target(b, settings.admission, side_clients[b.name], clock,
+                       client=gen_clients[b.name])
         for b in settings.backends
     }
     state = GatewayState(settings, client, clock, backends)
@@ -89,7 +92,7 @@ def create_app(
             for backend in backends.values():
                 await backend.close()
             if owns_client:
-                for owned in (client, *side_clients.values()):
+                for owned in (*gen_clients.values(), *side_clients.values()):
                     await owned.aclose()
 
     app = FastAPI(
@@ -97,7 +100,8 @@ def create_app(
         openapi_url=None, redirect_slashes=False,
     )
     app.state.gateway = state
-    app.add_middleware(RequestAccounting, metrics=state.metrics)
+    app.add_middleware(RequestAccounting, metrics=state.metrics,
+                       keepalive_timeout_s=settings.server.keepalive_timeout_s)
 
     @app.exception_handler(GatewayError)
     async def _render(request: Request, exc: GatewayError) -> Response:

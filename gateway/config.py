@@ -75,6 +75,9 @@ class ServerSettings(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
     log_level: str = "info"
+    # How long an idle client connection is kept open, seconds (announced in a
+    # "Keep-Alive: timeout=N" header): above the 60-90 s that client pools keep theirs.
+    keepalive_timeout_s: int = Field(120, ge=1)
 
 
 class AdmissionSettings(_Strict):
@@ -119,6 +122,10 @@ class BackendSettings(_Strict):
     # Longest silence allowed while reading the upstream response (prefill included).
     read_timeout_s: float = Field(600.0, gt=0)
     discovery_interval_s: float = Field(30.0, gt=0)
+    # Idle pooled connections to the backend are closed after this, seconds: below the
+    # backend's own keep-alive timeout (llama-server: 5 s), so the gateway never writes a
+    # request onto a connection the backend is closing.
+    keepalive_expiry_s: float = Field(2.0, gt=0)
     # The key the server was started with (--api-key), sent as "Authorization: Bearer"
     # on every upstream call; or a file holding it (read once, at load).
     api_key: SecretStr | None = None

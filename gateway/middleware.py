@@ -63,11 +63,16 @@ class RequestAccounting:
 
     :param app: the wrapped ASGI app.
     :param metrics: where ``gateway_requests_total`` lives.
+    :param keepalive_timeout_s: announced on every response as ``Keep-Alive: timeout=N``
+        (seconds), so that client pools know how long an idle connection stays open.
     """
 
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics,
+                 keepalive_timeout_s: int | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.keep_alive = (None if keepalive_timeout_s is None else
+                           (b"keep-alive", f"timeout={keepalive_timeout_s}".encode()))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -80,6 +85,9 @@ class RequestAccounting:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if self.keep_alive is not None:
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      self.keep_alive]}
             await send(message)
 
         try:

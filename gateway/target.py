@@ -38,6 +38,7 @@ class Target:
     :param side_client: client for discovery, counting and ``/slots`` calls.
     :param clock: time source for admission, discovery and the slot watch.
     :param dialect: the kind's dialect; built from ``settings.kind`` when omitted.
+    :param client: client for the forwarded requests (``side_client`` when omitted).
     """
 
     def __init__(
@@ -47,8 +48,10 @@ class Target:
         side_client: httpx.AsyncClient,
         clock: Clock | None = None,
         dialect: BackendKind | None = None,
+        client: httpx.AsyncClient | None = None,
     ) -> None:
         self.settings = settings
+        self.client = client or side_client
         self.name = settings.name
         self.kind = settings.kind.value
         self.dialect: BackendKind = dialect or kind_class(self.kind)(  # type: ignore[call-arg]

@@ -3,13 +3,25 @@
 The client has httpx's API over the ``httpx-aiohttp`` transport: httpx's default
 transport measured 2–13× slower under concurrency on this machine type (issue #2), while
 keeping httpx's API lets tests inject ``httpx.MockTransport``.
+
+**Connection reuse.** A server closes a keep-alive connection after it has been idle for
+a while (llama-server: 5 s, cpp-httplib's ``CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND``). A
+request written onto a pooled connection the server is closing at that moment gets no
+answer at all. So the pool drops idle connections sooner than the server does
+(``backends[].keepalive_expiry_s``), and a request whose *reused* connection fails before
+any response arrives is sent once more on a new connection: the server never answered it,
+and a server that closes an idle connection has not read a request from it
+(RFC 9112 §9.3.1 on retrying requests).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
+from types import SimpleNamespace
 
 import aiohttp
 import httpx
@@ -17,16 +29,97 @@ from httpx_aiohttp import AiohttpTransport
 
 from gateway.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
 
-__all__ = ["build_client", "map_upstream_errors", "upstream_error_kind"]
+__all__ = ["ReuseRetry", "build_client", "map_upstream_errors", "upstream_error_kind"]
+
+log = logging.getLogger(__name__)
+
+# Set by ReuseRetry around one request; aiohttp's trace hook marks it when the request
+# went out on a pooled connection.
+_reused: ContextVar[list[bool] | None] = ContextVar("gateway_upstream_reused", default=None)
 
 
-def build_client(*, max_connections: int = 256) -> httpx.AsyncClient:
-    """Return the shared upstream client (aiohttp transport, pooled keep-alive).
+async def _mark_reuse(session: aiohttp.ClientSession, ctx: SimpleNamespace,
+                      params: aiohttp.TraceConnectionReuseconnParams) -> None:
+    marks = _reused.get()
+    if marks is not None:
+        marks.append(True)
+
+
+def _session(max_connections: int, keepalive_expiry_s: float | None) -> aiohttp.ClientSession:
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(_mark_reuse)
+    if keepalive_expiry_s is None:
+        connector = aiohttp.TCPConnector(limit=max_connections, force_close=True)
+    else:
+        connector = aiohttp.TCPConnector(limit=max_connections,
+                                         keepalive_timeout=keepalive_expiry_s)
+    return aiohttp.ClientSession(connector=connector, trace_configs=[trace])
+
+
+class ReuseRetry(httpx.AsyncBaseTransport):
+    """A pooled transport that sends a request once more, on a new connection, when the
+    pooled connection it went out on failed before any response arrived.
+
+    :param pooled: the keep-alive transport.
+    :param fresh: a transport that opens a new connection per request.
+    """
+
+    def __init__(self, pooled: httpx.AsyncBaseTransport, fresh: httpx.AsyncBaseTransport
+                 ) -> None:
+        self.pooled = pooled
+        self.fresh = fresh
+        self.retried = 0  # requests sent again after a reused connection failed
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Send ``request``; raises httpx transport errors as the transports do."""
+        marks: list[bool] = []
+        token = _reused.set(marks)
+        try:
+            return await self.pooled.handle_async_request(request)
+        except httpx.TransportError as exc:
+            if not (marks and _dropped(exc) and _replayable(request)):
+                raise
+            self.retried += 1
+            log.info("upstream %s closed a reused connection without answering; "
+                     "sending again on a new one", request.url.host)
+        finally:
+            _reused.reset(token)
+        return await self.fresh.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.pooled.aclose()
+        await self.fresh.aclose()
+
+
+def _dropped(exc: httpx.TransportError) -> bool:
+    """The server closed or reset the connection without an answer (not a timeout, not
+    a refused connection)."""
+    cause = exc.__cause__
+    return isinstance(cause, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) \
+        and not isinstance(cause, aiohttp.ClientConnectorError)
+
+
+def _replayable(request: httpx.Request) -> bool:
+    try:
+        request.content  # noqa: B018 - a body held in memory can be sent again
+    except httpx.RequestNotRead:
+        return False
+    return True
+
+
+def build_client(*, max_connections: int = 256, keepalive_expiry_s: float = 2.0
+                 ) -> httpx.AsyncClient:
+    """Return an upstream client (aiohttp transport, pooled keep-alive, one retry of a
+    request whose reused connection was closed under it; see the module docstring).
+
+    :param keepalive_expiry_s: idle time after which a pooled connection is closed,
+        seconds; below the backend's own keep-alive timeout.
 
     Timeouts are set per request from each backend's settings.
     """
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
-    return httpx.AsyncClient(transport=AiohttpTransport(limits=limits), timeout=None)
+    pooled = AiohttpTransport(client=lambda: _session(max_connections, keepalive_expiry_s))
+    fresh = AiohttpTransport(client=lambda: _session(max_connections, None))
+    return httpx.AsyncClient(transport=ReuseRetry(pooled, fresh), timeout=None)
 
 
 def _is_timeout(exc: BaseException) -> bool:

@@ -315,7 +315,7 @@ def _run(args: argparse.Namespace) -> int:
              f"http://{settings.server.host}:{settings.server.port}")
         uvicorn.run(
             create_app(settings), host=settings.server.host, port=settings.server.port,
-            log_level=settings.server.log_level, loop="uvloop", **uvicorn_options(),
+            log_level=settings.server.log_level, loop="uvloop", **uvicorn_options(settings),
         )
     return 0
 

@@ -50,7 +50,7 @@ class GatewayThread:
         self.port = free_port()
         config = uvicorn.Config(
             create_app(self.settings), host="127.0.0.1", port=self.port, log_level="warning",
-            loop="asyncio", **{**uvicorn_options(), "timeout_graceful_shutdown": 2},
+            loop="asyncio", **{**uvicorn_options(self.settings), "timeout_graceful_shutdown": 2},
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -70,3 +70,31 @@ def test_backend_with_api_key_and_none_configured_stays_not_ready(
         with gw:
             pass
     assert "api_key" in caplog.text
+
+
+def test_an_idle_client_connection_is_kept_30_s(default_server: LlamaServer) -> None:
+    """Issue 11: client pools keep idle connections 60-90 s; uvicorn's default drops them
+    after 5 s, and the next request on the pooled socket meets EOF."""
+    import socket
+    import time
+
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: "
+               b"application/json\r\nContent-Length: %d\r\n\r\n")
+    body = b'{"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2}'
+    with GatewayThread({"url": default_server.url}) as gw, \
+            socket.create_connection(("127.0.0.1", gw.port), timeout=120) as sock:
+        replies = []
+        for attempt in range(2):
+            if attempt:
+                time.sleep(30)
+            sock.sendall(request % len(body) + body)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += sock.recv(65536)
+            header, _, rest = head.partition(b"\r\n\r\n")
+            length = int(header.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            while len(rest) < length:
+                rest += sock.recv(65536)
+            replies.append(header)
+        assert all(h.startswith(b"HTTP/1.1 200") for h in replies)
+        assert b"keep-alive: timeout=120" in replies[0].lower()

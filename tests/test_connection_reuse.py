@@ -1,0 +1,140 @@
+"""Upstream connection reuse (issue 11): a backend that closes a kept-alive connection as
+a request is written onto it. The upstream here is a scripted server on a real socket,
+and the gateway uses its real upstream client (aiohttp), since the race lives in the
+connection pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.app import create_app
+from gateway.config import load_settings
+from gateway.upstream import ReuseRetry
+
+pytestmark = pytest.mark.anyio
+
+
+class ClosingUpstream:
+    """Answers like llama-server, but only the first request of each connection: the
+    next one on that connection is read and the connection closed with no answer, as a
+    server does when its keep-alive timer fires at that moment."""
+
+    PROMPT_TOKENS = 17
+
+    def __init__(self) -> None:
+        self.dropped = 0
+        self.connections = 0
+        self.paths: list[str] = []
+        self.server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    def _answer(self, path: str) -> dict[str, Any] | list[Any]:
+        if path == "/props":
+            return {"total_slots": 2, "default_generation_settings": {"n_ctx": 4096}}
+        if path == "/v1/models":
+            return {"data": [{"id": "m", "meta": {"n_vocab": 1000}}]}
+        if path == "/v1/chat/completions/input_tokens":
+            return {"input_tokens": self.PROMPT_TOKENS}
+        if path == "/slots":
+            return []
+        return {"id": "c", "object": "chat.completion", "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": "ok"},
+            "finish_reason": "stop"}], "usage": {
+            "prompt_tokens": self.PROMPT_TOKENS, "completion_tokens": 1,
+            "total_tokens": self.PROMPT_TOKENS + 1}}
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode().split("\r\n")
+                path = lines[0].split()[1]
+                length = next((int(h.split(":", 1)[1]) for h in lines[1:]
+                               if h.lower().startswith("content-length:")), 0)
+                await reader.readexactly(length)
+                self.paths.append(path)
+                if served:
+                    self.dropped += 1
+                    break
+                served += 1
+                payload = json.dumps(self._answer(path)).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: " + str(len(payload)).encode() +
+                             b"\r\n\r\n" + payload)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_a_reused_connection_closed_under_a_request_is_retried_once() -> None:
+    upstream = ClosingUpstream()
+    url = await upstream.start()
+    # A long keep-alive, so that the pool reuses connections the upstream then drops.
+    settings = load_settings(backends=[{"name": "local", "url": url,
+                                        "keepalive_expiry_s": 60}])
+    app = create_app(settings, registry=CollectorRegistry(), discover=False)
+    target = app.state.gateway.backends["local"]
+    async with app.router.lifespan_context(app):
+        await target.discover()  # /props then /v1/models: the second reuses a connection
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gateway") as client:
+            replies = [await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+                for _ in range(3)]
+        registry = app.state.gateway.metrics.registry
+        assert [r.status_code for r in replies] == [200, 200, 200]
+        assert all(r.headers["x-gateway-prompt-tokens"] == "17" for r in replies)  # exact
+        assert upstream.dropped > 0  # the race really happened
+        retried = sum(c._transport.retried for c in (target.client, target.dialect.side.client)
+                      if isinstance(c._transport, ReuseRetry))
+        # POSTs are sent again by the gateway; aiohttp itself re-sends an idempotent GET.
+        assert 1 <= retried <= upstream.dropped
+        assert registry.get_sample_value("gateway_token_count_source_total",
+                                         {"backend": "local", "source": "backend"}) == 3
+        errors = [s for m in registry.collect() if m.name == "gateway_upstream_errors"
+                  for s in m.samples if s.name.endswith("_total")]
+        assert errors == []
+    await upstream.stop()
+
+
+async def test_a_fresh_connection_closed_without_an_answer_is_not_retried() -> None:
+    # Only a reused connection is safe to retry: a fresh one that the server closes may
+    # have been read, so it is a failure (502), counted once.
+    class Silent(ClosingUpstream):
+        async def _serve(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            head = await reader.readuntil(b"\r\n\r\n")
+            self.paths.append(head.decode().split()[1])
+            writer.close()
+
+    upstream = Silent()
+    url = await upstream.start()
+    settings = load_settings(backends=[{"name": "local", "url": url, "slots": 2,
+                                        "ctx_per_slot": 4096}])
+    app = create_app(settings, registry=CollectorRegistry(), discover=False)
+    async with app.router.lifespan_context(app):
+        target = app.state.gateway.backends["local"]
+        with pytest.raises(httpx.TransportError):
+            await target.client.post(url + "/v1/chat/completions", json={"messages": []})
+        assert upstream.connections == 1 and target.client._transport.retried == 0
+    await upstream.stop()
