@@ -519,14 +519,19 @@ class _StreamState:
     last_token: float | None = None
 
 
+_DELTA_TOKENS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
+
+
 def _has_token(choices: Any) -> bool:
+    """True when a chunk's choices carry generated output of any kind: content,
+    reasoning, tool-call (or legacy function-call) arguments, or completion text."""
     if not isinstance(choices, list):
         return False
     for choice in choices:
         if not isinstance(choice, dict):
             continue
         delta = choice.get("delta")
-        if isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")):
+        if isinstance(delta, dict) and any(delta.get(k) for k in _DELTA_TOKENS):
             return True
         if choice.get("text"):
             return True
