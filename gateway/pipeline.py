@@ -45,13 +45,25 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def _ids_and_texts(prompt: str | tuple[int | str, ...]) -> tuple[int, list[str]]:
+    """How many token ids a prompt has, and its texts."""
+    if isinstance(prompt, str):
+        return 0, [prompt]
+    return (sum(1 for t in prompt if isinstance(t, int)),
+            [t for t in prompt if isinstance(t, str)])
+
+
 async def _estimate(req: ParsedRequest, margin: float) -> int:
     if req.route == "chat":
         text, messages = chat_text(req.body)
         counted = await estimate_tokens(text, messages=messages, margin=margin)
     else:
-        counted = max([len(p) if isinstance(p, tuple) else
-                       await estimate_tokens(p, margin=margin) for p in req.prompts])
+        counts = []
+        for prompt in req.prompts:
+            ids, texts = _ids_and_texts(prompt)
+            counts.append(ids + (await estimate_tokens("".join(texts), margin=margin)
+                                 if texts else 0))
+        counted = max(counts)
     return counted + req.extra_prompt_tokens
 
 
@@ -98,9 +110,12 @@ async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest
 def _prompt_floor(req: ParsedRequest) -> int:
     """Tokens the prompt has at least, from its size alone (no backend call)."""
     if req.route == "completions":
-        ids = [len(p) + req.extra_prompt_tokens for p in req.prompts if isinstance(p, tuple)]
-        texts = [p for p in req.prompts if isinstance(p, str)]
-        return max([tokens_at_least(texts), *ids])
+        floors = []
+        for prompt in req.prompts:
+            ids, texts = _ids_and_texts(prompt)
+            floors.append(ids + req.extra_prompt_tokens + (tokens_at_least(texts)
+                                                           if texts else 0))
+        return max(floors)
     texts = [t for message in req.body.get("messages") or [] for t in content_texts(message)]
     return tokens_at_least(["".join(texts)])
 

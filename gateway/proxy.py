@@ -281,7 +281,8 @@ class ProxyResponse(Response):
             if x.api == "openai":
                 body = _reshaped(resp.status_code, body)
         else:
-            self._record_usage(await _usage_of(body))
+            usage, reasons = await _usage_of(body)
+            self._record_usage(self._all_choices(usage, reasons))
         await self._send_whole(send, resp, body)
 
     async def _send_whole(self, send: Send, resp: httpx.Response, body: bytes) -> None:
@@ -299,6 +300,24 @@ class ProxyResponse(Response):
             "headers": headers + self.x.extra_headers,
         })
         await send({"type": "http.response.body", "body": body})
+
+    def _all_choices(self, usage: Any, reasons: list[Any]) -> Any:
+        """``usage`` with ``completion_tokens`` for every choice of an ``n > 1`` answer.
+
+        llama-server reports one choice's tokens in a whole (non-streamed) answer
+        (``usage_covers_one_choice``); each choice that stopped at the cap then counts
+        the cap charged, which is exact, and each other choice counts as the one
+        reported. Other kinds report the sum themselves.
+        """
+        if (len(reasons) < 2 or not isinstance(usage, dict)
+                or not self.x.backend.dialect.usage_covers_one_choice):
+            return usage
+        one = usage.get("completion_tokens")
+        if not isinstance(one, int):
+            return usage
+        cap = self.x.charge.max_tokens
+        total = sum(cap if reason == "length" else min(one, cap) for reason in reasons)
+        return {**usage, "completion_tokens": total}
 
     def _record_usage(self, usage: Any) -> None:
         name = self.x.backend.name
@@ -367,7 +386,11 @@ class ProxyResponse(Response):
                 m.upstream_errors.labels(name, "stream_aborted").inc()
                 exc2 = UpstreamError(f"Backend {name!r} closed the stream before it finished.")
                 await send(_body(final(exc2)))
-        self._record_usage(state.usage)
+        usage = state.usage
+        if (isinstance(usage, dict) and state.final_chunks > 1
+                and x.backend.dialect.usage_covers_one_choice):
+            usage = {**usage, "completion_tokens": state.final_completion}
+        self._record_usage(usage)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _inspect_line(self, raw: bytes, state: _StreamState) -> bool:
@@ -417,9 +440,15 @@ class ProxyResponse(Response):
             if overflow:
                 backend.upstream_failed(kind)
             return True
+        choices = obj.get("choices")
         if isinstance(obj.get("usage"), dict):
             state.usage = obj["usage"]
-        choices = obj.get("choices")
+            completion = obj["usage"].get("completion_tokens")
+            if isinstance(completion, int):
+                # llama-server sends usage once per choice of an n > 1 stream (on the
+                # choice's last chunk, or a chunk of its own): their sum is the total.
+                state.final_completion += completion
+                state.final_chunks += 1
         if _has_token(choices):
             self._token_seen(state)
         if choices == [] and state.usage is obj.get("usage") and not self.x.client_wants_usage:
@@ -452,16 +481,20 @@ def _failure_kind(exc: GatewayError) -> str:
 _THREAD_PARSE_BYTES = 256 * 1024
 
 
-async def _usage_of(body: bytes) -> Any:
-    """The ``usage`` object of a JSON answer, or ``None``. Large bodies (logprobs can make
-    them megabytes) are parsed in a worker thread so the event loop keeps serving."""
+async def _usage_of(body: bytes) -> tuple[Any, list[Any]]:
+    """The ``usage`` object of a JSON answer (or ``None``) and each choice's
+    ``finish_reason``. Large bodies (logprobs can make them megabytes) are parsed in a
+    worker thread so the event loop keeps serving."""
 
-    def parse() -> Any:
+    def parse() -> tuple[Any, list[Any]]:
         try:
             data = json.loads(body)
-            return data.get("usage") or _native_usage(data)
+            choices = data.get("choices")
+            reasons = [c.get("finish_reason") for c in choices if isinstance(c, dict)] \
+                if isinstance(choices, list) else []
+            return data.get("usage") or _native_usage(data), reasons
         except (ValueError, AttributeError, RecursionError):
-            return None
+            return None, []
 
     if len(body) > _THREAD_PARSE_BYTES:
         return await anyio.to_thread.run_sync(parse)
@@ -517,6 +550,8 @@ class _StreamState:
     errored: bool = False
     usage: dict[str, Any] | None = None
     last_token: float | None = None
+    final_completion: int = 0  # completion tokens summed over the usage chunks
+    final_chunks: int = 0  # usage chunks seen
 
 
 _DELTA_TOKENS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")

@@ -57,7 +57,8 @@ class ParsedRequest:
     :param n: completions requested per prompt (≥ 1).
     :param stream: whether SSE streaming was requested.
     :param cap_field: which field gave ``max_tokens`` (for error messages).
-    :param prompts: for completions, the prompts (one, or a batch); empty for chat.
+    :param prompts: for completions, the prompts (one, or a batch); empty for chat. Each
+        is a string, or a tuple of token ids that may mix in strings.
     :param api: ``"openai"``, or ``"ollama"`` for Ollama's native ``/api/chat`` and
         ``/api/generate`` (then ``route`` is ``chat`` or ``completions``).
     :param extra_prompt_tokens: prompt tokens given as ids besides the text (Ollama's
@@ -70,7 +71,7 @@ class ParsedRequest:
     n: int
     stream: bool
     cap_field: str = "max_tokens"
-    prompts: tuple[str | tuple[int, ...], ...] = ()
+    prompts: tuple[str | tuple[int | str, ...], ...] = ()
     api: str = "openai"
     extra_prompt_tokens: int = 0
 
@@ -156,17 +157,30 @@ def _token_ids(value: Any) -> tuple[int, ...] | None:
     return None
 
 
-def _prompts(body: dict[str, Any]) -> tuple[str | tuple[int, ...], ...]:
+def _mixed(value: Any) -> tuple[int | str, ...] | None:
+    """One prompt of token ids and texts, as llama-server reads an array with both
+    (``json_is_array_of_mixed_numbers_strings``, ``tools/server/server-common.cpp``)."""
+    if not isinstance(value, list) or not value:
+        return None
+    ints = [t for t in value if isinstance(t, int) and not isinstance(t, bool)]
+    texts = [t for t in value if isinstance(t, str)]
+    if not ints or not texts or len(ints) + len(texts) != len(value):
+        return None
+    _token_ids(ints)  # the same id bounds
+    return tuple(value)
+
+
+def _prompts(body: dict[str, Any]) -> tuple[str | tuple[int | str, ...], ...]:
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
         return (prompt,)
-    ids = _token_ids(prompt)
+    ids = _token_ids(prompt) or _mixed(prompt)
     if ids is not None:
         return (ids,)
     if isinstance(prompt, list) and prompt:  # a batch: strings or token-id arrays
-        batch: list[str | tuple[int, ...]] = []
+        batch: list[str | tuple[int | str, ...]] = []
         for item in prompt:
-            ids = _token_ids(item)
+            ids = _token_ids(item) or _mixed(item)
             if isinstance(item, str) and item:
                 batch.append(item)
             elif ids is not None:
@@ -177,7 +191,8 @@ def _prompts(body: dict[str, Any]) -> tuple[str | tuple[int, ...], ...]:
         if batch:
             return tuple(batch)
     raise InvalidRequest(
-        "prompt must be a non-empty string, an array of token ids, or an array of those.",
+        "prompt must be a non-empty string, an array of token ids (which may mix in "
+        "strings), or an array of those.",
         param="prompt",
     )
 
@@ -287,7 +302,7 @@ def parse_body(route: str, raw: bytes) -> ParsedRequest:
     body = _decode(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("The body must be a JSON object.")
-    prompts: tuple[str | tuple[int, ...], ...] = ()
+    prompts: tuple[str | tuple[int | str, ...], ...] = ()
     if route == "chat":
         _check_messages(body)
     else:
@@ -352,7 +367,7 @@ def parse_ollama_body(route: str, raw: bytes) -> ParsedRequest:
     _check_sampling(options, "chat")
     num_predict = _int_field(options, "num_predict", -2, INT32[1])
     _int_field(options, "num_ctx", 1, INT32[1])
-    prompts: tuple[str | tuple[int, ...], ...] = ()
+    prompts: tuple[str | tuple[int | str, ...], ...] = ()
     context_tokens = 0
     if route == "chat":
         _ollama_messages(body)

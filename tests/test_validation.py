@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from gateway.errors import InvalidRequest
+from gateway.validation import parse_body
 from tests.conftest import Harness
 
 pytestmark = pytest.mark.anyio
@@ -50,9 +52,9 @@ async def test_bad_chat_bodies_are_400(harness: Harness, body: bytes, param: str
     assert err["param"] == param and err["message"]
     assert harness.fake.generations == []
 
-
 @pytest.mark.parametrize("body", [
-    b"{}", b'{"prompt": ""}', b'{"prompt": []}', b'{"prompt": 5}', b'{"prompt": [1, "a"]}',
+    b"{}", b'{"prompt": ""}', b'{"prompt": []}', b'{"prompt": 5}', b'{"prompt": [1, null]}',
+    b'{"prompt": [1, 2.5, "a"]}',
     b'{"prompt": [true]}',
 ])
 async def test_bad_completion_bodies_are_400(harness: Harness, body: bytes) -> None:
@@ -107,3 +109,13 @@ async def test_missing_content_type_is_accepted(harness: Harness) -> None:
     body = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
     r = await harness.client.post(CHAT, content=body.encode())
     assert r.status_code == 200
+
+
+def test_ids_mixed_with_texts_are_one_prompt() -> None:
+    # llama-server reads [2, 818, 5279, "of France", 563] as one prompt (tokenize_mixed).
+    req = parse_body("completions", b'{"prompt": [2, 818, 5279, "of France", 563]}')
+    assert req.prompts == ((2, 818, 5279, "of France", 563),)
+    batch = parse_body("completions", b'{"prompt": [[1, "a"], "b", [3, 4]]}')
+    assert batch.prompts == ((1, "a"), "b", (3, 4))
+    with pytest.raises(InvalidRequest):
+        parse_body("completions", b'{"prompt": [1, -5, "a"]}')

@@ -109,6 +109,7 @@ class BackendKind(Protocol):
     unified_pool: ClassVar[bool]  # its slots may share one KV pool (kv_unified applies)
     counts_exactly: ClassVar[bool]  # count_prompt is the server's own count
     stop_margin: ClassVar[int]  # tokens of the context a request cannot use (Layout)
+    usage_covers_one_choice: ClassVar[bool]  # whole answers report one choice of n > 1
     default_caps: ClassVar[Mapping[str, int]]  # the server's own cap for an uncapped route
 
     async def discover(self) -> Discovered:

@@ -62,6 +62,7 @@ class LlamaCpp:
     unified_pool: ClassVar[bool] = True  # -np unset, or --kv-unified
     default_slots: ClassVar[int | None] = None  # always discovered from /props
     counts_exactly: ClassVar[bool] = True
+    usage_covers_one_choice: ClassVar[bool] = True  # a whole n > 1 answer reports one choice
     stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
     default_caps: ClassVar[dict[str, int]] = {}  # no cap of its own: the gateway's default
 
@@ -129,9 +130,10 @@ class LlamaCpp:
         if self.n_vocab is None:
             return
         for prompt in req.prompts:
-            if isinstance(prompt, tuple) and prompt and max(prompt) >= self.n_vocab:
+            ids = [t for t in prompt if isinstance(t, int)] if isinstance(prompt, tuple) else []
+            if ids and max(ids) >= self.n_vocab:
                 raise InvalidRequest(
-                    f"prompt token id {max(prompt)} is outside the model's vocabulary of "
+                    f"prompt token id {max(ids)} is outside the model's vocabulary of "
                     f"{self.n_vocab} tokens.", param="prompt",
                 )
 
@@ -204,7 +206,8 @@ class LlamaCpp:
         Chat: ``POST /v1/chat/completions/input_tokens`` (template applied); on builds
         without it (404), ``POST /apply-template`` then ``POST /tokenize``. Completions:
         ``POST /tokenize`` with ``add_special`` and ``parse_special``, as the completion
-        path tokenizes (``server-context.cpp``). Token-id prompts are counted directly.
+        path tokenizes (``server-context.cpp``), a prompt of ids mixed with texts included.
+        Token-id prompts are counted directly.
 
         :raises InvalidRequest: the backend refused the body (a 4xx, or a 500 with an error
             message: llama-server answers 500 for a request it cannot parse or template,
@@ -260,11 +263,14 @@ class LlamaCpp:
     async def _count_completion(self, prompt: Any) -> int | None:
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return len(prompt)
-        if isinstance(prompt, str):
+        if isinstance(prompt, (str, list)):  # a text, or ids mixed with texts
             return await self._tokenize(prompt)
         return None
 
-    async def _tokenize(self, text: str) -> int | None:
+    async def _tokenize(self, text: str | list[int | str]) -> int | None:
+        """``POST /tokenize``: ``content`` is a text or a mixed array of ids and texts,
+        tokenized as the completion path does (``tokenize_mixed``, BOS before a leading
+        text only)."""
         resp = await self.side.post(
             "/tokenize", {"content": text, "add_special": True, "parse_special": True}
         )
