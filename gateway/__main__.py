@@ -45,7 +45,7 @@ def _check(args: argparse.Namespace) -> int:
             print(f"backend {backend.name}: Ollama shows its parallel count nowhere: slots = "  # noqa: T201
                   f"{backend.slots or 1} (OLLAMA_NUM_PARALLEL); a slot's context is read "
                   f"from /api/ps while a model is loaded, else {ctx}", file=sys.stderr)
-        if backend.kind == "llama.cpp" and backend.kv_unified:
+        if backend.kind == "llama.cpp" and backend.unified:
             print(f"backend {backend.name}: {_unified_note(backend)}",  # noqa: T201
                   file=sys.stderr)
         if backend.api_key is not None:

@@ -92,7 +92,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
             rows[name] = {
                 "ready": b.ready, "kind": b.kind, "slots": stats.slots,
                 "ctx_per_slot": stats.ctx_per_slot, "capacity_tokens": stats.capacity_tokens,
-                "kv_unified": layout.unified if layout else b.settings.kv_unified,
+                "kv_unified": layout.unified if layout else b.settings.unified,
             }
         ok = any(b.ready for b in state.backends.values())
         return JSONResponse({"ready": ok, "backends": rows}, 200 if ok else 503)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -74,7 +74,7 @@ class ServerSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
-    log_level: str = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     # How long an idle client connection is kept open, seconds (announced in a
     # "Keep-Alive: timeout=N" header): above the 60-90 s that client pools keep theirs.
     keepalive_timeout_s: int = Field(120, ge=1)
@@ -116,7 +116,9 @@ class BackendSettings(_Strict):
     kind: BackendKind = BackendKind.llama_cpp
     slots: int | None = Field(None, ge=1)
     ctx_per_slot: int | None = Field(None, ge=2)
-    kv_unified: bool = True
+    # llama.cpp only (Ollama's slots are always private, vLLM's pool always shared):
+    # unset means true, the safe choice.
+    kv_unified: bool | None = None
     pool_tokens: int | None = Field(None, ge=2)
     connect_timeout_s: float = Field(5.0, gt=0)
     # Longest silence allowed while reading the upstream response (prefill included).
@@ -136,7 +138,11 @@ class BackendSettings(_Strict):
     def _url_scheme(cls, value: str) -> str:
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"must start with http:// or https://, got {value!r}")
-        return value.rstrip("/")
+        value = value.rstrip("/")
+        if value.endswith("/v1"):
+            raise ValueError(f"is the server's base URL, without /v1 (the gateway adds each "
+                             f"route's path): {value[:-3]!r}, not {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _key_from_file(self) -> BackendSettings:
@@ -161,9 +167,20 @@ class BackendSettings(_Strict):
             return {}
         return {"Authorization": f"Bearer {self.api_key.get_secret_value()}"}
 
+    @property
+    def unified(self) -> bool:
+        """``kv_unified``, where it applies: true unless set false (llama.cpp)."""
+        return self.kv_unified is not False
+
     @model_validator(mode="after")
     def _pool_vs_slot(self) -> BackendSettings:
-        if self.pool_tokens is not None and not self.kv_unified:
+        if self.kv_unified is not None and self.kind is not BackendKind.llama_cpp:
+            raise ValueError(f"kv_unified applies to kind 'llama.cpp' only; a {self.kind.value} "
+                             "backend's layout is known (remove the key)")
+        if self.pool_tokens is not None and self.kind is BackendKind.ollama:
+            raise ValueError("pool_tokens does not apply to an ollama backend: each slot has "
+                             "its own context")
+        if self.pool_tokens is not None and self.kv_unified is False:
             raise ValueError("pool_tokens only applies when kv_unified = true")
         if self.pool_tokens is not None and self.ctx_per_slot is not None:
             if self.pool_tokens < self.ctx_per_slot:

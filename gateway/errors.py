@@ -38,6 +38,7 @@ __all__ = [
     "ContextLengthExceeded",
     "GatewayError",
     "InvalidRequest",
+    "ModelNotFound",
     "Overloaded",
     "PayloadTooLarge",
     "QueueFull",
@@ -116,6 +117,15 @@ class UnsupportedMediaType(ClientError):
 
     status_code = 415
     code = "unsupported_media_type"
+
+
+class ModelNotFound(ClientError):
+    """Raised when the backend serves no model of the requested name (HTTP 404), found
+    while counting, so the request is never queued."""
+
+    status_code = 404
+    error_type = "not_found_error"
+    code = "model_not_found"
 
 
 class RouteNotFound(ClientError):
@@ -269,8 +279,13 @@ def error_headers(exc: GatewayError) -> dict[str, str]:
 
 _OPENAI_TYPES = {"invalid_request_error", "authentication_error", "permission_error",
                  "not_found_error", "rate_limit_error", "server_error"}
-# llama-server's own error types that have an OpenAI code (tools/server/server-common.cpp)
-_CODES = {"exceed_context_size_error": "context_length_exceeded"}
+# Backends' own error types that have an OpenAI code: llama-server's
+# (tools/server/server-common.cpp) and vLLM's exception names
+# (vllm/entrypoints/openai/engine/protocol.py, ErrorInfo.type).
+_CODES = {"exceed_context_size_error": "context_length_exceeded",
+          "BadRequestError": "invalid_request", "Bad Request": "invalid_request",
+          "NotFoundError": "not_found", "InternalServerError": "server_error",
+          "Service Unavailable": "backend_unavailable"}
 
 
 def reshape_upstream_error(status: int, err: dict[str, Any]) -> dict[str, Any]:

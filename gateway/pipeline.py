@@ -12,7 +12,12 @@ from dataclasses import replace
 from starlette.requests import Request
 
 from gateway.capacity import plan_charge
-from gateway.errors import BackendNotReady, ContextLengthExceeded, PayloadTooLarge
+from gateway.errors import (
+    BackendNotReady,
+    ContextLengthExceeded,
+    InvalidRequest,
+    PayloadTooLarge,
+)
 from gateway.proxy import Exchange
 from gateway.state import GatewayState
 from gateway.target import Target
@@ -89,8 +94,9 @@ async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest
         if req.route == "chat":
             counted = await backend.count_prompt("chat", req.body)
         else:
+            model = {"model": req.body["model"]} if "model" in req.body else {}
             counts = [await backend.count_prompt("completions", {"prompt": list(p)
-                      if isinstance(p, tuple) else p}) for p in req.prompts]
+                      if isinstance(p, tuple) else p, **model}) for p in req.prompts]
             counted = None if None in counts else max(c for c in counts if c is not None)
     except BackendNotReady:
         raise
@@ -164,6 +170,12 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
     assert layout is not None
     backend.check_request(req)
     backend.check_queue_room()  # a full queue answers before any counting
+    batch = max(1, len(req.prompts))
+    if req.n * batch > layout.slots:  # known from the body alone: refused before counting
+        raise InvalidRequest(
+            f"This request asks for {req.n * batch} completions (n × prompts), each of "
+            f"which needs its own slot, but the backend has {layout.slots} slots.",
+            param="n")
     floor = _prompt_floor(req)
     if floor > layout.usable_per_slot:
         raise ContextLengthExceeded(
@@ -173,9 +185,12 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         )
     prompt_tokens, raw_estimate = await count_prompt(state, backend, req)
     admission = state.settings.admission
-    batch = max(1, len(req.prompts))
-    default_cap = min(admission.default_max_tokens,
-                      backend.dialect.default_caps.get(route, admission.default_max_tokens))
+    default_cap = admission.default_max_tokens
+    if route in backend.dialect.default_caps and "max_tokens" not in req.body:
+        default_cap = min(default_cap, backend.dialect.default_caps[route])
+    min_tokens = req.body.get("min_tokens")  # vLLM: a cap below it would be refused
+    if isinstance(min_tokens, int) and not isinstance(min_tokens, bool):
+        default_cap = max(default_cap, min_tokens)
     charge = replace(plan_charge(
         layout, prompt_tokens, req.max_tokens, n=req.n * batch,
         default_max_tokens=default_cap,

@@ -371,8 +371,9 @@ class ProxyResponse(Response):
             with map_upstream_errors(name):
                 async for chunk in resp.aiter_raw():
                     for raw in splitter.feed(chunk):
-                        if inspect(raw, state):
-                            await send(_body(raw))
+                        relayed = inspect(raw, state)
+                        if relayed is not None:
+                            await send(_body(relayed))
         except EventTooLarge as too_large:
             m.upstream_errors.labels(name, "stream_aborted").inc()
             await send(_body(final(UpstreamError(
@@ -393,23 +394,23 @@ class ProxyResponse(Response):
         self._record_usage(usage)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    def _inspect_line(self, raw: bytes, state: _StreamState) -> bool:
+    def _inspect_line(self, raw: bytes, state: _StreamState) -> bytes | None:
         """Update metrics from one NDJSON line of an Ollama stream (``api/types.go``
         ``ChatResponse``/``GenerateResponse``); every line is relayed."""
         obj = _json_object(raw)
         if obj is None:
-            return True
+            return raw
         if "error" in obj:
             state.errored = True
             self.metrics.upstream_errors.labels(self.x.backend.name, "stream_aborted").inc()
-            return True
+            return raw
         message = obj.get("message") if isinstance(obj.get("message"), dict) else {}
         if obj.get("response") or message.get("content") or message.get("thinking"):
             self._token_seen(state)
         if obj.get("done") is True:
             state.done = True
             state.usage = _native_usage(obj)
-        return True
+        return raw
 
     def _token_seen(self, state: _StreamState) -> None:
         now = self.clock.now()
@@ -420,17 +421,19 @@ class ProxyResponse(Response):
             self.metrics.itl.labels(name).observe(now - state.last_token)
         state.last_token = now
 
-    def _inspect_event(self, raw: bytes, state: _StreamState) -> bool:
-        """Update metrics from one event; return False to drop it (unrequested usage)."""
+    def _inspect_event(self, raw: bytes, state: _StreamState) -> bytes | None:
+        """Update metrics from one event; return what to relay, or ``None`` to drop it
+        (usage the client did not ask for; a ``[DONE]`` after an error, which stays the
+        final event). An upstream error event is relayed in the OpenAI shape."""
         data = event_data(raw)
         if data is None:
-            return True
+            return raw
         if data.strip() == "[DONE]":
             state.done = True
-            return True
+            return None if state.errored else raw
         obj = _json_object(data)
         if obj is None:
-            return True
+            return raw
         if "error" in obj:
             state.errored = True
             backend = self.x.backend
@@ -439,7 +442,12 @@ class ProxyResponse(Response):
             self.metrics.upstream_errors.labels(backend.name, kind).inc()
             if overflow:
                 backend.upstream_failed(kind)
-            return True
+            if isinstance(obj["error"], dict):
+                code = obj["error"].get("code")
+                status = code if isinstance(code, int) and 400 <= code < 600 else 500
+                obj["error"] = reshape_upstream_error(status, obj["error"])
+                return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+            return raw
         choices = obj.get("choices")
         if isinstance(obj.get("usage"), dict):
             state.usage = obj["usage"]
@@ -452,8 +460,8 @@ class ProxyResponse(Response):
         if _has_token(choices):
             self._token_seen(state)
         if choices == [] and state.usage is obj.get("usage") and not self.x.client_wants_usage:
-            return False
-        return True
+            return None
+        return raw
 
 
 def _reshaped(status: int, body: bytes) -> bytes:

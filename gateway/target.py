@@ -27,6 +27,7 @@ __all__ = ["Target"]
 log = logging.getLogger(__name__)
 
 RETRY_DISCOVERY_S = 1.0  # delay between discovery attempts while the backend is down
+PENALTY_RECOVERY_S = 300.0  # quiet time after which the pool penalty is halved
 PREEMPTION_WATCH_S = 5.0  # discovery interval at most, where the server counts preemptions
 
 
@@ -61,6 +62,7 @@ class Target:
         self.discovered: Discovered | None = None
         self.problem: str | None = None  # why the last discovery failed
         self._pool_penalty = 0  # tokens taken off the unified pool after overflows
+        self._penalized_at = 0.0  # clock time of the last overflow or preemption
         self.preemptions_seen = 0  # server preemptions while the gateway admitted work
         self._busy_at_check = False  # leases in flight at the last preemption check
         self._admitted_at_check = 0  # leases granted by then
@@ -189,23 +191,26 @@ class Target:
     # -- discovery ---------------------------------------------------------------------
 
     def _configured_layout(self, found: Discovered | None) -> Layout | None:
-        """Config wins over discovery for each value (config is the operator's word).
+        """The layout from config and discovery: for slots, context and pool, the smaller
+        of the configured value and the one the server reports (a server never holds
+        more than it reports; config can only narrow it), either one when the other is
+        unknown.
 
-        The pool is ``pool_tokens`` from config, else the one the server reports (vLLM),
-        else one slot's context (the safe guess, ``shared/design/backends.md`` §4.7); less
-        the penalty taken after overflows or preemptions. A reported pool smaller than
-        the context lowers the context to it.
+        The pool is then ``pool_tokens`` / the reported pool (vLLM), else one slot's
+        context (the safe guess, ``shared/design/backends.md`` §4.7); less the penalty
+        taken after overflows or preemptions. A pool smaller than the context lowers the
+        context to it.
         """
         s = self.settings
-        slots = s.slots or (found.slots if found else None)
-        ctx = s.ctx_per_slot or (found.ctx_per_slot if found else None)
+        slots = _smaller(s.slots, found.slots if found else None)
+        ctx = _smaller(s.ctx_per_slot, found.ctx_per_slot if found else None)
         if slots is None or ctx is None:
             return None
         margin = self.dialect.stop_margin
         block = found.block_size if found else 1
-        if not s.kv_unified or not self.dialect.unified_pool:
+        if not s.unified or not self.dialect.unified_pool:
             return Layout(slots, ctx, stop_margin=margin)
-        pool = s.pool_tokens or (found.pool_tokens if found else None) or ctx
+        pool = _smaller(s.pool_tokens, found.pool_tokens if found else None) or ctx
         ctx = max(2, min(ctx, pool))
         pool = max(ctx, pool - self._pool_penalty)
         return Layout(slots, ctx, pool_tokens=pool, block_size=block, stop_margin=margin)
@@ -225,6 +230,12 @@ class Target:
             raise
         self.reachable, self.problem = True, None
         self._warn_disagreement(found)
+        if self.discovered is not None and (found.slots, found.ctx_per_slot, found.pool_tokens
+                                            ) != (self.discovered.slots,
+                                                  self.discovered.ctx_per_slot,
+                                                  self.discovered.pool_tokens):
+            self._pool_penalty = 0  # a restarted server: what was learnt of the old is moot
+        self._recover_pool()
         self._check_preemptions(found)
         self.discovered = found
         layout = self._configured_layout(found)
@@ -294,10 +305,21 @@ class Target:
         if layout.pool_tokens <= layout.ctx_per_slot:
             return
         self._pool_penalty += max(1, layout.pool_tokens // 10)
+        self._penalized_at = self.clock.now()
         smaller = self._configured_layout(self.discovered)
         log.warning("backend %s overflowed its KV pool; pool model %d -> %s tokens", self.name,
                     layout.pool_tokens, smaller.pool_tokens if smaller else None)
         self.admission.set_layout(smaller)
+
+    def _recover_pool(self) -> None:
+        """Halve the pool penalty after :data:`PENALTY_RECOVERY_S` without an overflow or a
+        preemption: a penalty taken for someone else's traffic, or for a passing peak,
+        is not kept for ever."""
+        if self._pool_penalty and self.clock.now() - self._penalized_at >= PENALTY_RECOVERY_S:
+            self._pool_penalty //= 2
+            self._penalized_at = self.clock.now()
+            log.info("backend %s: no overflow for %.0f s; pool penalty now %d tokens",
+                     self.name, PENALTY_RECOVERY_S, self._pool_penalty)
 
     def _check_preemptions(self, found: Discovered) -> None:
         """A rise in the server's preemption count while the gateway had requests in
@@ -325,8 +347,8 @@ class Target:
         ):
             if configured is not None and configured != seen and self.discovered != found:
                 log.warning(
-                    "backend %s: config says %s = %d but the backend reports %d; using config",
-                    self.name, key, configured, seen,
+                    "backend %s: config says %s = %d but the backend reports %d; using %d",
+                    self.name, key, configured, seen, min(configured, seen),
                 )
 
     async def close(self) -> None:
@@ -335,6 +357,12 @@ class Target:
             self._rediscovery.cancel()
             await asyncio.gather(self._rediscovery, return_exceptions=True)
         await self.slot_watch.close()
+
+
+def _smaller(configured: int | None, seen: int | None) -> int | None:
+    if configured is None or seen is None:
+        return configured if seen is None else seen
+    return min(configured, seen)
 
 
 def _describe(layout: Layout | None) -> str:

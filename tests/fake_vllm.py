@@ -91,6 +91,7 @@ class FakeVllm:
         ``newer``.
     :param show_pool_tokens: export ``kv_cache_size_tokens`` (newer vLLM) or only
         ``num_gpu_blocks`` (older).
+    :param blocks_used_elsewhere: blocks taken by traffic that bypasses the gateway.
     """
 
     model: str = "Qwen/Qwen2.5-1.5B-Instruct"
@@ -104,6 +105,9 @@ class FakeVllm:
     show_pool_tokens: bool = True
     api_key: str | None = None
     healthy: bool = True
+    blocks_used_elsewhere: int = 0  # KV held by work the gateway cannot see (not reported)
+    metrics_status: int = 200  # answer /metrics with this status (500: a failing scrape)
+    fail_after: int | None = None  # stream this many tokens, then an error event
     requests: list[httpx.Request] = field(default_factory=list)
     generations: list[dict[str, Any]] = field(default_factory=list)
     preemptions: int = 0
@@ -119,7 +123,8 @@ class FakeVllm:
 
     @property
     def free_blocks(self) -> int:
-        return self.num_gpu_blocks - sum(s.blocks for s in self._running)
+        return (self.num_gpu_blocks - self.blocks_used_elsewhere
+                - sum(s.blocks for s in self._running))
 
     # -- HTTP ------------------------------------------------------------------------
 
@@ -137,6 +142,8 @@ class FakeVllm:
                 max_model_len=self.max_model_len).encode(),
                 headers={"content-type": "application/json"})
         if path == "/metrics":
+            if self.metrics_status != 200:
+                return httpx.Response(self.metrics_status, text="Internal Server Error")
             return httpx.Response(200, text=self.metrics_text(),
                                   headers={"content-type": "text/plain; version=0.0.4"})
         if path == "/tokenize":
@@ -159,9 +166,12 @@ class FakeVllm:
         return text
 
     def prompt_tokens(self, body: dict[str, Any]) -> int:
-        """What this vLLM counts for a body's prompt (chat template applied)."""
+        """What this vLLM counts for a body's prompt (chat template applied; documents,
+        top level or in ``chat_template_kwargs``, rendered by the template)."""
         if "messages" in body:
-            total = 0
+            documents = body.get("documents") or (body.get("chat_template_kwargs") or {}
+                                                  ).get("documents") or []
+            total = sum(tokens_of(json.dumps(d)) for d in documents)
             for m in body["messages"]:
                 content = m.get("content")
                 if isinstance(content, list):
@@ -205,6 +215,11 @@ class FakeVllm:
             return httpx.Response(400, json={"error": {
                 "message": f"max_tokens must be at least 1, got {asked}.",
                 "type": "BadRequestError", "param": "max_tokens", "code": 400}})
+        if int(body.get("min_tokens") or 0) > asked:  # vllm/sampling_params.py
+            return httpx.Response(400, json={"error": {
+                "message": f"min_tokens must be less than or equal to max_tokens={asked}, "
+                           f"got {body['min_tokens']}.", "type": "BadRequestError",
+                "param": "min_tokens", "code": 400}})
         if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
             return error("queue_full", 503)
         seq = _Seq(n, int(asked))
@@ -305,6 +320,11 @@ class _Stream(httpx.AsyncByteStream):
                 yield self._chunk({"delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None})
             while (got := await seq.stream.get()) is not None:
+                if self.fake.fail_after is not None and got > self.fake.fail_after:
+                    seq.cancelled = True  # serving.py: the error event, then [DONE]
+                    yield self._event(ERRORS["engine_dead"])
+                    yield b"data: [DONE]\n\n"
+                    return
                 piece = f"t{got - 1} "
                 yield self._chunk({"delta": {"content": piece}, "logprobs": None,
                                    "finish_reason": None} if self.chat else

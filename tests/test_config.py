@@ -55,6 +55,10 @@ def test_env_overrides_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     ("[[backends]]\nname = 'a'\nurl = 'localhost:8080'\n", "http://"),
     ("[[backends]]\nname = 'a'\n[[backends]]\nname = 'a'\n", "repeated: a"),
     ("[[backends]]\nname = 'a'\nkv_unified = false\npool_tokens = 4096\n", "pool_tokens"),
+    ("[[backends]]\nname = 'a'\nkind = 'vllm'\nkv_unified = false\n", "llama.cpp' only"),
+    ("[[backends]]\nname = 'a'\nkind = 'ollama'\npool_tokens = 4096\n", "own context"),
+    ("[[backends]]\nname = 'a'\nurl = 'http://h:8080/v1/'\n", "without /v1"),
+    ("[server]\nlog_level = 'verbose'\n", "log_level"),
     ("[server\n", "not valid TOML"),
 ])
 def test_bad_config_names_the_key(tmp_path: Path, text: str, needle: str) -> None:

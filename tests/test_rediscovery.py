@@ -32,8 +32,13 @@ async def test_config_disagreement_is_a_warning(
 ) -> None:
     with caplog.at_level(logging.WARNING):
         h = await harness_factory(slots=8)
-    assert "slots = 8" in caplog.text and "reports 4" in caplog.text
-    assert h.sample("gateway_slots_total", backend="local") == 8
+    assert "slots = 8" in caplog.text and "reports 4; using 4" in caplog.text
+    assert h.sample("gateway_slots_total", backend="local") == 4  # never above the server
+
+
+async def test_config_narrows_what_the_backend_reports(harness_factory: Any) -> None:
+    h = await harness_factory(slots=2, ctx_per_slot=1024)
+    assert (h.backend.layout.slots, h.backend.layout.ctx_per_slot) == (2, 1024)
 
 
 async def test_upstream_error_triggers_rediscovery(harness: Any, fake: Any) -> None:

@@ -208,17 +208,25 @@ async def test_p10_the_gateway_admits_what_fits_and_nothing_is_preempted(
 
 async def test_preemptions_while_admitting_shrink_the_pool_model(make: Any, vllm: FakeVllm
                                                                 ) -> None:
-    # A config that claims twice the real pool lets vLLM over-admit; the rise in
-    # vllm:num_preemptions_total is seen at the next discovery and the model shrinks.
-    h = await make(pool_tokens=40_000)
-    assert target(h).layout.pool_tokens == 40_000
+    # Traffic that bypasses the gateway holds 8,000 of the 20,000 tokens, so the gateway's
+    # model of the pool lets vLLM over-admit; the rise in vllm:num_preemptions_total is
+    # seen at the next discovery and the model shrinks.
+    h = await make()
+    vllm.blocks_used_elsewhere = 500
     replies = await p10_requests("/v1/completions", h.client)
     assert [r.status_code for r in replies] == [200] * 6 and vllm.preemptions > 0
     await target(h).discover()
-    assert target(h).layout.pool_tokens == 36_000
+    assert target(h).layout.pool_tokens == 18_000
     assert sample(h, "gateway_backend_preemptions_total") == vllm.preemptions
     await target(h).discover()  # no new preemptions, no further shrink
-    assert target(h).layout.pool_tokens == 36_000
+    assert target(h).layout.pool_tokens == 18_000
+
+
+async def test_a_configured_pool_never_exceeds_the_reported_one(make: Any) -> None:
+    h = await make(pool_tokens=40_000, ctx_per_slot=16_384)
+    assert (target(h).layout.pool_tokens, target(h).layout.ctx_per_slot) == (20_000, 8192)
+    h = await make(pool_tokens=12_000)
+    assert target(h).layout.pool_tokens == 12_000  # config may narrow it
 
 
 async def test_preemptions_without_gateway_traffic_are_not_blamed(make: Any, vllm: FakeVllm
@@ -235,11 +243,12 @@ async def test_vllms_own_context_400_is_context_length_exceeded(
     make: Any, vllm: FakeVllm, wording: str
 ) -> None:
     vllm.wording = wording
-    h = await make(ctx_per_slot=16_384, pool_tokens=20_000)  # config claims a longer context
+    h = await make()
+    vllm.max_model_len = 4096  # restarted with a shorter context the gateway has not seen
     r = await h.client.post("/v1/completions", json={
-        "model": MODEL, "prompt": ids(6000), "max_tokens": 4000})
+        "model": MODEL, "prompt": ids(3000), "max_tokens": 2000})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    assert "8192" in r.json()["error"]["message"]
+    assert "4096" in r.json()["error"]["message"]
     assert target(h).stats().reserved_tokens == 0
 
 
@@ -295,3 +304,84 @@ async def test_the_openai_client_library_works_unchanged(make: Any, vllm: FakeVl
     with pytest.raises(openai.BadRequestError) as err:
         await client.completions.create(model=MODEL, prompt=ids(8192), max_tokens=1)
     assert err.value.code == "context_length_exceeded"
+
+
+async def test_a_failed_metrics_read_keeps_the_last_pool(make: Any, vllm: FakeVllm) -> None:
+    # One failed scrape must not shrink the pool to one max_model_len: queued requests
+    # that fit the real pool would get a 400 that cannot be retried.
+    h = await make()
+    vllm.metrics_status = 500
+    await target(h).discover()
+    assert target(h).layout.pool_tokens == 20_000
+    r = await h.client.post("/v1/completions", json={
+        "model": MODEL, "prompt": ids(3000), "max_tokens": 3000, "n": 3})
+    assert r.status_code == 200
+
+
+async def test_an_unknown_model_is_404_before_queueing(make: Any, vllm: FakeVllm) -> None:
+    h = await make()
+    for path, body in (("/v1/chat/completions", {**chat(), "model": "other"}),
+                       ("/v1/completions", {"model": "other", "prompt": "hi"})):
+        r = await h.client.post(path, json=body)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert vllm.generations == []
+
+
+async def test_min_tokens_raise_the_default_cap(make: Any, vllm: FakeVllm) -> None:
+    h = await make()
+    r = await h.client.post("/v1/chat/completions", json=chat(min_tokens=2000))
+    assert r.status_code == 200 and vllm.generations[-1]["max_tokens"] == 2000
+
+
+async def test_chat_documents_are_counted(make: Any, vllm: FakeVllm) -> None:
+    h = await make()
+    docs = [{"title": "t", "text": "word " * 3000}]
+    r = await h.client.post("/v1/chat/completions", json=chat(documents=docs, max_tokens=2))
+    assert int(r.headers["x-gateway-prompt-tokens"]) == r.json()["usage"]["prompt_tokens"]
+    assert int(r.headers["x-gateway-prompt-tokens"]) > 3000
+
+
+async def test_a_batch_over_the_slots_is_refused_before_counting(make: Any, vllm: FakeVllm
+                                                                 ) -> None:
+    h = await make()
+    r = await h.client.post("/v1/completions", json={"model": MODEL,
+                                                     "prompt": ["hi"] * 64, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert not [q for q in vllm.requests if q.url.path == "/tokenize"]
+
+
+async def test_an_explicit_null_cap_on_completions_is_not_vllms_16(make: Any, vllm: FakeVllm
+                                                                   ) -> None:
+    h = await make()
+    r = await h.client.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                     "max_tokens": None})
+    assert r.status_code == 200 and vllm.generations[-1]["max_tokens"] == 1024
+
+
+async def test_a_midstream_error_is_the_final_event_in_the_openai_shape(
+    make: Any, vllm: FakeVllm
+) -> None:
+    vllm.fail_after = 2
+    h = await make()
+    r = await h.client.post("/v1/chat/completions", json=chat(max_tokens=10, stream=True))
+    events = [e for e in r.text.split("\n\n") if e.startswith("data: ")]
+    last = json.loads(events[-1][6:])
+    assert last["error"]["code"] == "server_error" and "EngineCore" in last["error"]["message"]
+    assert "[DONE]" not in r.text
+    assert sample(h, "gateway_upstream_errors_total", kind="stream_aborted") == 1
+    assert target(h).stats().reserved_tokens == 0
+
+
+async def test_the_pool_penalty_recovers_and_a_restart_clears_it(make: Any, vllm: FakeVllm
+                                                                 ) -> None:
+    h = await make()
+    vllm.blocks_used_elsewhere = 500
+    await p10_requests("/v1/completions", h.client)
+    await target(h).discover()
+    assert target(h).layout.pool_tokens == 18_000
+    target(h)._penalized_at -= 301  # five quiet minutes later: half the penalty back
+    await target(h).discover()
+    assert target(h).layout.pool_tokens == 19_000
+    vllm.num_gpu_blocks = 2500  # restarted with a larger cache: the penalty is moot
+    await target(h).discover()
+    assert target(h).layout.pool_tokens == 40_000

@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, ClassVar
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -46,6 +47,7 @@ from gateway.errors import (
     ContextLengthExceeded,
     GatewayError,
     InvalidRequest,
+    ModelNotFound,
     UpstreamAuthFailed,
     UpstreamError,
     UpstreamRefused,
@@ -91,7 +93,7 @@ def parse_metrics(text: str) -> dict[str, int]:
                     value = sample.labels.get(key, "")
                     if value.isdigit() and int(value) > 0:
                         found[key] = min(found.get(key, int(value)), int(value))
-            elif name == "vllm:num_preemptions_total":
+            elif name == "vllm:num_preemptions_total" and math.isfinite(sample.value):
                 found["preemptions"] = found.get("preemptions", 0) + int(sample.value)
     return found
 
@@ -120,6 +122,7 @@ class Vllm:
         self.settings = settings
         self.side = side
         self.max_model_len: int | None = None
+        self.metrics: dict[str, int] = {}  # the last /metrics read that succeeded
 
     # -- discovery ---------------------------------------------------------------------
 
@@ -164,15 +167,19 @@ class Vllm:
         )
 
     async def _read_metrics(self) -> dict[str, int]:
+        """``/metrics`` as :func:`parse_metrics` reads it; after a failed read, the last
+        good one (a pool does not change without a restart, which ``/v1/models`` or a
+        later read shows), else nothing (the pool then comes from config)."""
         try:
             with map_upstream_errors(self.name):
                 resp = await self.side.get("/metrics")
             if resp.status_code != 200:
                 raise ValueError(f"HTTP {resp.status_code}")
-            return parse_metrics(resp.text)
-        except (GatewayError, ValueError) as exc:
-            log.info("backend %s: /metrics unreadable (%s); pool from config", self.name, exc)
-            return {}
+            self.metrics = parse_metrics(resp.text)
+        except (GatewayError, ValueError, OverflowError) as exc:
+            log.info("backend %s: /metrics unreadable (%s); keeping the last reading",
+                     self.name, exc)
+        return self.metrics
 
     def _auth_problem(self, status: int) -> str:
         given = "was refused" if self.settings.api_key else "is needed and none is configured"
@@ -219,12 +226,16 @@ class Vllm:
         :returns: the count, or ``None`` (estimate instead) when vLLM cannot count.
         :raises InvalidRequest: vLLM refused the body as a client error (4xx); the
             generation would fail the same way.
-        :raises BackendNotReady: 503.
+        :raises ModelNotFound: vLLM serves no model of that name (404).
+        :raises BackendNotReady: 503 or 429.
         :raises UpstreamAuthFailed: the gateway's API key was refused.
         :raises UpstreamUnavailable: vLLM cannot be connected to.
         """
         if route == "chat":
             query = {k: body[k] for k in _CHAT_COUNT_FIELDS if k in body}
+            if "documents" in body:  # a chat's documents reach the template as a kwarg
+                query["chat_template_kwargs"] = {**(body.get("chat_template_kwargs") or {}),
+                                                 "documents": body["documents"]}
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -237,7 +248,10 @@ class Vllm:
             with map_upstream_errors(self.name):
                 resp = await self.side.post("/tokenize", query)
             if resp.status_code == 200:
-                return int(resp.json()["count"])
+                count = resp.json()["count"]
+                if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+                    return count
+                raise ValueError(f"count {count!r}")
         except GatewayError as exc:
             if exc.upstream_kind == "connect":
                 raise
@@ -251,11 +265,14 @@ class Vllm:
     def _refused(self, status: int, body: bytes) -> None:
         """A failed ``/tokenize``: the client's mistake or an unready engine (raise), or
         a server that cannot count (``None``)."""
-        if status == 503:
-            raise BackendNotReady(f"Backend {self.name!r} is not ready.")
+        if status in (429, 503):
+            raise BackendNotReady(f"Backend {self.name!r} is busy or not ready (HTTP "
+                                  f"{status}).")
         if status in (401, 403):
             raise UpstreamAuthFailed(self._auth_problem(status))
         message = error_message(body)
+        if status == 404 and "does not exist" in message:
+            raise ModelNotFound(f"Backend {self.name!r}: {message}", param="model")
         if status == 400 and any(t in message.lower() for t in _TOO_LONG):
             raise ContextLengthExceeded(f"Backend {self.name!r}: {message}")
         if 400 <= status < 500 and status not in (404, 405, 501):
