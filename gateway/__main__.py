@@ -45,6 +45,11 @@ def _check(args: argparse.Namespace) -> int:
             print(f"backend {backend.name}: Ollama shows its parallel count nowhere: slots = "  # noqa: T201
                   f"{backend.slots or 1} (OLLAMA_NUM_PARALLEL); a slot's context is read "
                   f"from /api/ps while a model is loaded, else {ctx}", file=sys.stderr)
+        if backend.kind == "vllm":
+            print(f"backend {backend.name}: vLLM shows its --max-num-seqs nowhere: slots = "  # noqa: T201
+                  f"{backend.slots or 256} ({'configured' if backend.slots else 'vLLM default'})"
+                  "; max_model_len is read from /v1/models and the KV pool and block size "
+                  "from /metrics", file=sys.stderr)
         if backend.kind == "llama.cpp" and backend.unified:
             print(f"backend {backend.name}: {_unified_note(backend)}",  # noqa: T201
                   file=sys.stderr)

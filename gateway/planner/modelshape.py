@@ -37,9 +37,15 @@ def _per_layer(value: Any, n_layer: int) -> tuple[int, ...]:
 def from_gguf(path: str | Path) -> ModelShape:
     """Shape of the model in a GGUF file (metadata only).
 
-    :raises ValueError: the file lacks the keys needed (architecture, block count, heads).
+    :raises ValueError: the file lacks the keys needed (architecture, block count, heads),
+        or the ``gguf`` package (the ``plan`` extra) is not installed.
     """
-    from gguf import GGUFReader
+    try:
+        from gguf import GGUFReader
+    except ModuleNotFoundError:
+        raise ValueError("reading a GGUF file needs the gguf package: pip install "
+                         "'llm-admission-gateway[plan]' (or '.[plan]' from a checkout)"
+                         ) from None
 
     reader = GGUFReader(str(path))
 

@@ -60,14 +60,16 @@ def _launch(opt: SlotOption, unified: bool, type_k: str, type_v: str, shape: Mod
             ollama["OLLAMA_FLASH_ATTENTION"] = "1"
         else:
             ollama_note = "Ollama sets one type for K and V: f16, q8_0 or q4_0"
-    vllm = ["--max-model-len", str(opt.ctx_per_slot), "--max-num-seqs", str(opt.slots)]
+    # --port 8001: vLLM's default port, 8000, is also the gateway's.
+    vllm = ["--max-model-len", str(opt.ctx_per_slot), "--max-num-seqs", str(opt.slots),
+            "--port", "8001"]
     vllm_note = "vLLM pages KV in blocks; sizes from llama.cpp cache types are approximate"
     if memory and shape.weights_bytes:
         util = min(0.95, math.ceil((shape.weights_bytes + opt.kv.total_bytes) / memory * 100
                                    + 5) / 100)
         vllm += ["--gpu-memory-utilization", f"{util:.2f}"]
     vllm_block = "\n".join([
-        "[[backends]]", f'name = "{name}"', 'url = "http://127.0.0.1:8000"', 'kind = "vllm"',
+        "[[backends]]", f'name = "{name}"', 'url = "http://127.0.0.1:8001"', 'kind = "vllm"',
         f"slots = {opt.slots}   # --max-num-seqs; max_model_len and the pool are discovered",
     ])
     gateway_block = [
@@ -222,12 +224,12 @@ def render_report(r: dict[str, Any]) -> str:
     if launch["ollama_note"]:
         lines.append("               (" + launch["ollama_note"] + ")")
     lines += ["vLLM           " + launch["vllm"], "               (" + launch["vllm_note"] + ")",
-              "", "gateway config:", launch["gateway"], "",
-              "gateway config, in front of vLLM:", launch["vllm_gateway"]]
+              "", "gateway config, in front of llama-server:", launch["gateway"]]
     capped = launch.get("llama_server_capped")
     if capped:
-        lines += ["", "or, safe for traffic that bypasses the gateway too:",
-                  "llama-server   " + capped["llama_server"],
-                  "               (" + capped["note"] + ")", "", "gateway config:",
-                  capped["gateway"]]
+        lines += ["", "or llama-server with each slot capped, safe for traffic that bypasses "
+                  "the gateway too:", "llama-server   " + capped["llama_server"],
+                  "               (" + capped["note"] + ")", "",
+                  "gateway config, in front of that llama-server:", capped["gateway"]]
+    lines += ["", "gateway config, in front of vLLM:", launch["vllm_gateway"]]
     return "\n".join(lines)

@@ -57,11 +57,13 @@ def _llama(client: httpx.Client, url: str, props: dict[str, Any]) -> dict[str, A
     ]
     found["backend_block"] = "\n".join([
         "[[backends]]", 'name = "local"', f'url = "{url}"', 'kind = "llama.cpp"',
-        f"slots = {slots}", f"ctx_per_slot = {ctx}",
+        f"# slots = {slots}   # discovered from /props; set only to narrow it",
+        f"# ctx_per_slot = {ctx}   # discovered from /props; set only to narrow it",
         "kv_unified = true   # set false if llama-server runs with -np N (no --kv-unified)",
         *(['api_key = "..."   # the key given to llama-server --api-key']
           if client.headers.get("authorization") else []),
-        f"# pool_tokens = {ctx}   # the -c value, when unified and larger than one slot",
+        "# pool_tokens = N   # the -c value, when unified and larger than one slot's "
+        f"{ctx}",
         f"# pool_tokens = {slots * ctx}   # with --kv-unified-per-slot {ctx} and no -c",
     ])
     return found
@@ -119,7 +121,7 @@ def _vllm(client: httpx.Client, url: str, models: dict[str, Any]) -> dict[str, A
     ]
     found["backend_block"] = "\n".join([
         "[[backends]]", 'name = "vllm"', f'url = "{url}"', 'kind = "vllm"',
-        f"slots = {DEFAULT_MAX_NUM_SEQS}   # --max-num-seqs",
+        f"slots = {DEFAULT_MAX_NUM_SEQS}   # --max-num-seqs (vLLM's default on most GPUs)",
         f"# ctx_per_slot = {found['max_model_len']}   # max_model_len, read from /v1/models",
         f"# pool_tokens = {pool}   # read from /metrics" if pool else
         "# pool_tokens = N   # the 'GPU KV cache size' of vLLM's log; unset, the gateway "
