@@ -19,6 +19,8 @@ Shapes follow Ollama's sources (ollama/ollama, 2026-08 snapshot):
   ``usage.prompt_tokens`` = ``prompt_eval_count``, errors ``{"error": {"message",
   "type", "param", "code"}}``).
 
+The recorded payloads (``/api/ps``, the error bodies) are in ``tests/data/ollama/``.
+
 Its tokenizer is its own (words and punctuation, plus 4 tokens of template per message),
 so the gateway's estimate really is an estimate here.
 """
@@ -30,12 +32,15 @@ import json
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-BUSY = "server busy, please try again.  maximum pending requests exceeded"
-TOO_LONG = "the input length exceeds the context length"
+DATA = Path(__file__).parent / "data" / "ollama"  # recorded payloads
+ERRORS = json.loads((DATA / "errors.json").read_text())
+BUSY = ERRORS["busy"]["native"]["error"]
+TOO_LONG = ERRORS["too_long"]["native"]["error"]
 CREATED = "2026-11-29T12:00:00.000000Z"
 
 
@@ -97,9 +102,10 @@ class FakeOllama:
                 "quantization_level": "Q8_0"}
 
     def _ps_entry(self) -> dict[str, Any]:
-        return {"name": self.model, "model": self.model, "size": 2_000_000_000,
-                "digest": "abc123", "details": self._details(), "expires_at": CREATED,
-                "size_vram": 2_000_000_000, "context_length": self.num_ctx}
+        text = (DATA / "ps.json").read_text().replace("{model}", self.model).replace(
+            "{num_ctx}", str(self.num_ctx))
+        entry: dict[str, Any] = json.loads(text)["models"][0]
+        return entry
 
     def prompt_tokens(self, body: dict[str, Any]) -> int:
         """What this Ollama counts for a body's prompt (``prompt_eval_count``)."""
@@ -130,12 +136,13 @@ class FakeOllama:
         self.generations.append(body)
         openai = path.startswith("/v1/")
         if body.get("model") != self.model:
-            msg = f'model "{body.get("model")}" not found, try pulling it first'
+            msg = ERRORS["not_found"]["native"]["error"].replace("{model}",
+                                                                  str(body.get("model")))
             return self._error(404, msg, openai)
         if self.mode == "busy":
             return self._error(503, BUSY, openai)
         if self.mode == "boom":
-            return self._error(500, "llama runner process has terminated", openai)
+            return self._error(500, ERRORS["runner_gone"]["native"]["error"], openai)
         body, refused = self._fit(body)
         if refused is not None:
             return refused
