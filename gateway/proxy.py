@@ -42,6 +42,7 @@ from gateway.sse import EventSplitter, EventTooLarge, event_data
 from gateway.target import Target
 from gateway.upstream import map_upstream_errors
 from gateway.watcher import DisconnectWatcher
+from gateway.wire import Seen, read_event, usage_of_whole
 
 __all__ = ["Exchange", "ProxyResponse"]
 
@@ -281,7 +282,7 @@ class ProxyResponse(Response):
             if x.api == "openai":
                 body = _reshaped(resp.status_code, body)
         else:
-            usage, reasons = await _usage_of(body)
+            usage, reasons = await _usage_of(x.route, body)
             self._record_usage(self._all_choices(usage, reasons))
         await self._send_whole(send, resp, body)
 
@@ -395,8 +396,7 @@ class ProxyResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _inspect_line(self, raw: bytes, state: _StreamState) -> bytes | None:
-        """Update metrics from one NDJSON line of an Ollama stream (``api/types.go``
-        ``ChatResponse``/``GenerateResponse``); every line is relayed."""
+        """Read one NDJSON line of an Ollama stream; every line is relayed."""
         obj = _json_object(raw)
         if obj is None:
             return raw
@@ -404,12 +404,7 @@ class ProxyResponse(Response):
             state.errored = True
             self.metrics.upstream_errors.labels(self.x.backend.name, "stream_aborted").inc()
             return raw
-        message = obj.get("message") if isinstance(obj.get("message"), dict) else {}
-        if obj.get("response") or message.get("content") or message.get("thinking"):
-            self._token_seen(state)
-        if obj.get("done") is True:
-            state.done = True
-            state.usage = _native_usage(obj)
+        self._seen(read_event(self.x.route, obj), state)
         return raw
 
     def _token_seen(self, state: _StreamState) -> None:
@@ -421,10 +416,18 @@ class ProxyResponse(Response):
             self.metrics.itl.labels(name).observe(now - state.last_token)
         state.last_token = now
 
+    def _seen(self, seen: Seen, state: _StreamState) -> None:
+        if seen.token:
+            self._token_seen(state)
+        if seen.usage:
+            state.usage = {**(state.usage or {}), **seen.usage}
+        state.done = state.done or seen.done
+
     def _inspect_event(self, raw: bytes, state: _StreamState) -> bytes | None:
-        """Update metrics from one event; return what to relay, or ``None`` to drop it
-        (usage the client did not ask for; a ``[DONE]`` after an error, which stays the
-        final event). An upstream error event is relayed in the OpenAI shape."""
+        """Read one SSE event; return what to relay, or ``None`` to drop it (usage the
+        client did not ask for; a ``[DONE]`` after an error, which stays the final
+        event). An upstream error event on an OpenAI route is relayed in the OpenAI
+        shape."""
         data = event_data(raw)
         if data is None:
             return raw
@@ -434,32 +437,31 @@ class ProxyResponse(Response):
         obj = _json_object(data)
         if obj is None:
             return raw
-        if "error" in obj:
+        x = self.x
+        if "error" in obj or obj.get("type") == "error":
             state.errored = True
-            backend = self.x.backend
+            backend = x.backend
             overflow = backend.is_overflow_event(obj)
             kind = "context_overflow" if overflow else "stream_aborted"
             self.metrics.upstream_errors.labels(backend.name, kind).inc()
             if overflow:
                 backend.upstream_failed(kind)
-            if isinstance(obj["error"], dict):
+            if x.api == "openai" and isinstance(obj.get("error"), dict):
                 code = obj["error"].get("code")
                 status = code if isinstance(code, int) and 400 <= code < 600 else 500
                 obj["error"] = reshape_upstream_error(status, obj["error"])
                 return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
             return raw
-        choices = obj.get("choices")
-        if isinstance(obj.get("usage"), dict):
-            state.usage = obj["usage"]
-            completion = obj["usage"].get("completion_tokens")
-            if isinstance(completion, int):
-                # llama-server sends usage once per choice of an n > 1 stream (on the
-                # choice's last chunk, or a chunk of its own): their sum is the total.
-                state.final_completion += completion
-                state.final_chunks += 1
-        if _has_token(choices):
-            self._token_seen(state)
-        if choices == [] and state.usage is obj.get("usage") and not self.x.client_wants_usage:
+        seen = read_event(x.route, obj)
+        if seen.usage and "completion_tokens" in seen.usage and x.route in (
+                "chat", "completions"):
+            # llama-server sends usage once per choice of an n > 1 stream (on the
+            # choice's last chunk, or a chunk of its own): their sum is the total.
+            state.final_completion += seen.usage["completion_tokens"]
+            state.final_chunks += 1
+        self._seen(seen, state)
+        if (obj.get("choices") == [] and seen.usage and not x.client_wants_usage
+                and x.route in ("chat", "completions")):
             return None
         return raw
 
@@ -489,18 +491,14 @@ def _failure_kind(exc: GatewayError) -> str:
 _THREAD_PARSE_BYTES = 256 * 1024
 
 
-async def _usage_of(body: bytes) -> tuple[Any, list[Any]]:
-    """The ``usage`` object of a JSON answer (or ``None``) and each choice's
-    ``finish_reason``. Large bodies (logprobs can make them megabytes) are parsed in a
-    worker thread so the event loop keeps serving."""
+async def _usage_of(route: str, body: bytes) -> tuple[Any, list[Any]]:
+    """The token counts of a whole answer of ``route`` (or ``None``) and each choice's
+    ``finish_reason`` (:func:`gateway.wire.usage_of_whole`). Large bodies (logprobs can
+    make them megabytes) are parsed in a worker thread so the event loop keeps serving."""
 
     def parse() -> tuple[Any, list[Any]]:
         try:
-            data = json.loads(body)
-            choices = data.get("choices")
-            reasons = [c.get("finish_reason") for c in choices if isinstance(c, dict)] \
-                if isinstance(choices, list) else []
-            return data.get("usage") or _native_usage(data), reasons
+            return usage_of_whole(route, json.loads(body))
         except (ValueError, AttributeError, RecursionError):
             return None, []
 
@@ -538,20 +536,6 @@ def _json_object(text: str | bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _native_usage(obj: dict[str, Any]) -> dict[str, int] | None:
-    """Ollama's final counts as OpenAI usage: ``prompt_eval_count`` (cached prompt tokens
-    included, ``llm/llama_server.go``) and ``eval_count``."""
-    prompt, completion = obj.get("prompt_eval_count"), obj.get("eval_count")
-    if not isinstance(prompt, int) and not isinstance(completion, int):
-        return None
-    usage = {}
-    if isinstance(prompt, int):
-        usage["prompt_tokens"] = prompt
-    if isinstance(completion, int):
-        usage["completion_tokens"] = completion
-    return usage
-
-
 @dataclass
 class _StreamState:
     done: bool = False
@@ -560,22 +544,3 @@ class _StreamState:
     last_token: float | None = None
     final_completion: int = 0  # completion tokens summed over the usage chunks
     final_chunks: int = 0  # usage chunks seen
-
-
-_DELTA_TOKENS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
-
-
-def _has_token(choices: Any) -> bool:
-    """True when a chunk's choices carry generated output of any kind: content,
-    reasoning, tool-call (or legacy function-call) arguments, or completion text."""
-    if not isinstance(choices, list):
-        return False
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta")
-        if isinstance(delta, dict) and any(delta.get(k) for k in _DELTA_TOKENS):
-            return True
-        if choice.get("text"):
-            return True
-    return False

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.proxy import _has_token
+from gateway.wire import has_token
 
 
 @pytest.mark.parametrize("choices,seen", [
@@ -24,4 +24,4 @@ from gateway.proxy import _has_token
     (None, False),
 ])
 def test_any_generated_delta_is_a_token(choices: Any, seen: bool) -> None:
-    assert _has_token(choices) is seen
+    assert has_token(choices) is seen

@@ -1,0 +1,167 @@
+"""How each route's answers look on the wire: what in a streamed event is a generated
+token, where the token counts are, and what marks the end of a stream.
+
+The proxy relays events byte for byte; this module only reads them, for the metrics
+(TTFT, ITL, token histograms) and to tell a finished stream from a cut one. Counts are
+normalised to OpenAI's ``{"prompt_tokens", "completion_tokens"}``.
+
+Shapes (routes named as in :mod:`gateway.pipeline`):
+
+* ``chat``, ``completions``: OpenAI chunks; ``usage`` on the last chunk(s), the stream
+  ends with ``data: [DONE]``.
+* ``completion``, ``infill`` (llama-server's native routes, ``tools/server/server-task.cpp``):
+  chunks ``{"content", "stop": false}``, a last one with ``"stop": true``,
+  ``tokens_evaluated`` and ``tokens_predicted``; no ``[DONE]``.
+* ``responses`` (OpenAI Responses): typed events; ``response.output_text.delta`` and
+  the other ``*.delta`` events carry output, ``response.completed`` ends the stream with
+  ``response.usage`` ``{input_tokens, output_tokens}``.
+* ``messages`` (Anthropic Messages): ``message_start`` carries ``usage.input_tokens``
+  (plus ``cache_read_input_tokens``), ``content_block_delta`` the output,
+  ``message_delta`` ``usage.output_tokens``, ``message_stop`` ends the stream.
+* ``ollama_chat``, ``ollama_generate``: NDJSON lines, the last with ``done: true``,
+  ``prompt_eval_count`` and ``eval_count`` (``api/types.go``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Seen", "has_token", "read_event", "usage_of_whole"]
+
+_DELTA_TOKENS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
+_NATIVE = ("completion", "infill")
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What one streamed event showed.
+
+    :param token: it carries generated output (for TTFT and ITL).
+    :param usage: token counts it carries, normalised (``prompt_tokens``,
+        ``completion_tokens``); ``None`` when it has none.
+    :param done: it ends the stream.
+    """
+
+    token: bool = False
+    usage: dict[str, int] | None = None
+    done: bool = False
+
+
+def has_token(choices: Any) -> bool:
+    """True when an OpenAI chunk's choices carry generated output of any kind: content,
+    reasoning, tool-call (or legacy function-call) arguments, or completion text."""
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and any(delta.get(k) for k in _DELTA_TOKENS):
+            return True
+        if choice.get("text"):
+            return True
+    return False
+
+
+def _ints(**values: Any) -> dict[str, int] | None:
+    out = {k: v for k, v in values.items() if isinstance(v, int) and not isinstance(v, bool)}
+    return out or None
+
+
+def _anthropic_input(usage: dict[str, Any]) -> int | None:
+    """Input tokens of an Anthropic usage object: llama-server reports the cached part of
+    the prompt apart (``cache_read_input_tokens``), as Anthropic does."""
+    parts = [usage.get(k) for k in ("input_tokens", "cache_read_input_tokens",
+                                    "cache_creation_input_tokens")]
+    ints = [p for p in parts if isinstance(p, int) and not isinstance(p, bool)]
+    return sum(ints) if ints else None
+
+
+def _native_usage(obj: dict[str, Any]) -> dict[str, int] | None:
+    """llama-server's native counts: ``tokens_evaluated`` (the prompt) and
+    ``tokens_predicted``."""
+    return _ints(prompt_tokens=obj.get("tokens_evaluated"),
+                 completion_tokens=obj.get("tokens_predicted"))
+
+
+def _ollama_usage(obj: dict[str, Any]) -> dict[str, int] | None:
+    """Ollama's final counts: ``prompt_eval_count`` (cached prompt tokens included,
+    ``llm/llama_server.go``) and ``eval_count``."""
+    return _ints(prompt_tokens=obj.get("prompt_eval_count"),
+                 completion_tokens=obj.get("eval_count"))
+
+
+def read_event(route: str, obj: dict[str, Any]) -> Seen:
+    """Read one streamed JSON object (an SSE ``data`` or an NDJSON line) of ``route``.
+
+    Error objects are the caller's concern; ``[DONE]`` is not JSON and is too.
+    """
+    if route in ("chat", "completions"):
+        usage = obj.get("usage")
+        return Seen(token=has_token(obj.get("choices")),
+                    usage=_ints(prompt_tokens=usage.get("prompt_tokens"),
+                                completion_tokens=usage.get("completion_tokens"))
+                    if isinstance(usage, dict) else None)
+    if route in _NATIVE:
+        stop = obj.get("stop") is True
+        return Seen(token=bool(obj.get("content")) and not stop,
+                    usage=_native_usage(obj) if stop else None, done=stop)
+    if route == "responses":
+        kind = str(obj.get("type") or "")
+        if kind == "response.completed":
+            usage = (obj.get("response") or {}).get("usage") or {}
+            return Seen(usage=_ints(prompt_tokens=usage.get("input_tokens"),
+                                    completion_tokens=usage.get("output_tokens")), done=True)
+        return Seen(token=kind.endswith(".delta") and bool(obj.get("delta")),
+                    done=kind in ("response.failed", "response.incomplete"))
+    if route == "messages":
+        kind = obj.get("type")
+        if kind == "message_start":
+            usage = (obj.get("message") or {}).get("usage") or {}
+            return Seen(usage=_ints(prompt_tokens=_anthropic_input(usage),
+                                    completion_tokens=usage.get("output_tokens")))
+        if kind == "content_block_delta":
+            delta = obj.get("delta") or {}
+            return Seen(token=any(delta.get(k) for k in ("text", "partial_json", "thinking")))
+        if kind == "message_delta":
+            usage = obj.get("usage") or {}
+            return Seen(usage=_ints(completion_tokens=usage.get("output_tokens")))
+        return Seen(done=kind == "message_stop")
+    if route.startswith("ollama_"):
+        message = obj.get("message") if isinstance(obj.get("message"), dict) else {}
+        done = obj.get("done") is True
+        return Seen(token=bool(obj.get("response") or message.get("content")
+                               or message.get("thinking")),
+                    usage=_ollama_usage(obj) if done else None, done=done)
+    return Seen()
+
+
+def usage_of_whole(route: str, data: Any) -> tuple[dict[str, int] | None, list[Any]]:
+    """Token counts of a whole (non-streamed) answer of ``route``, normalised, and each
+    choice's ``finish_reason`` (OpenAI routes; for ``n > 1`` accounting)."""
+    if isinstance(data, list):  # llama-server's native routes answer a batch with a list
+        parts = [usage_of_whole(route, item)[0] for item in data if isinstance(item, dict)]
+        parts = [p for p in parts if p]
+        if not parts:
+            return None, []
+        return _ints(prompt_tokens=max(p.get("prompt_tokens", 0) for p in parts),
+                     completion_tokens=sum(p.get("completion_tokens", 0) for p in parts)), []
+    if not isinstance(data, dict):
+        return None, []
+    if route in _NATIVE:
+        return _native_usage(data), []
+    if route.startswith("ollama_"):
+        return _ollama_usage(data), []
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    if route == "responses":
+        return _ints(prompt_tokens=usage.get("input_tokens"),
+                     completion_tokens=usage.get("output_tokens")), []
+    if route == "messages":
+        return _ints(prompt_tokens=_anthropic_input(usage),
+                     completion_tokens=usage.get("output_tokens")), []
+    choices = data.get("choices")
+    reasons = [c.get("finish_reason") for c in choices if isinstance(c, dict)] \
+        if isinstance(choices, list) else []
+    return _ints(prompt_tokens=usage.get("prompt_tokens"),
+                 completion_tokens=usage.get("completion_tokens")), reasons
