@@ -11,10 +11,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.errors import RouteNotFound
-from gateway.pipeline import prepare_exchange
+from gateway.pipeline import count_prompt, prepare_exchange, read_body, require_ready
 from gateway.proxy import ProxyResponse
+from gateway.routes import FORWARDED
 from gateway.state import GatewayState
 from gateway.upstream import map_upstream_errors
+from gateway.validation import check_content_type, parse_route_body
 
 __all__ = ["register_routes"]
 
@@ -60,13 +62,28 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         app.add_api_route(path, passthrough, methods=["GET"])
     app.add_api_route("/api/show", passthrough, methods=["POST"])
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await handle(request, "chat")
+    def forward(route: str) -> Any:
+        async def endpoint(request: Request) -> Response:
+            return await handle(request, route)
+        return endpoint
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle(request, "completions")
+    for path, route in FORWARDED.items():
+        app.add_api_route(path, forward(route), methods=["POST"])
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's token count, answered from the backend's exact count of the body
+        (no generation is forwarded, no slot is taken)."""
+        request.state.route = "count_tokens"
+        check_content_type(request.headers.get("content-type"),
+                           request.headers.get("content-encoding"))
+        req = parse_route_body("count_tokens", await read_body(
+            request, state.settings.server.max_body_bytes))
+        backend = state.pick_backend(req.body.get("model"), route="count_tokens")
+        request.state.backend = backend.name
+        require_ready(backend)
+        counted, _raw = await count_prompt(state, backend, req)
+        return JSONResponse({"input_tokens": counted})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -103,5 +120,9 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        raise RouteNotFound(f"{request.method} {request.url.path}: {exc.detail}",
-                            status_code=exc.status_code)
+        served = ", ".join(["POST " + p for p in (*FORWARDED, "/v1/messages/count_tokens",
+                                                   "/api/chat", "/api/generate", "/api/show")]
+                           + ["GET /v1/models", "GET /health", "GET /ready", "GET /metrics",
+                              "GET /api/tags", "GET /api/version", "GET /api/ps"])
+        raise RouteNotFound(f"{request.method} {request.url.path}: {exc.detail}. The gateway "
+                            f"serves {served}.", status_code=exc.status_code)

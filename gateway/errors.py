@@ -32,6 +32,7 @@ import math
 from typing import Any, ClassVar
 
 __all__ = [
+    "anthropic_body",
     "BackendNotReady",
     "ClientDisconnected",
     "ClientError",
@@ -247,6 +248,20 @@ class ClientDisconnected(Exception):
     """Raised inside the gateway when the client went away; nothing is sent back."""
 
 
+# Anthropic's error types by status (docs.anthropic.com, "Errors"): the shape Anthropic
+# clients parse on /v1/messages.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
+
+
+def anthropic_body(exc: GatewayError) -> dict[str, Any]:
+    """The Anthropic error object ``{"type": "error", "error": {type, message}}``."""
+    kind = _ANTHROPIC_TYPES.get(exc.status_code) or (
+        "invalid_request_error" if exc.status_code < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
 def error_body(exc: GatewayError) -> dict[str, Any]:
     """Return the OpenAI error object ``{"error": {message, type, param, code}}``."""
     return {
@@ -316,14 +331,16 @@ def render(exc: GatewayError, shape: str = "openai"
            ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """The one rendering of an error answer: status, raw headers and the JSON body.
 
-    :param shape: ``"openai"`` (``{"error": {message, type, param, code}}``) or
-        ``"ollama"`` (``{"error": "message"}``, as Ollama's native API answers,
-        ``api/types.go`` ``StatusError``).
+    :param shape: ``"openai"`` (``{"error": {message, type, param, code}}``),
+        ``"anthropic"`` (``{"type": "error", "error": {type, message}}``, on
+        ``/v1/messages``), or ``"ollama"`` (``{"error": "message"}``, as Ollama's native
+        API answers, ``api/types.go`` ``StatusError``).
 
     Every error the gateway answers before a response has started goes through here
     (after that, :func:`sse_error_event` or :func:`ndjson_error_line`).
     """
-    payload = {"error": exc.message} if shape == "ollama" else error_body(exc)
+    payload = ({"error": exc.message} if shape == "ollama" else
+               anthropic_body(exc) if shape == "anthropic" else error_body(exc))
     body = json.dumps(payload, separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json")]
     headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc).items()]
@@ -332,8 +349,11 @@ def render(exc: GatewayError, shape: str = "openai"
 
 
 def shape_of(path: str) -> str:
-    """The error shape of a request path: Ollama's native API under ``/api/``."""
-    return "ollama" if path.startswith("/api/") else "openai"
+    """The error shape of a request path: Ollama's native API under ``/api/``,
+    Anthropic's under ``/v1/messages``."""
+    if path.startswith("/api/"):
+        return "ollama"
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
 def ndjson_error_line(exc: GatewayError) -> bytes:
@@ -341,6 +361,10 @@ def ndjson_error_line(exc: GatewayError) -> bytes:
     return json.dumps({"error": exc.message}, separators=(",", ":")).encode() + b"\n"
 
 
-def sse_error_event(exc: GatewayError) -> bytes:
-    """Return the final SSE event for an error after a stream has started: ``data: {...}``."""
+def sse_error_event(exc: GatewayError, shape: str = "openai") -> bytes:
+    """Return the final SSE event for an error after a stream has started: ``data: {...}``
+    (Anthropic's: ``event: error`` with its error object)."""
+    if shape == "anthropic":
+        return (b"event: error\ndata: " + json.dumps(anthropic_body(exc), separators=(",", ":"))
+                .encode() + b"\n\n")
     return b"data: " + json.dumps(error_body(exc), separators=(",", ":")).encode() + b"\n\n"

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import GatewayError, HeadersTooLarge, render, shape_of
 from gateway.metrics import GatewayMetrics
+from gateway.routes import LABELS
 
 __all__ = ["MAX_HEADERS", "MAX_HEADER_BYTES", "RequestAccounting", "error_messages",
            "route_of"]
@@ -32,16 +33,11 @@ log = logging.getLogger(__name__)
 MAX_HEADERS = 64  # llama-server (cpp-httplib) itself refuses more than 100
 MAX_HEADER_BYTES = 16 * 1024  # names + values, all headers together
 
-_ROUTES = {
-    "/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models",
-    "/health": "health", "/ready": "ready", "/metrics": "metrics",
-    "/api/chat": "ollama_chat", "/api/generate": "ollama_generate",
-}
 
 
 def route_of(path: str) -> str:
     """The ``route`` label of a request path (``other`` for unknown paths)."""
-    return _ROUTES.get(path, "other")
+    return LABELS.get(path, "other")
 
 
 def error_messages(exc: GatewayError, shape: str = "openai") -> tuple[Message, Message]:

@@ -27,9 +27,11 @@ from gateway.validation import (
     check_content_type,
     parse_body,
     parse_ollama_body,
+    parse_route_body,
 )
 
-__all__ = ["count_prompt", "estimate_prompt", "prepare_exchange", "read_body"]
+__all__ = ["count_prompt", "estimate_prompt", "prepare_exchange", "read_body",
+           "require_ready"]
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -62,6 +64,9 @@ async def _estimate(req: ParsedRequest, margin: float) -> int:
     if req.route == "chat":
         text, messages = chat_text(req.body)
         counted = await estimate_tokens(text, messages=messages, margin=margin)
+    elif not req.prompts:  # messages, responses, infill: the texts of the structure
+        counted = await estimate_tokens("\n".join(req.texts), messages=max(
+            1, len(req.body.get("messages") or [])), margin=margin)
     else:
         counts = []
         for prompt in req.prompts:
@@ -91,11 +96,12 @@ async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest
     :raises UpstreamUnavailable: the backend cannot be reached (counted as ``connect``).
     """
     try:
-        if req.route == "chat":
-            counted = await backend.count_prompt("chat", req.body)
-        else:
+        if not req.prompts:  # chat, messages, responses, infill: the body as a whole
+            counted = await backend.count_prompt(req.route, req.body)
+        else:  # completions, embeddings, rerank: each prompt, the longest charged
+            route = req.route if req.route in ("embeddings", "rerank") else "completions"
             model = {"model": req.body["model"]} if "model" in req.body else {}
-            counts = [await backend.count_prompt("completions", {"prompt": list(p)
+            counts = [await backend.count_prompt(route, {"prompt": list(p)
                       if isinstance(p, tuple) else p, **model}) for p in req.prompts]
             counted = None if None in counts else max(c for c in counts if c is not None)
     except BackendNotReady:
@@ -115,7 +121,9 @@ async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest
 
 def _prompt_floor(req: ParsedRequest) -> int:
     """Tokens the prompt has at least, from its size alone (no backend call)."""
-    if req.route == "completions":
+    if req.texts:
+        return tokens_at_least(["".join(req.texts)])
+    if req.prompts:
         floors = []
         for prompt in req.prompts:
             ids, texts = _ids_and_texts(prompt)
@@ -134,7 +142,8 @@ def _count_sdk_retry(state: GatewayState, request: Request) -> None:
             state.metrics.client_retries.labels(str(attempt) if attempt < 10 else "10+").inc()
 
 
-def _require_ready(backend: Target) -> None:
+def require_ready(backend: Target) -> None:
+    """Raise ``BackendNotReady`` (503) while the backend's capacity is not known."""
     if backend.layout is None or not backend.ready:
         backend.request_rediscovery()
         why = backend.problem or "unreachable, loading, or its capacity is not known yet"
@@ -146,8 +155,10 @@ def _require_ready(backend: Target) -> None:
 
 
 async def prepare_exchange(state: GatewayState, request: Request, route: str) -> Exchange:
-    """Run the pipeline for one request on ``route``: ``chat`` or ``completions`` (the
-    OpenAI API), ``ollama_chat`` or ``ollama_generate`` (Ollama's native API).
+    """Run the pipeline for one request on ``route``: ``chat``, ``completions``,
+    ``responses`` or ``embeddings`` (the OpenAI API), ``messages`` (Anthropic's),
+    ``rerank``, ``infill`` or ``completion`` (llama-server's own), ``ollama_chat`` or
+    ``ollama_generate`` (Ollama's native API).
 
     :raises GatewayError: the first step that refuses the request (4xx for the client's
         mistakes, 503 when the backend is not ready or its queue is full).
@@ -161,16 +172,21 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
     native = route.startswith("ollama_")
     if native:
         req = parse_ollama_body("chat" if route == "ollama_chat" else "completions", raw)
-    else:
+    elif route in ("chat", "completions"):
         req = parse_body(route, raw)
-    backend = state.pick_backend(req.body.get("model"), "ollama" if native else None)
+    else:
+        req = parse_route_body(route, raw)
+    backend = state.pick_backend(req.body.get("model"), "ollama" if native else None,
+                                 route=route)
     request.state.backend = backend.name
-    _require_ready(backend)
+    require_ready(backend)
     layout = backend.layout
     assert layout is not None
     backend.check_request(req)
     backend.check_queue_room()  # a full queue answers before any counting
     batch = max(1, len(req.prompts))
+    if req.queued_batch:  # the backend queues the items beyond its slots itself
+        batch = min(batch, layout.slots)
     if req.n * batch > layout.slots:  # known from the body alone: refused before counting
         raise InvalidRequest(
             f"This request asks for {req.n * batch} completions (n × prompts), each of "
@@ -181,7 +197,8 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         raise ContextLengthExceeded(
             f"This prompt has at least {floor} tokens, more than a slot of "
             f"{layout.ctx_per_slot} tokens holds. Shorten the prompt.",
-            param="messages" if route == "chat" else "prompt",
+            param="prompt" if req.prompts else "messages" if route in (
+                "chat", "messages", "count_tokens") else "input",
         )
     prompt_tokens, raw_estimate = await count_prompt(state, backend, req)
     admission = state.settings.admission
@@ -195,7 +212,8 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         layout, prompt_tokens, req.max_tokens, n=req.n * batch,
         default_max_tokens=default_cap,
         policy=admission.overlong, cap_field=req.cap_field,
-    ), pinnable=batch == 1)
+    ), pinnable=batch == 1 and not req.queued_batch
+        and route not in backend.dialect.unpinned_routes)
     extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]
     if charge.defaulted:
         state.metrics.default_max_tokens_applied.labels(backend.name).inc()

@@ -31,6 +31,8 @@ from gateway.errors import (
     ClientDisconnected,
     GatewayError,
     UpstreamError,
+    UpstreamRefused,
+    anthropic_body,
     ndjson_error_line,
     reshape_upstream_error,
     sse_error_event,
@@ -279,8 +281,8 @@ class ProxyResponse(Response):
                     x.backend.upstream_failed(kind)
                 await self._send_error(send, exc)
                 return
-            if x.api == "openai":
-                body = _reshaped(resp.status_code, body)
+            if x.api in ("openai", "anthropic"):
+                body = _reshaped(resp.status_code, body, x.api)
         else:
             usage, reasons = await _usage_of(x.route, body)
             self._record_usage(self._all_choices(usage, reasons))
@@ -366,7 +368,8 @@ class ProxyResponse(Response):
         })
         splitter = EventSplitter(lines=ndjson)
         inspect = self._inspect_line if ndjson else self._inspect_event
-        final = ndjson_error_line if ndjson else sse_error_event
+        def final(exc: GatewayError) -> bytes:
+            return ndjson_error_line(exc) if ndjson else sse_error_event(exc, x.api)
         state = _StreamState()
         try:
             with map_upstream_errors(name):
@@ -466,14 +469,22 @@ class ProxyResponse(Response):
         return raw
 
 
-def _reshaped(status: int, body: bytes) -> bytes:
-    """An upstream ``{"error": {...}}`` answer re-encoded in the OpenAI shape."""
+def _reshaped(status: int, body: bytes, api: str = "openai") -> bytes:
+    """An upstream ``{"error": {...}}`` answer re-encoded in the route's shape: OpenAI's,
+    or Anthropic's ``{"type": "error", "error": {type, message}}`` (an answer already in
+    that shape is kept)."""
     try:
         data = json.loads(body)
     except ValueError:
         return body
     if not isinstance(data, dict) or not isinstance(data.get("error"), dict):
         return body
+    if api == "anthropic":
+        if data.get("type") == "error":
+            return body
+        message = str(data["error"].get("message") or f"The backend answered HTTP {status}.")
+        return json.dumps(anthropic_body(UpstreamRefused(message, status_code=status)),
+                          separators=(",", ":")).encode()
     data["error"] = reshape_upstream_error(status, data["error"])
     return json.dumps(data, separators=(",", ":")).encode()
 

@@ -33,17 +33,26 @@ class GatewayState:
         for name, backend in self.backends.items():
             yield name, backend.stats(), backend.ready
 
-    def pick_backend(self, model: object, kind: str | None = None) -> Target:
-        """The backend named like ``model``, else the first configured one (of ``kind``,
-        when given).
+    def pick_backend(self, model: object, kind: str | None = None,
+                     route: str | None = None) -> Target:
+        """The backend named like ``model``, else the first configured one (of ``kind``
+        and serving ``route``, when given).
 
-        :raises RouteNotFound: no backend of ``kind`` is configured (404).
+        :raises RouteNotFound: no backend of ``kind`` serving ``route`` is configured (404).
         """
+        def fits(backend: Target) -> bool:
+            return ((kind is None or backend.kind == kind)
+                    and (route is None or route in backend.dialect.route_paths))
+
         named = self.backends.get(model) if isinstance(model, str) else None
-        if named is not None and (kind is None or named.kind == kind):
+        if named is not None and fits(named):
             return named
         for backend in self.backends.values():
-            if kind is None or backend.kind == kind:
+            if fits(backend):
                 return backend
-        raise RouteNotFound(f"This route needs a backend of kind {kind!r}; none is "
-                            "configured.")
+        if kind is not None:
+            raise RouteNotFound(f"This route needs a backend of kind {kind!r}; none is "
+                                "configured.")
+        kinds = sorted({b.kind for b in self.backends.values()})
+        raise RouteNotFound(f"No configured backend serves this route (backend kinds: "
+                            f"{', '.join(kinds)}).")

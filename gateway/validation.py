@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.errors import InvalidRequest, UnsupportedMediaType
 from gateway.tokens import IMAGE_TOKENS
 
-__all__ = ["ParsedRequest", "check_content_type", "parse_body", "parse_ollama_body"]
+__all__ = ["ParsedRequest", "check_content_type", "parse_body", "parse_ollama_body",
+           "parse_route_body"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's documented maximum for top_logprobs
 MAX_N_PROBS = 100  # llama-server n_probs; each adds an entry to every token event
@@ -63,6 +64,10 @@ class ParsedRequest:
         ``/api/generate`` (then ``route`` is ``chat`` or ``completions``).
     :param extra_prompt_tokens: prompt tokens given as ids besides the text (Ollama's
         ``context`` array on ``/api/generate``).
+    :param texts: for routes without ``messages`` or ``prompt`` (Anthropic messages,
+        Responses, infill, rerank), the texts a local estimate reads.
+    :param queued_batch: the backend runs the batch's items a slot at a time and queues
+        the rest itself (embeddings, rerank), so it takes at most every slot.
     """
 
     route: str
@@ -74,6 +79,8 @@ class ParsedRequest:
     prompts: tuple[str | tuple[int | str, ...], ...] = ()
     api: str = "openai"
     extra_prompt_tokens: int = 0
+    texts: tuple[str, ...] = ()
+    queued_batch: bool = False
 
 
 def check_content_type(value: str | None, encoding: str | None = None) -> None:
@@ -393,3 +400,124 @@ def parse_ollama_body(route: str, raw: bytes) -> ParsedRequest:
         cap_field="options.num_predict", prompts=prompts, api="ollama",
         extra_prompt_tokens=context_tokens,
     )
+
+
+def _texts_of(value: Any) -> list[str]:
+    """Every string inside a JSON value (for a local estimate of a structured prompt)."""
+    out: list[str] = []
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            out.append(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
+
+
+def _object(raw: bytes) -> dict[str, Any]:
+    body = _decode(raw)
+    if not isinstance(body, dict):
+        raise InvalidRequest("The body must be a JSON object.")
+    for key, kind in (("model", str), ("stream", bool)):
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            raise InvalidRequest(f"{key} has the wrong type: {body[key]!r}.", param=key)
+    return body
+
+
+def _anthropic_messages(body: dict[str, Any]) -> None:
+    """Anthropic Messages: ``messages`` of ``{role, content}`` with content a string or
+    an array of typed blocks; ``system`` a string or an array of text blocks."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty array.", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise InvalidRequest(f"messages[{i}] must be an object with role 'user' or "
+                                 "'assistant'.", param=f"messages.{i}.role")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(b, dict) and isinstance(b.get("type"), str)
+                       for b in content):
+                raise InvalidRequest(f"messages[{i}].content blocks must be objects with a "
+                                     "string type.", param=f"messages.{i}.content")
+        elif not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}].content must be a string or an array of "
+                                 "content blocks.", param=f"messages.{i}.content")
+    system = body.get("system")
+    if system is not None and not isinstance(system, (str, list)):
+        raise InvalidRequest("system must be a string or an array of text blocks.",
+                             param="system")
+
+
+def parse_route_body(route: str, raw: bytes) -> ParsedRequest:
+    """Decode and validate the body of one of the routes beyond chat and completions.
+
+    :param route: ``messages`` and ``count_tokens`` (Anthropic Messages), ``responses``
+        (OpenAI Responses), ``embeddings``, ``rerank``, ``infill`` or ``completion``
+        (llama-server's native routes).
+    :raises InvalidRequest: as :func:`parse_body`, with each route's required fields:
+        ``max_tokens`` on ``messages`` (required by that API), ``input`` on
+        ``responses`` and ``embeddings``, ``query`` and ``documents`` on ``rerank``.
+    """
+    if route == "completion":
+        return replace(parse_body("completions", raw), route="completion")
+    body = _object(raw)
+    if route in ("messages", "count_tokens"):
+        _anthropic_messages(body)
+        cap = _int_field(body, "max_tokens", 1)
+        if route == "messages" and cap is None:
+            raise InvalidRequest("max_tokens is required.", param="max_tokens")
+        texts = _texts_of([body.get("system"), body["messages"], body.get("tools")])
+        return ParsedRequest(route=route, body=body, max_tokens=cap, n=1,
+                             stream=bool(body.get("stream")), texts=tuple(texts),
+                             api="anthropic")
+    if route == "responses":
+        given = body.get("input")
+        if not (isinstance(given, str) and given) and not (isinstance(given, list) and given):
+            raise InvalidRequest("input must be a non-empty string or array of items.",
+                                 param="input")
+        cap = _int_field(body, "max_output_tokens", 1)
+        texts = _texts_of([body.get("instructions"), given, body.get("tools")])
+        return ParsedRequest(route=route, body=body, max_tokens=cap, n=1,
+                             stream=bool(body.get("stream")), cap_field="max_output_tokens",
+                             texts=tuple(texts))
+    if route == "embeddings":
+        given = body.get("input", body.get("content"))
+        items = _prompts({"prompt": given})
+        return ParsedRequest(route=route, body=body, max_tokens=0, n=1, stream=False,
+                             prompts=items, queued_batch=True)
+    if route == "rerank":
+        query, documents = body.get("query"), body.get("documents", body.get("texts"))
+        if not isinstance(query, str) or not query:
+            raise InvalidRequest("query must be a non-empty string.", param="query")
+        if not isinstance(documents, list) or not documents or not all(
+                isinstance(d, str) for d in documents):
+            raise InvalidRequest("documents must be a non-empty array of strings.",
+                                 param="documents")
+        _int_field(body, "top_n", 0)
+        return ParsedRequest(route=route, body=body, max_tokens=0, n=1, stream=False,
+                             prompts=tuple(query + "\n" + d for d in documents),
+                             queued_batch=True)
+    if route == "infill":
+        for key in ("input_prefix", "input_suffix", "prompt"):
+            if body.get(key) is not None and not isinstance(body[key], str):
+                raise InvalidRequest(f"{key} must be a string.", param=key)
+        extra = body.get("input_extra")
+        if extra is not None and not (isinstance(extra, list) and all(
+                isinstance(e, dict) and isinstance(e.get("text", ""), str) for e in extra)):
+            raise InvalidRequest("input_extra must be an array of {filename, text} objects.",
+                                 param="input_extra")
+        n_predict = _int_field(body, "n_predict", -1)
+        caps = [_int_field(body, "max_tokens", 1),
+                None if n_predict in (None, -1) else _int_field(body, "n_predict", 1)]
+        cap = _same(("max_tokens", "n_predict"), caps)
+        texts = [body.get(k) or "" for k in ("input_prefix", "input_suffix", "prompt")]
+        texts += [str(e.get("text", "")) for e in extra or []]
+        return ParsedRequest(route=route, body=body, max_tokens=cap, n=1,
+                             stream=bool(body.get("stream")),
+                             cap_field="n_predict" if caps[1] is not None else "max_tokens",
+                             texts=tuple(texts))
+    raise ValueError(f"unknown route {route!r}")

@@ -385,3 +385,14 @@ async def test_the_pool_penalty_recovers_and_a_restart_clears_it(make: Any, vllm
     vllm.num_gpu_blocks = 2500  # restarted with a larger cache: the penalty is moot
     await target(h).discover()
     assert target(h).layout.pool_tokens == 40_000
+
+
+async def test_routes_vllm_does_not_serve_here_are_404(make: Any, vllm: FakeVllm) -> None:
+    h = await make()
+    r = await h.client.post("/infill", json={"input_prefix": "def f("})
+    assert r.status_code == 404 and "No configured backend serves this route" in r.text
+    r = await h.client.post("/v1/messages", json={"model": MODEL, "max_tokens": 5,
+                                                  "messages": [{"role": "user",
+                                                                "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["type"] == "error"  # Anthropic's shape
+    assert vllm.generations == []

@@ -25,3 +25,63 @@ from gateway.wire import has_token
 ])
 def test_any_generated_delta_is_a_token(choices: Any, seen: bool) -> None:
     assert has_token(choices) is seen
+
+
+def test_each_routes_stream_is_read_for_tokens_counts_and_end() -> None:
+    from gateway.wire import read_event
+
+    seen = read_event("messages", {"type": "message_start", "message": {"usage": {
+        "input_tokens": 5, "cache_read_input_tokens": 38, "output_tokens": 1}}})
+    assert seen.usage == {"prompt_tokens": 43, "completion_tokens": 1} and not seen.done
+    assert read_event("messages", {"type": "content_block_delta", "delta": {
+        "type": "input_json_delta", "partial_json": "{\"a"}}).token  # tool input only
+    assert read_event("messages", {"type": "message_delta", "usage": {
+        "output_tokens": 9}}).usage == {"completion_tokens": 9}
+    assert read_event("messages", {"type": "message_stop"}).done
+    assert read_event("responses", {"type": "response.function_call_arguments.delta",
+                                    "delta": "{\"c"}).token
+    done = read_event("responses", {"type": "response.completed", "response": {
+        "usage": {"input_tokens": 43, "output_tokens": 4}}})
+    assert done.done and done.usage == {"prompt_tokens": 43, "completion_tokens": 4}
+    assert read_event("completion", {"content": " a", "stop": False}).token
+    last = read_event("completion", {"content": "", "stop": True, "tokens_evaluated": 3,
+                                     "tokens_predicted": 3})
+    assert last.done and last.usage == {"prompt_tokens": 3, "completion_tokens": 3}
+
+
+def test_whole_answers_of_each_route_give_their_counts() -> None:
+    from gateway.wire import usage_of_whole
+
+    assert usage_of_whole("messages", {"usage": {"input_tokens": 42,
+                                                 "cache_read_input_tokens": 1,
+                                                 "output_tokens": 4}})[0] == {
+        "prompt_tokens": 43, "completion_tokens": 4}
+    assert usage_of_whole("responses", {"usage": {"input_tokens": 43, "output_tokens": 4}}
+                          )[0] == {"prompt_tokens": 43, "completion_tokens": 4}
+    batch = [{"tokens_evaluated": 3, "tokens_predicted": 2},
+             {"tokens_evaluated": 5, "tokens_predicted": 2}]
+    assert usage_of_whole("completion", batch)[0] == {"prompt_tokens": 5,
+                                                       "completion_tokens": 4}
+    assert usage_of_whole("embeddings", {"usage": {"prompt_tokens": 7,
+                                                   "total_tokens": 7}})[0] == {
+        "prompt_tokens": 7}
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("messages", {"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ("messages", {"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+     "messages.0.role"),
+    ("responses", {"input": ""}, "input"),
+    ("embeddings", {"input": []}, "prompt"),
+    ("rerank", {"query": "q", "documents": []}, "documents"),
+    ("infill", {"input_prefix": 5}, "input_prefix"),
+])
+def test_each_routes_required_fields(route: str, body: dict[str, Any], param: str) -> None:
+    import json
+
+    from gateway.errors import InvalidRequest
+    from gateway.validation import parse_route_body
+
+    with pytest.raises(InvalidRequest) as info:
+        parse_route_body(route, json.dumps(body).encode())
+    assert info.value.param == param

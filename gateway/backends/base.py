@@ -110,6 +110,7 @@ class BackendKind(Protocol):
     counts_exactly: ClassVar[bool]  # count_prompt is the server's own count
     stop_margin: ClassVar[int]  # tokens of the context a request cannot use (Layout)
     usage_covers_one_choice: ClassVar[bool]  # whole answers report one choice of n > 1
+    unpinned_routes: ClassVar[frozenset[str]]  # routes whose requests cannot be pinned
     default_caps: ClassVar[Mapping[str, int]]  # the server's own cap for an uncapped route
 
     async def discover(self) -> Discovered:
@@ -161,13 +162,27 @@ class BackendKind(Protocol):
         ...
 
 
+# The cap field each route's API reads (the charged cap is written there).
+_CAP_FIELDS = {"messages": "max_tokens", "responses": "max_output_tokens",
+               "completion": "n_predict", "infill": "n_predict"}
+
+
 def openai_body(req: ParsedRequest, charge: Charge, aliases: tuple[str, ...]
                 ) -> dict[str, Any]:
-    """An OpenAI-style body to forward: the client's, with the charged cap in
-    ``max_tokens`` and in each of ``aliases`` the client used (so that no field gets a
-    request past its reservation), and, on streams, ``stream_options.include_usage`` so
-    that completion tokens are known."""
+    """The body to forward: the client's, with the charged cap in the route's cap field
+    (``max_tokens``; ``max_output_tokens`` on Responses, ``n_predict`` on llama-server's
+    native routes) and in each of ``aliases`` the client used (so that no field gets a
+    request past its reservation), and, on OpenAI chat and completion streams,
+    ``stream_options.include_usage`` so that completion tokens are known. Embeddings and
+    rerank bodies, which generate nothing, are sent unchanged."""
     body = dict(req.body)
+    if req.route in ("embeddings", "rerank"):
+        return body
+    if req.route in _CAP_FIELDS:
+        body[_CAP_FIELDS[req.route]] = charge.max_tokens
+        if req.route in ("completion", "infill") and "max_tokens" in body:
+            body["max_tokens"] = charge.max_tokens
+        return body
     body["max_tokens"] = charge.max_tokens
     for alias in aliases:
         if alias in body:

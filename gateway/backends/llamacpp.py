@@ -46,6 +46,12 @@ CONTEXT_OVERFLOW_TEXT = "Context size has been exceeded"
 # in JSON reads as the same value (tools/server/server-schema.cpp, common/common.h).
 _RANDOM_SEED = 0xFFFFFFFF
 SLOTS_TIMEOUT_S = 5.0  # a /slots answer comes between two decode steps
+# Routes whose body llama-server counts itself, and where (tools/server/server.cpp).
+_COUNT_ROUTES = {"messages": "/v1/messages/count_tokens",
+                 "count_tokens": "/v1/messages/count_tokens",
+                 "responses": "/v1/responses/input_tokens"}
+RERANK_SEPARATORS = 3  # format_prompt_rerank adds EOS, SEP and EOS around query and doc
+INFILL_MARKERS = 3  # FIM prefix, suffix and middle tokens
 
 
 class LlamaCpp:
@@ -58,10 +64,17 @@ class LlamaCpp:
     kind: ClassVar[str] = "llama.cpp"
     route_paths: ClassVar[dict[str, str]] = {
         "chat": "/v1/chat/completions", "completions": "/v1/completions",
+        "responses": "/v1/responses", "messages": "/v1/messages",
+        "count_tokens": "/v1/messages/count_tokens", "embeddings": "/v1/embeddings",
+        "rerank": "/v1/rerank", "infill": "/infill", "completion": "/completion",
     }
     unified_pool: ClassVar[bool] = True  # -np unset, or --kv-unified
     default_slots: ClassVar[int | None] = None  # always discovered from /props
     counts_exactly: ClassVar[bool] = True
+    # Routes whose requests llama-server does not let the gateway place: /v1/messages
+    # drops id_slot (and n_discard) when it converts the body (measured on the build in
+    # use), so those leases are unpinned, like batches.
+    unpinned_routes: ClassVar[frozenset[str]] = frozenset({"messages"})
     usage_covers_one_choice: ClassVar[bool] = True  # a whole n > 1 answer reports one choice
     stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
     default_caps: ClassVar[dict[str, int]] = {}  # no cap of its own: the gateway's default
@@ -220,7 +233,14 @@ class LlamaCpp:
             with map_upstream_errors(self.name):
                 if route == "chat":
                     return await self._count_chat(body)
-                return await self._count_completion(body.get("prompt"))
+                if route in _COUNT_ROUTES:
+                    return await self._count_by(_COUNT_ROUTES[route], body)
+                if route == "infill":
+                    return await self._count_infill(body)
+                counted = await self._count_completion(body.get("prompt"))
+                if counted is not None and route == "rerank":
+                    counted += RERANK_SEPARATORS
+                return counted
         except (InvalidRequest, BackendNotReady, UpstreamAuthFailed):
             raise
         except GatewayError as exc:
@@ -231,6 +251,36 @@ class LlamaCpp:
         except (ValueError, KeyError, TypeError) as exc:
             log.info("backend %s could not count tokens: %s", self.name, exc)
             return None
+
+    async def _count_by(self, path: str, body: dict[str, Any]) -> int | None:
+        """A route's own counting endpoint: ``{"input_tokens": N}``."""
+        resp = await self.side.post(path, body)
+        if resp.status_code != 200:
+            return self._refused(resp)
+        return int(resp.json()["input_tokens"])
+
+    async def _count_infill(self, body: dict[str, Any]) -> int | None:
+        """The pieces of an infill prompt, each tokenized, plus its special tokens:
+        ``format_prompt_infill`` (``tools/server/server-common.cpp``) joins the extra
+        context chunks (each with a file separator and its name), the prefix, the suffix
+        and the prompt with the FIM prefix, suffix and middle tokens, and may trim the
+        prefix and suffix to fit the batch, so this errs high."""
+        total = 1 + INFILL_MARKERS  # BOS, and the FIM markers
+        for key in ("input_prefix", "input_suffix", "prompt"):
+            if body.get(key):
+                total += await self._tokenize_plain(str(body[key]))
+        for chunk in body.get("input_extra") or []:
+            text = f"{chunk.get('filename', '')}\n{chunk.get('text', '')}"
+            total += await self._tokenize_plain(text) + 1  # and a file separator
+        return total
+
+    async def _tokenize_plain(self, text: str) -> int:
+        resp = await self.side.post("/tokenize", {"content": text, "add_special": False,
+                                                  "parse_special": False})
+        if resp.status_code != 200:
+            self._refused(resp)
+            raise ValueError(f"/tokenize answered HTTP {resp.status_code}")
+        return len(resp.json()["tokens"])
 
     async def _count_chat(self, body: dict[str, Any]) -> int | None:
         if self._input_tokens_route:
@@ -299,7 +349,9 @@ class LlamaCpp:
         :returns: (error or None, kind label for ``gateway_upstream_errors_total``).
 
         500 "Context size has been exceeded." becomes a retryable 503 (the KV model was
-        wrong); 503 (model loading) stays a 503 with Retry-After; other 5xx become 502.
+        wrong); 503 (model loading) stays a 503 with Retry-After; 501 (a feature the
+        server lacks: embeddings without ``--embeddings``, infill without FIM tokens) is
+        relayed; other 5xx become 502.
         401/403 (the gateway's API key) become 502 ``upstream_auth_failed`` naming the key
         to set. Other 4xx answers are relayed when they carry an ``{"error": {...}}``
         object (put in the OpenAI shape by the proxy), and become ``upstream_refused``
@@ -322,6 +374,8 @@ class LlamaCpp:
                                 retry_after_s=wait),
                 "status_5xx",
             )
+        if status == 501 and is_error_object(body):
+            return None, ""  # a feature this server lacks (--embeddings, FIM tokens): relayed
         if status >= 500:
             return (
                 UpstreamError(f"Backend {self.name!r} failed with HTTP {status}: {message}"),
