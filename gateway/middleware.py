@@ -81,9 +81,11 @@ class RequestAccounting:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                if self.keep_alive is not None:
-                    message = {**message, "headers": [*message.get("headers", []),
-                                                      self.keep_alive]}
+                headers = message.get("headers", [])
+                closing = any(k.lower() == b"connection" and v.lower() == b"close"
+                              for k, v in headers)
+                if self.keep_alive is not None and not closing:
+                    message = {**message, "headers": [*headers, self.keep_alive]}
             await send(message)
 
         try:

@@ -332,7 +332,8 @@ class ProxyResponse(Response):
                 self.metrics.completion_tokens.labels(name).observe(completion)
             reported = usage.get("prompt_tokens")
             if isinstance(reported, int):
-                if reported > prompt:
+                if reported > prompt and self.x.route not in ("embeddings", "rerank"):
+                    # (embeddings and rerank report the tokens of every item together)
                     log.warning(
                         "backend %s counted %d prompt tokens, the gateway charged %d",
                         name, reported, prompt,
@@ -424,6 +425,15 @@ class ProxyResponse(Response):
             self._token_seen(state)
         if seen.usage:
             state.usage = {**(state.usage or {}), **seen.usage}
+        if seen.done and self.x.route in ("completion", "infill"):
+            # llama-server's native stream ends each task (prompt × n) with its own
+            # "stop": true chunk and counts; the stream is over after the last one.
+            state.final_completion += (seen.usage or {}).get("completion_tokens", 0)
+            state.final_chunks += 1
+            if state.final_chunks < self.x.charge.n:
+                return
+            if state.usage is not None:
+                state.usage["completion_tokens"] = state.final_completion
         state.done = state.done or seen.done
 
     def _inspect_event(self, raw: bytes, state: _StreamState) -> bytes | None:

@@ -45,7 +45,10 @@ class GatewayState:
                     and (route is None or route in backend.dialect.route_paths))
 
         named = self.backends.get(model) if isinstance(model, str) else None
-        if named is not None and fits(named):
+        if named is not None:
+            if not fits(named):
+                raise RouteNotFound(f"Backend {named.name!r} (kind {named.kind}) does not "
+                                    "serve this route.")
             return named
         for backend in self.backends.values():
             if fits(backend):

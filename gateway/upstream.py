@@ -9,15 +9,17 @@ a while (llama-server: 5 s, cpp-httplib's ``CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND`
 request written onto a pooled connection the server is closing at that moment gets no
 answer at all. So the pool drops idle connections sooner than the server does
 (``backends[].keepalive_expiry_s``), and a request whose *reused* connection fails before
-any response arrives is sent once more on a new connection: the server never answered it,
-and a server that closes an idle connection has not read a request from it
-(RFC 9112 §9.3.1 on retrying requests).
+any response arrives, and at once (within :data:`RETRY_WINDOW_S` of being sent), is sent
+once more on a new connection: a server closing an idle connection drops the request
+unread (RFC 9112 §9.3.1 on retrying requests), while a connection that breaks later may
+have carried a request the server was working on, which is never sent twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -32,6 +34,8 @@ from gateway.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
 __all__ = ["ReuseRetry", "build_client", "map_upstream_errors", "upstream_error_kind"]
 
 log = logging.getLogger(__name__)
+
+RETRY_WINDOW_S = 0.5  # a reused connection closed sooner than this after the send
 
 # Set by ReuseRetry around one request; aiohttp's trace hook marks it when the request
 # went out on a pooled connection.
@@ -74,10 +78,12 @@ class ReuseRetry(httpx.AsyncBaseTransport):
         """Send ``request``; raises httpx transport errors as the transports do."""
         marks: list[bool] = []
         token = _reused.set(marks)
+        sent = time.monotonic()
         try:
             return await self.pooled.handle_async_request(request)
         except httpx.TransportError as exc:
-            if not (marks and _dropped(exc) and _replayable(request)):
+            quick = time.monotonic() - sent < RETRY_WINDOW_S
+            if not (marks and quick and _dropped(exc) and _replayable(request)):
                 raise
             self.retried += 1
             log.info("upstream %s closed a reused connection without answering; "

@@ -402,19 +402,52 @@ def parse_ollama_body(route: str, raw: bytes) -> ParsedRequest:
     )
 
 
-def _texts_of(value: Any) -> list[str]:
-    """Every string inside a JSON value (for a local estimate of a structured prompt)."""
+_MEDIA_KEYS = frozenset({"data", "image_url", "file_data", "source"})
+
+
+def _texts_of(value: Any) -> tuple[list[str], int]:
+    """The strings inside a structured prompt (for a local estimate and the size floor),
+    and how many media blocks it has: encoded images and files (an Anthropic ``source``,
+    a Responses ``image_url``, a data URL) are counted as media, not read as text."""
     out: list[str] = []
+    media = 0
     stack = [value]
     while stack:
         node = stack.pop()
         if isinstance(node, str):
-            out.append(node)
+            if node.startswith("data:"):
+                media += 1
+            else:
+                out.append(node)
         elif isinstance(node, dict):
-            stack.extend(node.values())
+            for key, child in node.items():
+                if key in _MEDIA_KEYS and not isinstance(child, (int, float, bool)):
+                    media += 1
+                else:
+                    stack.append(child)
         elif isinstance(node, list):
             stack.extend(node)
-    return out
+    return out, media
+
+
+def _cap(body: dict[str, Any], keys: tuple[str, ...]) -> tuple[int | None, str]:
+    """The output cap of a body whose API may carry it in any of ``keys`` (llama-server
+    reads ``n_predict``, then ``max_completion_tokens``, then ``max_tokens``, whatever the
+    route): the value they agree on, and the field it came from.
+
+    :raises InvalidRequest: a value is not a positive integer, or two disagree.
+    """
+    values = [None if key == "n_predict" and body.get(key) == -1 else
+              _int_field(body, key, 1) for key in keys]
+    cap = _same(keys, values)
+    field = next((k for k, v in zip(keys, values, strict=True) if v is not None), keys[0])
+    return cap, field
+
+
+def _n(body: dict[str, Any]) -> int:
+    """Completions asked for (``n``, or llama-server's ``n_cmpl``)."""
+    return _same(("n", "n_cmpl"), [_int_field(body, "n", 1),
+                                   _int_field(body, "n_cmpl", 1)]) or 1
 
 
 def _object(raw: bytes) -> dict[str, Any]:
@@ -467,23 +500,27 @@ def parse_route_body(route: str, raw: bytes) -> ParsedRequest:
     body = _object(raw)
     if route in ("messages", "count_tokens"):
         _anthropic_messages(body)
-        cap = _int_field(body, "max_tokens", 1)
+        _check_sampling(body, "chat")
+        cap, cap_field = _cap(body, ("max_tokens", "max_completion_tokens", "n_predict"))
         if route == "messages" and cap is None:
             raise InvalidRequest("max_tokens is required.", param="max_tokens")
-        texts = _texts_of([body.get("system"), body["messages"], body.get("tools")])
-        return ParsedRequest(route=route, body=body, max_tokens=cap, n=1,
-                             stream=bool(body.get("stream")), texts=tuple(texts),
-                             api="anthropic")
+        texts, images = _texts_of([body.get("system"), body["messages"], body.get("tools")])
+        return ParsedRequest(route=route, body=body, max_tokens=cap, n=_n(body),
+                             stream=bool(body.get("stream")), cap_field=cap_field,
+                             texts=tuple(texts), api="anthropic",
+                             extra_prompt_tokens=images * IMAGE_TOKENS)
     if route == "responses":
         given = body.get("input")
         if not (isinstance(given, str) and given) and not (isinstance(given, list) and given):
             raise InvalidRequest("input must be a non-empty string or array of items.",
                                  param="input")
-        cap = _int_field(body, "max_output_tokens", 1)
-        texts = _texts_of([body.get("instructions"), given, body.get("tools")])
-        return ParsedRequest(route=route, body=body, max_tokens=cap, n=1,
-                             stream=bool(body.get("stream")), cap_field="max_output_tokens",
-                             texts=tuple(texts))
+        _check_sampling(body, "chat")
+        cap, cap_field = _cap(body, ("max_output_tokens", "max_tokens",
+                                     "max_completion_tokens", "n_predict"))
+        texts, images = _texts_of([body.get("instructions"), given, body.get("tools")])
+        return ParsedRequest(route=route, body=body, max_tokens=cap, n=_n(body),
+                             stream=bool(body.get("stream")), cap_field=cap_field,
+                             texts=tuple(texts), extra_prompt_tokens=images * IMAGE_TOKENS)
     if route == "embeddings":
         given = body.get("input", body.get("content"))
         items = _prompts({"prompt": given})
@@ -507,17 +544,15 @@ def parse_route_body(route: str, raw: bytes) -> ParsedRequest:
                 raise InvalidRequest(f"{key} must be a string.", param=key)
         extra = body.get("input_extra")
         if extra is not None and not (isinstance(extra, list) and all(
-                isinstance(e, dict) and isinstance(e.get("text", ""), str) for e in extra)):
-            raise InvalidRequest("input_extra must be an array of {filename, text} objects.",
-                                 param="input_extra")
-        n_predict = _int_field(body, "n_predict", -1)
-        caps = [_int_field(body, "max_tokens", 1),
-                None if n_predict in (None, -1) else _int_field(body, "n_predict", 1)]
-        cap = _same(("max_tokens", "n_predict"), caps)
+                isinstance(e, dict) and isinstance(e.get("text", ""), str)
+                and isinstance(e.get("filename", ""), str) for e in extra)):
+            raise InvalidRequest("input_extra must be an array of {filename, text} objects "
+                                 "with string values.", param="input_extra")
+        _check_sampling(body, "completions")
+        cap, cap_field = _cap(body, ("n_predict", "max_tokens", "max_completion_tokens"))
         texts = [body.get(k) or "" for k in ("input_prefix", "input_suffix", "prompt")]
         texts += [str(e.get("text", "")) for e in extra or []]
-        return ParsedRequest(route=route, body=body, max_tokens=cap, n=1,
-                             stream=bool(body.get("stream")),
-                             cap_field="n_predict" if caps[1] is not None else "max_tokens",
+        return ParsedRequest(route=route, body=body, max_tokens=cap, n=_n(body),
+                             stream=bool(body.get("stream")), cap_field=cap_field,
                              texts=tuple(texts))
     raise ValueError(f"unknown route {route!r}")

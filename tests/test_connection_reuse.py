@@ -138,3 +138,47 @@ async def test_a_fresh_connection_closed_without_an_answer_is_not_retried() -> N
             await target.client.post(url + "/v1/chat/completions", json={"messages": []})
         assert upstream.connections == 1 and target.client._transport.retried == 0
     await upstream.stop()
+
+
+async def test_a_reused_connection_that_breaks_after_work_began_is_not_retried() -> None:
+    # The upstream reads the second request of a connection and works on it for a
+    # second before the connection breaks: it may have done the work, so the request is
+    # never sent again (the client gets a 502 instead of a duplicate generation).
+    class Slow(ClosingUpstream):
+        async def _serve(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+            served = 0
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    lines = head.decode().split("\r\n")
+                    length = next((int(h.split(":", 1)[1]) for h in lines[1:]
+                                   if h.lower().startswith("content-length:")), 0)
+                    await reader.readexactly(length)
+                    self.paths.append(lines[0].split()[1])
+                    if served:
+                        await asyncio.sleep(1.0)
+                        break
+                    served += 1
+                    payload = b'{"ok": true}'
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: 12\r\n\r\n" + payload)
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+    upstream = Slow()
+    url = await upstream.start()
+    settings = load_settings(backends=[{"name": "local", "url": url, "keepalive_expiry_s": 60}])
+    app = create_app(settings, registry=CollectorRegistry(), discover=False)
+    async with app.router.lifespan_context(app):
+        client = app.state.gateway.backends["local"].client
+        first = await client.post(url + "/v1/chat/completions", json={"messages": []})
+        assert first.status_code == 200
+        with pytest.raises(httpx.TransportError):
+            await client.post(url + "/v1/chat/completions", json={"messages": []})
+        assert upstream.paths.count("/v1/chat/completions") == 2  # sent once each
+        assert client._transport.retried == 0
+    await upstream.stop()

@@ -396,3 +396,28 @@ async def test_routes_vllm_does_not_serve_here_are_404(make: Any, vllm: FakeVllm
                                                                 "content": "hi"}]})
     assert r.status_code == 404 and r.json()["type"] == "error"  # Anthropic's shape
     assert vllm.generations == []
+
+
+async def test_a_backend_named_by_model_without_the_route_is_404(vllm: FakeVllm) -> None:
+    from tests.fakes import FakeLlamaServer
+
+    llama = FakeLlamaServer()
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        fake = vllm if request.url.host == "vllm" else llama
+        return await fake.handle(request)
+
+    settings = load_settings(admission={"disconnect_grace_s": 0.0}, backends=[
+        {"name": "local", "url": "http://llama:8080"},
+        {"name": "big", "url": "http://vllm:8000", "kind": "vllm", "slots": 16}])
+    app = create_app(settings, http_client=httpx.AsyncClient(
+        transport=httpx.MockTransport(route)), registry=CollectorRegistry(), discover=False)
+    for backend in app.state.gateway.backends.values():
+        await backend.discover()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://gateway") as client:
+        r = await client.post("/v1/messages", json={"model": "big", "max_tokens": 5,
+                                                    "messages": [{"role": "user",
+                                                                  "content": "hi"}]})
+    assert r.status_code == 404 and "'big'" in r.json()["error"]["message"]
+    assert llama.generations == [] and vllm.generations == []

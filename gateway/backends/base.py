@@ -162,9 +162,12 @@ class BackendKind(Protocol):
         ...
 
 
-# The cap field each route's API reads (the charged cap is written there).
+# The cap field each route's API reads (the charged cap is written there), and the
+# fields llama-server also reads as a cap on any route: every one the client sent gets
+# the charged cap too, so that no field lets a request past its reservation.
 _CAP_FIELDS = {"messages": "max_tokens", "responses": "max_output_tokens",
                "completion": "n_predict", "infill": "n_predict"}
+_CAP_ALIASES = ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens")
 
 
 def openai_body(req: ParsedRequest, charge: Charge, aliases: tuple[str, ...]
@@ -179,9 +182,10 @@ def openai_body(req: ParsedRequest, charge: Charge, aliases: tuple[str, ...]
     if req.route in ("embeddings", "rerank"):
         return body
     if req.route in _CAP_FIELDS:
+        for alias in _CAP_ALIASES:
+            if alias in body:
+                body[alias] = charge.max_tokens
         body[_CAP_FIELDS[req.route]] = charge.max_tokens
-        if req.route in ("completion", "infill") and "max_tokens" in body:
-            body["max_tokens"] = charge.max_tokens
         return body
     body["max_tokens"] = charge.max_tokens
     for alias in aliases:

@@ -42,6 +42,7 @@ __all__ = ["CONTEXT_OVERFLOW_TEXT", "LlamaCpp"]
 log = logging.getLogger(__name__)
 
 CONTEXT_OVERFLOW_TEXT = "Context size has been exceeded"
+_TOO_LARGE = "is too large to process"
 # llama-server's "no seed given": LLAMA_DEFAULT_SEED (0xFFFFFFFF) draws a random one; -1
 # in JSON reads as the same value (tools/server/server-schema.cpp, common/common.h).
 _RANDOM_SEED = 0xFFFFFFFF
@@ -374,6 +375,11 @@ class LlamaCpp:
                                 retry_after_s=wait),
                 "status_5xx",
             )
+        if status == 500 and _TOO_LARGE in message:
+            # An embedding input over the physical batch (tools/server/server-context.cpp):
+            # the same request can never succeed, so it is the client's to change.
+            return InvalidRequest(f"Backend {self.name!r}: {message.strip()} Shorten the "
+                                  "input.", param="input"), ""
         if status == 501 and is_error_object(body):
             return None, ""  # a feature this server lacks (--embeddings, FIM tokens): relayed
         if status >= 500:

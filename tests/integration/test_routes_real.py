@@ -103,6 +103,16 @@ def test_native_completion_counted_exactly_whole_and_streamed(gw: GatewayThread)
                      kind="stream_aborted") == 0
 
 
+def test_a_streamed_native_batch_counts_every_prompt(gw: GatewayThread) -> None:
+    before = gw.metric("gateway_completion_tokens_sum", backend="local")
+    s = httpx.post(gw.url + "/completion", json={"prompt": ["Once upon", "The sky"],
+                                                 "n_predict": 3, "stream": True}, timeout=120)
+    assert sum(e["stop"] for e in events(s.text)) == 2
+    assert gw.metric("gateway_completion_tokens_sum", backend="local") == before + 6
+    assert gw.metric("gateway_upstream_errors_total", backend="local",
+                     kind="stream_aborted") == 0
+
+
 @pytest.mark.parametrize("path,body", [
     ("/v1/embeddings", {"input": ["hello", "world"]}),
     ("/v1/rerank", {"query": "a", "documents": ["b", "c"]}),
@@ -129,6 +139,13 @@ def test_embeddings_with_the_feature_on(llama_parts: tuple[Any, Any]) -> None:
             "content": text, "add_special": True}, timeout=30).json()["tokens"])
             for text in body["input"])
         assert int(r.headers["x-gateway-prompt-tokens"]) == longest
+        # An input over the physical batch (512) can never be embedded: a 400, not a 502
+        # that SDKs would retry.
+        big = httpx.post(gw.url + "/v1/embeddings", json={"input": "word " * 900},
+                         timeout=120)
+        assert big.status_code == 400 and "too large" in big.json()["error"]["message"]
+        assert gw.metric("gateway_upstream_errors_total", backend="local",
+                         kind="status_5xx") == 0
         assert gw.metric("gateway_kv_reserved_tokens", backend="local") == 0
 
 
