@@ -523,7 +523,11 @@ def parse_route_body(route: str, raw: bytes) -> ParsedRequest:
                              texts=tuple(texts), extra_prompt_tokens=images * IMAGE_TOKENS)
     if route == "embeddings":
         given = body.get("input", body.get("content"))
-        items = _prompts({"prompt": given})
+        try:
+            items = _prompts({"prompt": given})
+        except InvalidRequest:
+            raise InvalidRequest("input must be a non-empty string, an array of token ids, "
+                                 "or an array of those.", param="input") from None
         return ParsedRequest(route=route, body=body, max_tokens=0, n=1, stream=False,
                              prompts=items, queued_batch=True)
     if route == "rerank":

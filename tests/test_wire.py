@@ -72,7 +72,7 @@ def test_whole_answers_of_each_route_give_their_counts() -> None:
     ("messages", {"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
      "messages.0.role"),
     ("responses", {"input": ""}, "input"),
-    ("embeddings", {"input": []}, "prompt"),
+    ("embeddings", {"input": []}, "input"),
     ("rerank", {"query": "q", "documents": []}, "documents"),
     ("infill", {"input_prefix": 5}, "input_prefix"),
 ])

@@ -10,6 +10,7 @@ loop, the pool penalty, the slot watch) lives in :class:`gateway.target.Target`.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -19,12 +20,14 @@ import httpx
 from gateway.admission import Lease
 from gateway.capacity import Charge
 from gateway.config import BackendSettings
-from gateway.errors import GatewayError
-from gateway.slotwatch import SlotView
+from gateway.errors import GatewayError, UpstreamAuthFailed, UpstreamError, UpstreamRefused
+from gateway.slotwatch import SlotsUnsupported, SlotView
 from gateway.validation import ParsedRequest
 
-__all__ = ["BackendKind", "Discovered", "SideCalls", "error_message", "is_error_object",
-           "openai_body", "seconds"]
+__all__ = ["BackendKind", "Discovered", "SideCalls", "WithoutSlots", "error_message",
+           "is_error_object", "openai_body", "other_error", "seconds"]
+
+log = logging.getLogger(__name__)
 
 # Side calls (discovery, counting, /slots) go through their own small pool per backend.
 # llama-server's HTTP server keeps a worker thread per open connection, and it has
@@ -196,6 +199,49 @@ def openai_body(req: ParsedRequest, charge: Charge, aliases: tuple[str, ...]
         options["include_usage"] = True
         body["stream_options"] = options
     return body
+
+
+class WithoutSlots:
+    """The slot hooks of a kind whose server shows no slots (Ollama, vLLM): requests are
+    neither tagged nor pinned, and an abandoned one is held ``disconnect_grace_s``, since
+    these servers cancel a request when its client leaves."""
+
+    name: str
+
+    def tag_request(self, body: dict[str, Any]) -> tuple[str, int] | None:
+        """``None``: there are no slots to find a request in."""
+        return None
+
+    @staticmethod
+    def pin(body: dict[str, Any], lease: Lease) -> dict[str, Any]:
+        """``body`` unchanged: the server places its own requests."""
+        return body
+
+    async def read_slots(self) -> list[SlotView]:
+        """:raises SlotsUnsupported: always."""
+        raise SlotsUnsupported(self.name)
+
+
+def other_error(name: str, status: int, body: bytes, retry_after: str | None,
+                auth_problem: str) -> tuple[GatewayError | None, str]:
+    """The error answers every OpenAI-style kind maps alike, once its own are handled:
+    other 5xx → 502 (``status_5xx``); 401/403 → 502 ``upstream_auth_failed`` naming the
+    key to set (``auth``); an empty or plain-text 4xx → ``upstream_refused`` with its
+    status; a 4xx with an ``{"error": {...}}`` object is relayed (``None``).
+    """
+    message = error_message(body)
+    if status >= 500:
+        return UpstreamError(f"Backend {name!r} failed with HTTP {status}: {message}"), \
+            "status_5xx"
+    if status in (401, 403):  # the gateway's key: the client's is never forwarded
+        log.error("%s", auth_problem)
+        return UpstreamAuthFailed(auth_problem), "auth"
+    if not is_error_object(body):
+        shown = message.strip() or "no error message"
+        return UpstreamRefused(
+            f"Backend {name!r} refused the request with HTTP {status}: {shown}.",
+            status_code=status, retry_after=retry_after), ""
+    return None, ""
 
 
 def seconds(header: str | None) -> float | None:

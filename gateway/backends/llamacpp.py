@@ -21,6 +21,7 @@ from gateway.backends.base import (
     error_message,
     is_error_object,
     openai_body,
+    other_error,
     seconds,
 )
 from gateway.capacity import Charge
@@ -31,7 +32,6 @@ from gateway.errors import (
     UpstreamAuthFailed,
     UpstreamContextOverflow,
     UpstreamError,
-    UpstreamRefused,
 )
 from gateway.slotwatch import SlotsUnsupported, SlotView, parse_slots
 from gateway.upstream import map_upstream_errors
@@ -382,21 +382,7 @@ class LlamaCpp:
                                   "input.", param="input"), ""
         if status == 501 and is_error_object(body):
             return None, ""  # a feature this server lacks (--embeddings, FIM tokens): relayed
-        if status >= 500:
-            return (
-                UpstreamError(f"Backend {self.name!r} failed with HTTP {status}: {message}"),
-                "status_5xx",
-            )
-        if status in (401, 403):  # the gateway's key: the client's is never forwarded
-            log.error("%s", self._auth_problem(status))
-            return UpstreamAuthFailed(self._auth_problem(status)), "auth"
-        if not is_error_object(body):
-            shown = message.strip() or "no error message"
-            return UpstreamRefused(
-                f"Backend {self.name!r} refused the request with HTTP {status}: {shown}.",
-                status_code=status, retry_after=retry_after,
-            ), ""
-        return None, ""
+        return other_error(self.name, status, body, retry_after, self._auth_problem(status))
 
     def is_overflow_event(self, data: dict[str, Any]) -> bool:
         """True when an SSE ``data`` object is llama-server's mid-stream overflow error."""

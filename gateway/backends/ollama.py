@@ -28,8 +28,14 @@ import math
 from collections import deque
 from typing import Any, ClassVar
 
-from gateway.admission import Lease
-from gateway.backends.base import Discovered, SideCalls, error_message, openai_body, seconds
+from gateway.backends.base import (
+    Discovered,
+    SideCalls,
+    WithoutSlots,
+    error_message,
+    openai_body,
+    seconds,
+)
 from gateway.capacity import Charge
 from gateway.errors import (
     BackendNotReady,
@@ -38,7 +44,6 @@ from gateway.errors import (
     UpstreamError,
     UpstreamRefused,
 )
-from gateway.slotwatch import SlotsUnsupported, SlotView
 from gateway.upstream import map_upstream_errors
 from gateway.validation import ParsedRequest
 
@@ -83,7 +88,7 @@ class Calibration:
                 reported / raw_estimate)
 
 
-class Ollama:
+class Ollama(WithoutSlots):
     """The Ollama dialect.
 
     :param settings: the ``[[backends]]`` entry.
@@ -166,23 +171,6 @@ class Ollama:
             body["truncate"] = False
             return body
         return openai_body(req, charge, ("max_completion_tokens",))
-
-    def tag_request(self, body: dict[str, Any]) -> tuple[str, int] | None:
-        """``None``: Ollama shows no slots to find a request in."""
-        return None
-
-    @staticmethod
-    def pin(body: dict[str, Any], lease: Lease) -> dict[str, Any]:
-        """``body`` unchanged: Ollama picks its own slot."""
-        return body
-
-    async def read_slots(self) -> list[SlotView]:
-        """Ollama has no ``/slots``; it cancels a request when its client leaves
-        (``llm/llama_server.go``), so the fixed ``disconnect_grace_s`` applies.
-
-        :raises SlotsUnsupported: always.
-        """
-        raise SlotsUnsupported(self.name)
 
     def translate_error(
         self, status: int, body: bytes, retry_after: str | None, *, retry_after_s: float

@@ -32,13 +32,13 @@ from typing import Any, ClassVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.admission import Lease
 from gateway.backends.base import (
     Discovered,
     SideCalls,
+    WithoutSlots,
     error_message,
-    is_error_object,
     openai_body,
+    other_error,
     seconds,
 )
 from gateway.capacity import Charge
@@ -50,9 +50,7 @@ from gateway.errors import (
     ModelNotFound,
     UpstreamAuthFailed,
     UpstreamError,
-    UpstreamRefused,
 )
-from gateway.slotwatch import SlotsUnsupported, SlotView
 from gateway.upstream import map_upstream_errors
 from gateway.validation import ParsedRequest
 
@@ -98,7 +96,7 @@ def parse_metrics(text: str) -> dict[str, int]:
     return found
 
 
-class Vllm:
+class Vllm(WithoutSlots):
     """The vLLM dialect.
 
     :param settings: the ``[[backends]]`` entry.
@@ -199,24 +197,6 @@ class Vllm:
         ``stream_options.include_usage`` on streams."""
         return openai_body(req, charge, ("max_completion_tokens",))
 
-    def tag_request(self, body: dict[str, Any]) -> tuple[str, int] | None:
-        """``None``: vLLM shows no slots to find a request in."""
-        return None
-
-    @staticmethod
-    def pin(body: dict[str, Any], lease: Lease) -> dict[str, Any]:
-        """``body`` unchanged: vLLM schedules its own sequences."""
-        return body
-
-    async def read_slots(self) -> list[SlotView]:
-        """vLLM has no ``/slots``. It aborts a request when its client leaves
-        (``with_cancellation``, ``vllm/entrypoints/utils.py``), freeing its blocks, so
-        the fixed ``disconnect_grace_s`` applies.
-
-        :raises SlotsUnsupported: always.
-        """
-        raise SlotsUnsupported(self.name)
-
     # -- counting ----------------------------------------------------------------------
 
     async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:
@@ -308,18 +288,7 @@ class Vllm:
             wait = seconds(retry_after) or retry_after_s
             return BackendNotReady(f"Backend {self.name!r} is unavailable: {message}",
                                    retry_after_s=wait), "status_5xx"
-        if status >= 500:
-            return UpstreamError(f"Backend {self.name!r} failed with HTTP {status}: "
-                                 f"{message}"), "status_5xx"
-        if status in (401, 403):
-            log.error("%s", self._auth_problem(status))
-            return UpstreamAuthFailed(self._auth_problem(status)), "auth"
-        if not is_error_object(body):
-            shown = message.strip() or "no error message"
-            return UpstreamRefused(
-                f"Backend {self.name!r} refused the request with HTTP {status}: {shown}.",
-                status_code=status, retry_after=retry_after), ""
-        return None, ""
+        return other_error(self.name, status, body, retry_after, self._auth_problem(status))
 
     def is_overflow_event(self, data: dict[str, Any]) -> bool:
         """False: vLLM preempts rather than failing when its blocks run out."""
