@@ -24,7 +24,7 @@ from gateway.errors import GatewayError, UpstreamAuthFailed, UpstreamError, Upst
 from gateway.slotwatch import SlotsUnsupported, SlotView
 from gateway.validation import ParsedRequest
 
-__all__ = ["BackendKind", "Discovered", "SideCalls", "WithoutSlots", "error_message",
+__all__ = ["BackendKind", "Discovered", "ExactCount", "SideCalls", "WithoutSlots", "error_message",
            "is_error_object", "openai_body", "other_error", "seconds"]
 
 log = logging.getLogger(__name__)
@@ -220,6 +220,20 @@ class WithoutSlots:
     async def read_slots(self) -> list[SlotView]:
         """:raises SlotsUnsupported: always."""
         raise SlotsUnsupported(self.name)
+
+
+class ExactCount:
+    """The calibration hooks of a kind whose server counts prompts itself (llama-server,
+    vLLM): a local estimate is used only when counting failed, with the configured margin,
+    and a reported count is never taken for a truncation."""
+
+    def estimate_factor(self, model: str, margin: float) -> float:
+        """The multiplier on a local estimate: ``margin``."""
+        return margin
+
+    def observe(self, model: str, raw_estimate: int, reported: int) -> bool:
+        """Nothing to calibrate; never a truncation."""
+        return False
 
 
 def other_error(name: str, status: int, body: bytes, retry_after: str | None,

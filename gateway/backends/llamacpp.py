@@ -17,6 +17,7 @@ import httpx
 from gateway.admission import Lease
 from gateway.backends.base import (
     Discovered,
+    ExactCount,
     SideCalls,
     error_message,
     is_error_object,
@@ -55,7 +56,7 @@ RERANK_SEPARATORS = 3  # format_prompt_rerank adds EOS, SEP and EOS around query
 INFILL_MARKERS = 3  # FIM prefix, suffix and middle tokens
 
 
-class LlamaCpp:
+class LlamaCpp(ExactCount):
     """The llama-server dialect.
 
     :param settings: the ``[[backends]]`` entry.
@@ -328,14 +329,6 @@ class LlamaCpp:
         if resp.status_code != 200:
             return self._refused(resp)
         return len(resp.json()["tokens"])
-
-    def estimate_factor(self, model: str, margin: float) -> float:
-        """The multiplier on a local estimate, used only when counting failed: ``margin``."""
-        return margin
-
-    def observe(self, model: str, raw_estimate: int, reported: int) -> bool:
-        """Nothing to calibrate: llama-server counts exactly. Never a truncation."""
-        return False
 
     # -- errors ------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.backends.base import (
     Discovered,
+    ExactCount,
     SideCalls,
     WithoutSlots,
     error_message,
@@ -96,7 +97,7 @@ def parse_metrics(text: str) -> dict[str, int]:
     return found
 
 
-class Vllm(WithoutSlots):
+class Vllm(WithoutSlots, ExactCount):
     """The vLLM dialect.
 
     :param settings: the ``[[backends]]`` entry.
@@ -260,14 +261,6 @@ class Vllm(WithoutSlots):
             raise InvalidRequest(f"Backend {self.name!r} refused the request: {message}")
         log.info("backend %s could not count tokens: HTTP %d %s", self.name, status, message)
         return None
-
-    def estimate_factor(self, model: str, margin: float) -> float:
-        """The multiplier on a local estimate, used only when counting failed: ``margin``."""
-        return margin
-
-    def observe(self, model: str, raw_estimate: int, reported: int) -> bool:
-        """Nothing to calibrate: vLLM counts exactly, and never truncates a prompt."""
-        return False
 
     # -- errors ------------------------------------------------------------------------
 
