@@ -23,9 +23,17 @@ from typing import Protocol
 
 from gateway import capacity
 from gateway.capacity import Budget, Charge, Layout
-from gateway.errors import BackendNotReady, ContextLengthExceeded, QueueFull, QueueTimeout
+from gateway.errors import (
+    BackendNotReady,
+    ContextLengthExceeded,
+    QueueFull,
+    QueueTimeout,
+    QueueWaitPredicted,
+)
 
-__all__ = ["Admission", "AdmissionStats", "Clock", "Lease", "MonotonicClock"]
+__all__ = ["MIN_HISTORY", "Admission", "AdmissionStats", "Clock", "Lease", "MonotonicClock"]
+
+MIN_HISTORY = 8  # served releases before a queue wait is predicted
 
 
 class Clock(Protocol):
@@ -62,6 +70,7 @@ class Lease:
     waited_s: float = 0.0
     released: bool = False
     slot_ids: tuple[int, ...] = ()
+    predicted_wait_s: float | None = None  # the wait predicted when it queued
 
     @property
     def pinned(self) -> bool:
@@ -91,6 +100,7 @@ class _Waiter:
     charge: Charge
     future: asyncio.Future[Lease]
     since: float = field(default=0.0)
+    predicted: float | None = None
 
 
 class Admission:
@@ -100,6 +110,8 @@ class Admission:
         (every admit then raises :class:`BackendNotReady`).
     :param max_queue: most requests allowed to wait; 0 means never wait.
     :param max_wait_s: longest wait in the queue, seconds.
+    :param reject_doomed: refuse at once a request whose predicted wait
+        (:meth:`predict_wait_s`) is longer than ``max_wait_s``.
     :param clock: injected time source.
     """
 
@@ -110,10 +122,12 @@ class Admission:
         max_queue: int,
         max_wait_s: float,
         clock: Clock | None = None,
+        reject_doomed: bool = False,
     ) -> None:
         self._layout = layout
         self._max_queue = max_queue
         self._max_wait_s = max_wait_s
+        self._reject_doomed = reject_doomed
         self._clock = clock or MonotonicClock()
         self._budget = Budget()
         self._layout_changes = 0
@@ -121,6 +135,7 @@ class Admission:
         self._admitted = 0
         self._queue: deque[_Waiter] = deque()
         self._releases: deque[float] = deque(maxlen=64)
+        self._drained: deque[tuple[int, int]] = deque(maxlen=64)  # (tokens, slots) released
         self._durations: deque[float] = deque(maxlen=64)
         self._delayed: set[asyncio.Task[None]] = set()
         self._held_slots: set[int] = set()
@@ -192,6 +207,34 @@ class Admission:
             return min(60.0, max(1.0, mean * ahead / slots))
         return 1.0
 
+    def predict_wait_s(self, charge: Charge) -> float | None:
+        """How long ``charge`` would wait if it queued now, seconds; ``None`` until
+        :data:`MIN_HISTORY` served leases have been released.
+
+        The queue ahead and this charge need ``reserved + ahead + charge − capacity``
+        tokens freed (on a shared pool) and as many slots; the backend frees them at the
+        rate its last 64 served leases were released (tokens/s and slots/s). The wait is
+        the longer of the two.
+        """
+        layout = self._layout
+        if layout is None or len(self._releases) < MIN_HISTORY:
+            return None
+        span = self._releases[-1] - self._releases[0]
+        if span <= 0:
+            return None
+        tokens_rate = sum(t for t, _ in list(self._drained)[1:]) / span
+        slots_rate = sum(n for _, n in list(self._drained)[1:]) / span
+        ahead_tokens = sum(w.charge.tokens for w in self._queue)
+        ahead_slots = sum(w.charge.slots for w in self._queue)
+        slots_short = self._budget.busy_slots + ahead_slots + charge.slots - layout.slots
+        wait = slots_short / slots_rate if slots_rate > 0 and slots_short > 0 else 0.0
+        if layout.pool_tokens is not None:
+            short = self._budget.reserved_tokens + ahead_tokens + charge.tokens \
+                - layout.pool_tokens
+            if short > 0 and tokens_rate > 0:
+                wait = max(wait, short / tokens_rate)
+        return wait
+
     def check_queue_room(self) -> None:
         """Raise at once when a new request could only queue and the queue is full.
 
@@ -244,8 +287,16 @@ class Admission:
             return lease
         if len(self._queue) >= self._max_queue:
             raise self._queue_full()
+        predicted = self.predict_wait_s(charge)
+        if self._reject_doomed and predicted is not None and predicted > self._max_wait_s:
+            raise QueueWaitPredicted(
+                f"The queue ahead of this request needs about {predicted:.0f} s to drain "
+                f"at the backend's recent pace, longer than the {self._max_wait_s:g} s a "
+                "request may wait; retry after the Retry-After delay.",
+                retry_after_s=predicted)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(charge, loop.create_future(), since=self._clock.now())
+        waiter = _Waiter(charge, loop.create_future(), since=self._clock.now(),
+                         predicted=predicted)
         self._queue.append(waiter)
         timer = asyncio.ensure_future(self._clock.sleep(self._max_wait_s))
         try:
@@ -292,6 +343,7 @@ class Admission:
         self._inflight -= 1
         if served:
             self._releases.append(now)
+            self._drained.append((lease.charge.tokens, lease.charge.slots))
         self._wake()
 
     def release_later(self, lease: Lease, delay_s: float, *, served: bool = True) -> None:
@@ -375,4 +427,6 @@ class Admission:
         now = self._clock.now()
         while self._queue and capacity.fits(layout, self._budget, self._queue[0].charge):
             waiter = self._queue.popleft()
-            waiter.future.set_result(self._grant(waiter.charge, waited_s=now - waiter.since))
+            lease = self._grant(waiter.charge, waited_s=now - waiter.since)
+            lease.predicted_wait_s = waiter.predicted
+            waiter.future.set_result(lease)

@@ -85,6 +85,10 @@ class AdmissionSettings(_Strict):
 
     max_queue: int = Field(64, ge=0)
     max_queue_wait_s: float = Field(30.0, gt=0)
+    # Refuse at once (503 queue_wait_too_long, Retry-After from the prediction) a request
+    # whose predicted wait, from the queue ahead and the backend's recent drain rate, is
+    # longer than max_queue_wait_s, instead of letting it wait that long for a 503.
+    reject_predicted_timeouts: bool = True
     default_max_tokens: int = Field(1024, ge=1)
     overlong: OverlongPolicy = OverlongPolicy.reject
     # Multiplier applied to the local tiktoken estimate when the backend cannot count.

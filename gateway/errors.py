@@ -44,6 +44,7 @@ __all__ = [
     "PayloadTooLarge",
     "QueueFull",
     "QueueTimeout",
+    "QueueWaitPredicted",
     "ServiceError",
     "HeadersTooLarge",
     "UnsupportedMediaType",
@@ -191,6 +192,14 @@ class QueueTimeout(Overloaded):
 
     code = "queue_timeout"
     rejection_reason = "queue_timeout"
+
+
+class QueueWaitPredicted(Overloaded):
+    """Raised at arrival when the predicted queue wait is longer than
+    ``max_queue_wait_s``: the request is refused at once rather than after the wait."""
+
+    code = "queue_wait_too_long"
+    rejection_reason = "queue_wait_predicted"
 
 
 class BackendNotReady(Overloaded):

@@ -18,6 +18,7 @@ __all__ = ["GatewayMetrics"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+_WAIT_ERROR_BUCKETS = (-30, -10, -5, -2, -1, -0.5, -0.1, 0, 0.1, 0.5, 1, 2, 5, 10, 30)
 _ERROR_BUCKETS = (-0.5, -0.2, -0.1, -0.05, -0.02, 0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
 _TOKEN_BUCKETS = (
     16, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384,
@@ -127,6 +128,12 @@ class GatewayMetrics:
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds", "Time from arrival to admission.",
             ["backend"], buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.queue_wait_prediction_error = Histogram(
+            "gateway_queue_wait_prediction_error_seconds",
+            "Real queue wait minus the wait predicted at arrival, for requests that queued "
+            "(positive: waited longer than predicted).",
+            ["backend"], buckets=_WAIT_ERROR_BUCKETS, registry=registry,
         )
         self.ttft = Histogram(
             "gateway_ttft_seconds", "Time from arrival to the first generated token.",

@@ -149,6 +149,12 @@ class ProxyResponse(Response):
             await self._send_error(send, exc)
             return
         m.queue_wait.labels(name).observe(lease.waited_s)
+        x.extra_headers.append((b"x-queue-wait-ms", str(round(lease.waited_s * 1000)).encode()))
+        if lease.predicted_wait_s is not None:
+            m.queue_wait_prediction_error.labels(name).observe(
+                lease.waited_s - lease.predicted_wait_s)
+            x.extra_headers.append((b"x-queue-predicted-wait-ms",
+                                    str(round(lease.predicted_wait_s * 1000)).encode()))
         self._lease = lease
         held_since = self.clock.now()
         try:

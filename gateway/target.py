@@ -72,6 +72,7 @@ class Target:
             max_queue=admission_settings.max_queue,
             max_wait_s=admission_settings.max_queue_wait_s,
             clock=self.clock,
+            reject_doomed=admission_settings.reject_predicted_timeouts,
         )
         self.slot_watch = SlotWatch(
             self.name, self.dialect.read_slots, self.admission, self.clock,

@@ -235,3 +235,51 @@ def test_any_interleaving_keeps_the_budget_within_capacity(
         assert (s.reserved_tokens, s.busy_slots, s.inflight, s.queued) == (0, 0, 0, 0)
 
     asyncio.run(run())
+
+
+async def _with_history(adm: Admission, clock: ManualClock, charge: Charge) -> None:
+    """Serve 8 leases of ``charge``, released one second apart."""
+    for _ in range(8):
+        lease = await adm.admit(charge)
+        clock.advance(1.0)
+        adm.release(lease)
+
+
+async def test_the_wait_is_predicted_from_the_queue_ahead_and_the_drain_rate() -> None:
+    from gateway.errors import QueueWaitPredicted
+
+    clock = ManualClock()
+    layout = Layout(slots=2, ctx_per_slot=1024, pool_tokens=1024)
+    half = Charge(250, 250)  # 500 tokens: two fit the pool
+    adm = Admission(layout, max_queue=8, max_wait_s=3.0, clock=clock, reject_doomed=True)
+    assert adm.predict_wait_s(half) is None  # no history yet
+    await _with_history(adm, clock, half)  # 500 tokens and 1 slot freed per second
+    held = [await adm.admit(half), await adm.admit(half)]
+    assert adm.predict_wait_s(half) == pytest.approx(1.0)  # one slot must free first
+    queued = [asyncio.ensure_future(adm.admit(half)) for _ in range(2)]
+    await settle()
+    # 2 held + 2 queued + this one on 2 slots: 3 slots to free at 1/s; 1476 tokens at 500/s.
+    assert adm.predict_wait_s(half) == pytest.approx(3.0)
+    with pytest.raises(QueueWaitPredicted) as info:
+        adm.__dict__["_max_wait_s"] = 2.5
+        await adm.admit(half)
+    assert info.value.retry_after_s == pytest.approx(3.0)
+    adm.release(held[0])
+    await settle()
+    granted = await queued[0]
+    assert granted.predicted_wait_s == pytest.approx(1.0) and granted.waited_s == 0.0
+    for lease in [held[1], granted]:
+        adm.release(lease)
+    adm.release(await queued[1])
+
+
+async def test_without_the_option_a_doomed_request_still_queues() -> None:
+    clock = ManualClock()
+    adm = Admission(Layout(1, 1024), max_queue=8, max_wait_s=0.5, clock=clock)
+    await _with_history(adm, clock, SMALL)
+    held = await adm.admit(SMALL)
+    waiting = asyncio.ensure_future(adm.admit(SMALL))
+    await settle()
+    assert not waiting.done()
+    adm.release(held)
+    adm.release(await waiting)

@@ -145,3 +145,10 @@ def test_sampling_fields_are_checked_on_every_route(route: str, body: dict[str, 
 
     with pytest.raises(InvalidRequest):
         parse_route_body(route, json.dumps(body).encode())
+
+
+@pytest.mark.anyio
+async def test_every_forwarded_answer_says_how_long_it_queued(harness: Any) -> None:
+    r = await harness.chat("hi", max_tokens=3)
+    assert r.status_code == 200 and r.headers["x-queue-wait-ms"] == "0"
+    assert "x-queue-predicted-wait-ms" not in r.headers  # it did not queue
