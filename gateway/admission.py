@@ -14,6 +14,8 @@ gives it back and wakes the next one.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import statistics
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -33,7 +35,7 @@ from gateway.errors import (
 
 __all__ = ["MIN_HISTORY", "Admission", "AdmissionStats", "Clock", "Lease", "MonotonicClock"]
 
-MIN_HISTORY = 8  # served releases before a queue wait is predicted
+MIN_HISTORY = 8  # timed served leases before a queue wait is predicted
 
 
 class Clock(Protocol):
@@ -71,6 +73,7 @@ class Lease:
     released: bool = False
     slot_ids: tuple[int, ...] = ()
     predicted_wait_s: float | None = None  # the wait predicted when it queued
+    granted_at: float = 0.0  # clock time of the grant
 
     @property
     def pinned(self) -> bool:
@@ -135,7 +138,7 @@ class Admission:
         self._admitted = 0
         self._queue: deque[_Waiter] = deque()
         self._releases: deque[float] = deque(maxlen=64)
-        self._drained: deque[tuple[int, int]] = deque(maxlen=64)  # (tokens, slots) released
+        self._active: dict[int, Lease] = {}  # leases in flight, by id
         self._durations: deque[float] = deque(maxlen=64)
         self._delayed: set[asyncio.Task[None]] = set()
         self._held_slots: set[int] = set()
@@ -209,31 +212,37 @@ class Admission:
 
     def predict_wait_s(self, charge: Charge) -> float | None:
         """How long ``charge`` would wait if it queued now, seconds; ``None`` until
-        :data:`MIN_HISTORY` served leases have been released.
+        :data:`MIN_HISTORY` served leases have been timed (or when it can never fit).
 
-        The queue ahead and this charge need ``reserved + ahead + charge − capacity``
-        tokens freed (on a shared pool) and as many slots; the backend frees them at the
-        rate its last 64 served leases were released (tokens/s and slots/s). The wait is
-        the longer of the two.
+        A replay of the queue on the capacity model: each lease in flight is expected to
+        end the median served-lease duration after it was granted (at once, if that is
+        past); the requests ahead, in FIFO order, then this one, each start at the first
+        end after which they fit, and hold their reservation for the same duration.
+        Releases measured as a rate mislead when requests end together (a wave of four
+        ends, then nothing for a whole generation); ends measured per lease do not.
         """
         layout = self._layout
-        if layout is None or len(self._releases) < MIN_HISTORY:
+        if layout is None or len(self._durations) < MIN_HISTORY:
             return None
-        span = self._releases[-1] - self._releases[0]
-        if span <= 0:
-            return None
-        tokens_rate = sum(t for t, _ in list(self._drained)[1:]) / span
-        slots_rate = sum(n for _, n in list(self._drained)[1:]) / span
-        ahead_tokens = sum(w.charge.tokens for w in self._queue)
-        ahead_slots = sum(w.charge.slots for w in self._queue)
-        slots_short = self._budget.busy_slots + ahead_slots + charge.slots - layout.slots
-        wait = slots_short / slots_rate if slots_rate > 0 and slots_short > 0 else 0.0
-        if layout.pool_tokens is not None:
-            short = self._budget.reserved_tokens + ahead_tokens + charge.tokens \
-                - layout.pool_tokens
-            if short > 0 and tokens_rate > 0:
-                wait = max(wait, short / tokens_rate)
-        return wait
+        hold = statistics.median(self._durations)
+        now = self._clock.now()
+        ends = [(max(now, lease.granted_at + hold), i, lease.charge)
+                for i, lease in enumerate(self._active.values())]
+        heapq.heapify(ends)
+        budget, t, order = self._budget, now, len(ends)
+        for ahead in [*(w.charge for w in self._queue), charge]:
+            if not capacity.fits_alone(layout, ahead):
+                return None
+            while not capacity.fits(layout, budget, ahead):
+                if not ends:
+                    return None
+                end, _, done = heapq.heappop(ends)
+                t = max(t, end)
+                budget = capacity.release(budget, done)
+            budget = capacity.reserve(budget, ahead)
+            order += 1
+            heapq.heappush(ends, (t + hold, order, ahead))
+        return t - now
 
     def check_queue_room(self) -> None:
         """Raise at once when a new request could only queue and the queue is full.
@@ -341,9 +350,9 @@ class Admission:
                 self._free.append(slot)  # held slots are never in _free
         self._budget = capacity.release(self._budget, lease.charge)
         self._inflight -= 1
+        self._active.pop(id(lease), None)
         if served:
             self._releases.append(now)
-            self._drained.append((lease.charge.tokens, lease.charge.slots))
         self._wake()
 
     def release_later(self, lease: Lease, delay_s: float, *, served: bool = True) -> None:
@@ -408,7 +417,10 @@ class Admission:
         self._budget = capacity.reserve(self._budget, charge)
         self._inflight += 1
         self._admitted += 1
-        return Lease(charge, waited_s=waited_s, slot_ids=self._pick_slots(charge))
+        lease = Lease(charge, waited_s=waited_s, slot_ids=self._pick_slots(charge),
+                      granted_at=self._clock.now())
+        self._active[id(lease)] = lease
+        return lease
 
     def _abandon(self, waiter: _Waiter) -> None:
         fut = waiter.future

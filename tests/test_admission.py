@@ -238,36 +238,40 @@ def test_any_interleaving_keeps_the_budget_within_capacity(
 
 
 async def _with_history(adm: Admission, clock: ManualClock, charge: Charge) -> None:
-    """Serve 8 leases of ``charge``, released one second apart."""
+    """Serve 8 leases of ``charge``, each held one second."""
     for _ in range(8):
         lease = await adm.admit(charge)
         clock.advance(1.0)
+        adm.record_duration(1.0)
         adm.release(lease)
 
 
-async def test_the_wait_is_predicted_from_the_queue_ahead_and_the_drain_rate() -> None:
+async def test_the_wait_is_predicted_by_replaying_the_queue() -> None:
     from gateway.errors import QueueWaitPredicted
 
     clock = ManualClock()
     layout = Layout(slots=2, ctx_per_slot=1024, pool_tokens=1024)
     half = Charge(250, 250)  # 500 tokens: two fit the pool
-    adm = Admission(layout, max_queue=8, max_wait_s=3.0, clock=clock, reject_doomed=True)
+    adm = Admission(layout, max_queue=8, max_wait_s=1.5, clock=clock, reject_doomed=True)
     assert adm.predict_wait_s(half) is None  # no history yet
-    await _with_history(adm, clock, half)  # 500 tokens and 1 slot freed per second
+    await _with_history(adm, clock, half)  # leases are held 1 s
     held = [await adm.admit(half), await adm.admit(half)]
-    assert adm.predict_wait_s(half) == pytest.approx(1.0)  # one slot must free first
+    clock.advance(0.25)
+    assert adm.predict_wait_s(half) == pytest.approx(0.75)  # the first end, 1 s after grant
     queued = [asyncio.ensure_future(adm.admit(half)) for _ in range(2)]
     await settle()
-    # 2 held + 2 queued + this one on 2 slots: 3 slots to free at 1/s; 1476 tokens at 500/s.
-    assert adm.predict_wait_s(half) == pytest.approx(3.0)
+    # The two ahead start when the held ones end (0.75 s), this one when they end (1.75 s).
+    assert adm.predict_wait_s(half) == pytest.approx(1.75)
     with pytest.raises(QueueWaitPredicted) as info:
-        adm.__dict__["_max_wait_s"] = 2.5
         await adm.admit(half)
-    assert info.value.retry_after_s == pytest.approx(3.0)
+    assert info.value.retry_after_s == pytest.approx(1.75)
+    assert adm.predict_wait_s(Charge(2000, 100)) is None  # can never fit
+    clock.advance(0.75)
     adm.release(held[0])
     await settle()
     granted = await queued[0]
-    assert granted.predicted_wait_s == pytest.approx(1.0) and granted.waited_s == 0.0
+    assert granted.predicted_wait_s == pytest.approx(0.75)
+    assert granted.waited_s == pytest.approx(0.75)
     for lease in [held[1], granted]:
         adm.release(lease)
     adm.release(await queued[1])
@@ -275,7 +279,7 @@ async def test_the_wait_is_predicted_from_the_queue_ahead_and_the_drain_rate() -
 
 async def test_without_the_option_a_doomed_request_still_queues() -> None:
     clock = ManualClock()
-    adm = Admission(Layout(1, 1024), max_queue=8, max_wait_s=0.5, clock=clock)
+    adm = Admission(Layout(1, 1024), max_queue=8, max_wait_s=0.5, clock=clock)  # no reject
     await _with_history(adm, clock, SMALL)
     held = await adm.admit(SMALL)
     waiting = asyncio.ensure_future(adm.admit(SMALL))
