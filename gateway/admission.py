@@ -221,6 +221,27 @@ class Admission:
         Releases measured as a rate mislead when requests end together (a wave of four
         ends, then nothing for a whole generation); ends measured per lease do not.
         """
+        return self._replay([*(w.charge for w in self._queue), charge])
+
+    def queue_position(self, charge: Charge) -> int | None:
+        """1 for the head of the queue; ``None`` when ``charge`` (this very object) is
+        not waiting."""
+        for i, waiter in enumerate(self._queue):
+            if waiter.charge is charge:
+                return i + 1
+        return None
+
+    def eta_s(self, charge: Charge) -> float | None:
+        """Seconds until the waiting ``charge`` is predicted to start (as
+        :meth:`predict_wait_s`, with only the requests ahead of it)."""
+        position = self.queue_position(charge)
+        if position is None:
+            return None
+        return self._replay([w.charge for w in list(self._queue)[:position]])
+
+    def _replay(self, charges: list[Charge]) -> float | None:
+        """When the last of ``charges`` starts if they start in order after the leases in
+        flight (see :meth:`predict_wait_s`), seconds from now."""
         layout = self._layout
         if layout is None or len(self._durations) < MIN_HISTORY:
             return None
@@ -230,7 +251,7 @@ class Admission:
                 for i, lease in enumerate(self._active.values())]
         heapq.heapify(ends)
         budget, t, order = self._budget, now, len(ends)
-        for ahead in [*(w.charge for w in self._queue), charge]:
+        for ahead in charges:
             if not capacity.fits_alone(layout, ahead):
                 return None
             while not capacity.fits(layout, budget, ahead):

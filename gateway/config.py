@@ -89,6 +89,10 @@ class AdmissionSettings(_Strict):
     # whose predicted wait, from the queue ahead and the backend's recent drain rate, is
     # longer than max_queue_wait_s, instead of letting it wait that long for a 503.
     reject_predicted_timeouts: bool = True
+    # A queued stream whose request carries "X-Queue-Progress: 1" gets its 200 and an
+    # SSE comment (": queued position=N eta_s=M") every this many seconds while it
+    # waits; 0 turns the feature off.
+    queue_progress_s: float = Field(0.0, ge=0.0)
     default_max_tokens: int = Field(1024, ge=1)
     overlong: OverlongPolicy = OverlongPolicy.reject
     # Multiplier applied to the local tiktoken estimate when the backend cannot count.

@@ -81,6 +81,8 @@ class Exchange:
         take Ollama's ``{"error": "..."}`` shape, and streams are NDJSON).
     :param raw_estimate: the local prompt estimate with no margin, when the backend
         could not count (compared with the count the backend reports, to calibrate).
+    :param progress_s: a queued stream gets its 200 at once and an SSE comment every
+        this many seconds while it waits (0: it waits silently).
     """
 
     backend: Target
@@ -96,6 +98,7 @@ class Exchange:
     tag: tuple[str, int] | None = None
     api: str = "openai"
     raw_estimate: int | None = None
+    progress_s: float = 0.0  # SSE progress comments while queued, every this many s
 
 
 class ProxyResponse(Response):
@@ -135,11 +138,46 @@ class ProxyResponse(Response):
         await send(start)
         await send(body)
 
+    async def _wait_with_progress(self, watcher: DisconnectWatcher, send: Send) -> Lease:
+        """Wait for a lease while telling the client where it stands: the 200 and SSE
+        headers go out at once, then ``: queued position=N eta_s=M`` every
+        ``progress_s`` (an SSE comment, which clients ignore and proxies count as
+        traffic). Whatever comes after is sent through :class:`_Started`.
+
+        :raises GatewayError: as :meth:`Admission.admit`.
+        :raises ClientDisconnected: the client left while waiting.
+        """
+        x = self.x
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": _SSE_HEADERS + x.extra_headers})
+        admit = asyncio.ensure_future(x.backend.admit(x.charge))
+        try:
+            while True:
+                tick = asyncio.ensure_future(self.clock.sleep(x.progress_s))
+                try:
+                    await watcher.race(asyncio.wait({admit, tick},
+                                                    return_when=asyncio.FIRST_COMPLETED))
+                finally:
+                    tick.cancel()
+                if admit.done():
+                    return admit.result()
+                where = x.backend.queue_progress(x.charge)
+                if where is not None:
+                    eta = "" if where[1] is None else f" eta_s={where[1]:.0f}"
+                    await send(_body(f": queued position={where[0]}{eta}\n\n".encode()))
+        except BaseException:
+            admit.cancel()
+            await asyncio.gather(admit, return_exceptions=True)
+            raise
+
     async def _admit_and_forward(self, watcher: DisconnectWatcher, send: Send) -> None:
         x, m, name = self.x, self.metrics, self.x.backend.name
         try:
             lease = x.backend.try_admit(x.charge)
-            if lease is None:
+            if lease is None and x.progress_s > 0:
+                send = _Started(send, x.api)
+                lease = await self._wait_with_progress(watcher, send.raw)
+            elif lease is None:
                 lease = await watcher.race(x.backend.admit(x.charge))
         except ClientDisconnected:
             m.rejections.labels(name, "client_disconnected").inc()
@@ -532,6 +570,36 @@ async def _usage_of(route: str, body: bytes) -> tuple[Any, list[Any]]:
     if len(body) > _THREAD_PARSE_BYTES:
         return await anyio.to_thread.run_sync(parse)
     return parse()
+
+
+class _Started:
+    """``send`` for a stream whose 200 and SSE headers already went out (queue
+    progress): a later response start is dropped; a stream's events pass; a whole JSON
+    answer (an error) becomes one final SSE error event, the same object in the route's
+    error shape."""
+
+    def __init__(self, send: Send, api: str) -> None:
+        self.raw = send
+        self.api = api
+        self._passing = False
+        self._buffer = bytearray()
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = dict(message.get("headers") or [])
+            ctype = headers.get(b"content-type", b"")
+            self._passing = message["status"] < 400 and ctype.startswith(b"text/event-stream")
+            return
+        if self._passing or message["type"] != "http.response.body":
+            await self.raw(message)
+            return
+        self._buffer += message.get("body", b"")
+        if message.get("more_body"):
+            return
+        prefix = b"event: error\n" if self.api == "anthropic" else b""
+        payload = bytes(self._buffer).strip() or b'{"error":{"message":"upstream error"}}'
+        await self.raw(_body(prefix + b"data: " + payload + b"\n\n"))
+        await self.raw({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _Unraced:

@@ -135,6 +135,14 @@ class Target:
         """How long a served lease was held (feeds Retry-After estimates)."""
         self.admission.record_duration(seconds)
 
+    def queue_progress(self, charge: Charge) -> tuple[int, float | None] | None:
+        """A waiting charge's queue position (1 = next) and predicted seconds to start,
+        or ``None`` when it is not waiting."""
+        position = self.admission.queue_position(charge)
+        if position is None:
+            return None
+        return position, self.admission.eta_s(charge)
+
     def retry_after_s(self) -> float:
         """When a request sent now could start, seconds (1–60)."""
         return self.admission.retry_after_s()

@@ -152,3 +152,69 @@ async def test_every_forwarded_answer_says_how_long_it_queued(harness: Any) -> N
     r = await harness.chat("hi", max_tokens=3)
     assert r.status_code == 200 and r.headers["x-queue-wait-ms"] == "0"
     assert "x-queue-predicted-wait-ms" not in r.headers  # it did not queue
+
+
+@pytest.mark.anyio
+async def test_a_queued_stream_that_asks_gets_progress_comments(harness_factory: Any,
+                                                                fake: Any) -> None:
+    import asyncio
+
+    from tests.fakes import ManualClock
+
+    clock = ManualClock()
+    h = await harness_factory({"queue_progress_s": 5.0}, clock=clock, slots=1)
+    fake.hold = asyncio.Event()
+    first = asyncio.ensure_future(h.chat("one", max_tokens=2))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    second = asyncio.ensure_future(h.client.post(
+        "/v1/chat/completions", headers={"X-Queue-Progress": "1"},
+        json={"messages": [{"role": "user", "content": "two"}], "max_tokens": 2,
+              "stream": True}))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    clock.advance(5.0)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    fake.hold.set()
+    assert (await first).status_code == 200
+    r = await second
+    assert r.status_code == 200 and r.text.startswith(": queued position=1")
+    assert r.text.rstrip().endswith("data: [DONE]") and r.text.count(": queued") == 1
+    plain = await h.client.post("/v1/chat/completions", json={  # nothing asked, no wait
+        "messages": [{"role": "user", "content": "three"}], "max_tokens": 2, "stream": True})
+    assert ": queued" not in plain.text
+
+
+@pytest.mark.anyio
+async def test_a_queue_timeout_after_the_early_200_is_a_final_error_event(
+    harness_factory: Any, fake: Any
+) -> None:
+    import asyncio
+
+    from tests.fakes import ManualClock
+
+    clock = ManualClock()
+    h = await harness_factory({"queue_progress_s": 5.0, "max_queue_wait_s": 8.0},
+                              clock=clock, slots=1)
+    fake.hold = asyncio.Event()
+    first = asyncio.ensure_future(h.chat("one", max_tokens=2))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    second = asyncio.ensure_future(h.client.post(
+        "/v1/chat/completions", headers={"X-Queue-Progress": "1"},
+        json={"messages": [{"role": "user", "content": "two"}], "max_tokens": 2,
+              "stream": True}))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    for _ in range(2):
+        clock.advance(5.0)
+        for _ in range(20):
+            await asyncio.sleep(0)
+    r = await second
+    assert r.status_code == 200 and ": queued position=1" in r.text
+    last = [line for line in r.text.splitlines() if line.startswith("data: ")][-1]
+    assert '"queue_timeout"' in last and "[DONE]" not in r.text
+    fake.hold.set()
+    await first
+    assert h.backend.stats().reserved_tokens == 0 and h.backend.stats().queued == 0
