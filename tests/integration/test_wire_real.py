@@ -3,6 +3,8 @@ with texts, and token metrics of n > 1 requests."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -38,3 +40,23 @@ def test_completion_tokens_of_every_choice_are_counted(default_server: LlamaServ
         assert r.status_code == 200, r.text
         assert gw.metric("gateway_completion_tokens_sum", backend="local") == 10
         assert gw.metric("gateway_request_tokens_count", backend="local") == 1
+
+
+def test_a_queued_stream_hears_where_it_stands(default_server: LlamaServer) -> None:
+    import concurrent.futures
+
+    body = {"messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 300, "ignore_eos": True}
+    # A pool model of 600 tokens admits one such chat at a time.
+    with GatewayThread({"url": default_server.url, "pool_tokens": 600},
+                       admission={"queue_progress_s": 1.0}) as gw, \
+            concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(httpx.post, gw.url + "/v1/chat/completions", json=body,
+                            timeout=300)
+        time.sleep(0.5)
+        second = httpx.post(gw.url + "/v1/chat/completions", timeout=300,
+                            headers={"X-Queue-Progress": "1"}, json={**body, "stream": True})
+        assert first.result().status_code == 200
+    assert second.status_code == 200
+    assert second.text.startswith(": queued position=1")
+    assert second.text.rstrip().endswith("data: [DONE]")
