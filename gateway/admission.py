@@ -140,6 +140,7 @@ class Admission:
         self._releases: deque[float] = deque(maxlen=64)
         self._active: dict[int, Lease] = {}  # leases in flight, by id
         self._durations: deque[float] = deque(maxlen=64)
+        self._per_cap_token: deque[float] = deque(maxlen=64)  # seconds held / output cap
         self._delayed: set[asyncio.Task[None]] = set()
         self._held_slots: set[int] = set()
         self._unpinned = 0  # unpinned leases in flight: their slots are llama-server's pick
@@ -214,14 +215,17 @@ class Admission:
         """How long ``charge`` would wait if it queued now, seconds; ``None`` until
         :data:`MIN_HISTORY` served leases have been timed (or when it can never fit).
 
-        A replay of the queue on the capacity model: each lease in flight is expected to
-        end the median served-lease duration after it was granted (at once, if that is
+        A replay of the queue on the capacity model: a lease holds its reservation for
+        its output cap times the median seconds per cap token of the last 64 served
+        leases (so a short request after long ones is not taken for long); each lease in
+        flight is expected to end that long after it was granted (at once, if that is
         past); the requests ahead, in FIFO order, then this one, each start at the first
-        end after which they fit, and hold their reservation for the same duration.
+        end after which they fit, unless that is after they would have timed out.
         Releases measured as a rate mislead when requests end together (a wave of four
         ends, then nothing for a whole generation); ends measured per lease do not.
         """
-        return self._replay([*(w.charge for w in self._queue), charge])
+        return self._replay([*((w.charge, w.since + self._max_wait_s) for w in self._queue),
+                             (charge, None)])
 
     def queue_position(self, charge: Charge) -> int | None:
         """1 for the head of the queue; ``None`` when ``charge`` (this very object) is
@@ -237,32 +241,46 @@ class Admission:
         position = self.queue_position(charge)
         if position is None:
             return None
-        return self._replay([w.charge for w in list(self._queue)[:position]])
+        ahead = list(self._queue)[:position]
+        return self._replay([*((w.charge, w.since + self._max_wait_s) for w in ahead[:-1]),
+                             (charge, None)])
 
-    def _replay(self, charges: list[Charge]) -> float | None:
+    def _replay(self, charges: list[tuple[Charge, float | None]]) -> float | None:
         """When the last of ``charges`` starts if they start in order after the leases in
-        flight (see :meth:`predict_wait_s`), seconds from now."""
+        flight (see :meth:`predict_wait_s`), seconds from now. Each comes with the clock
+        time after which it would have left the queue (``None``: it stays); one replayed
+        to start after that is left out, since it will time out holding nothing."""
         layout = self._layout
-        if layout is None or len(self._durations) < MIN_HISTORY:
+        if layout is None or len(self._per_cap_token) < MIN_HISTORY:
             return None
-        hold = statistics.median(self._durations)
+        rate = statistics.median(self._per_cap_token)  # seconds held per token of cap
+
+        def hold(charge: Charge) -> float:
+            return rate * max(1, charge.max_tokens)
+
         now = self._clock.now()
-        ends = [(max(now, lease.granted_at + hold), i, lease.charge)
+        ends = [(max(now, lease.granted_at + hold(lease.charge)), i, lease.charge)
                 for i, lease in enumerate(self._active.values())]
         heapq.heapify(ends)
         budget, t, order = self._budget, now, len(ends)
-        for ahead in charges:
+        for ahead, deadline in charges:
             if not capacity.fits_alone(layout, ahead):
                 return None
-            while not capacity.fits(layout, budget, ahead):
+            start, freed, popped = t, budget, []
+            while not capacity.fits(layout, freed, ahead):
                 if not ends:
                     return None
                 end, _, done = heapq.heappop(ends)
-                t = max(t, end)
-                budget = capacity.release(budget, done)
-            budget = capacity.reserve(budget, ahead)
+                popped.append((end, _, done))
+                start = max(start, end)
+                freed = capacity.release(freed, done)
+            if deadline is not None and start > deadline:
+                for item in popped:  # it times out: it frees nothing and holds nothing
+                    heapq.heappush(ends, item)
+                continue
+            t, budget = start, capacity.reserve(freed, ahead)
             order += 1
-            heapq.heappush(ends, (t + hold, order, ahead))
+            heapq.heappush(ends, (t + hold(ahead), order, ahead))
         return t - now
 
     def check_queue_room(self) -> None:
@@ -390,9 +408,12 @@ class Admission:
         self._delayed.add(task)
         task.add_done_callback(self._delayed.discard)
 
-    def record_duration(self, seconds: float) -> None:
-        """Record how long a served lease was held (feeds :meth:`retry_after_s`)."""
+    def record_duration(self, seconds: float, charge: Charge | None = None) -> None:
+        """Record how long a served lease was held (feeds :meth:`retry_after_s`) and, with
+        its charge, the seconds per token of output cap (feeds :meth:`predict_wait_s`)."""
         self._durations.append(seconds)
+        if charge is not None:
+            self._per_cap_token.append(seconds / max(1, charge.max_tokens))
 
     @property
     def held_slots(self) -> frozenset[int]:

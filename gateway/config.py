@@ -75,6 +75,11 @@ class ServerSettings(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
     # How long an idle client connection is kept open, seconds (announced in a
     # "Keep-Alive: timeout=N" header): above the 60-90 s that client pools keep theirs.
     keepalive_timeout_s: int = Field(120, ge=1)
@@ -86,8 +91,8 @@ class AdmissionSettings(_Strict):
     max_queue: int = Field(64, ge=0)
     max_queue_wait_s: float = Field(30.0, gt=0)
     # Refuse at once (503 queue_wait_too_long, Retry-After from the prediction) a request
-    # whose predicted wait, from the queue ahead and the backend's recent drain rate, is
-    # longer than max_queue_wait_s, instead of letting it wait that long for a 503.
+    # whose predicted wait (a replay of the queue ahead with the recent served durations)
+    # is longer than max_queue_wait_s, instead of letting it wait that long for a 503.
     reject_predicted_timeouts: bool = True
     # A queued stream whose request carries "X-Queue-Progress: 1" gets its 200 and an
     # SSE comment (": queued position=N eta_s=M") every this many seconds while it
@@ -182,9 +187,12 @@ class BackendSettings(_Strict):
 
     @model_validator(mode="after")
     def _pool_vs_slot(self) -> BackendSettings:
-        if self.kv_unified is not None and self.kind is not BackendKind.llama_cpp:
-            raise ValueError(f"kv_unified applies to kind 'llama.cpp' only; a {self.kind.value} "
-                             "backend's layout is known (remove the key)")
+        real = {BackendKind.ollama: False, BackendKind.vllm: True}.get(self.kind)
+        if self.kv_unified is not None and real is not None and self.kv_unified != real:
+            raise ValueError(f"kv_unified = {str(self.kv_unified).lower()} contradicts a "
+                             f"{self.kind.value} backend, whose slots "
+                             f"{'share one pool' if real else 'each have their own context'}"
+                             "; kv_unified applies to kind 'llama.cpp' (remove the key)")
         if self.pool_tokens is not None and self.kind is BackendKind.ollama:
             raise ValueError("pool_tokens does not apply to an ollama backend: each slot has "
                              "its own context")

@@ -211,7 +211,7 @@ class ProxyResponse(Response):
         finally:
             served = 200 <= x.status < 400
             if served:
-                x.backend.record_duration(self.clock.now() - held_since)
+                x.backend.record_duration(self.clock.now() - held_since, x.charge)
             if self._sent and not self._done:
                 # The gateway left before the backend finished (client gone, timeout). The
                 # backend may go on using the slot's cells for a while: keep the

@@ -131,9 +131,9 @@ class Target:
         """Give a lease back at once."""
         self.admission.release(lease, served=served)
 
-    def record_duration(self, seconds: float) -> None:
+    def record_duration(self, seconds: float, charge: Charge) -> None:
         """How long a served lease was held (feeds Retry-After estimates)."""
-        self.admission.record_duration(seconds)
+        self.admission.record_duration(seconds, charge)
 
     def queue_progress(self, charge: Charge) -> tuple[int, float | None] | None:
         """A waiting charge's queue position (1 = next) and predicted seconds to start,
@@ -239,10 +239,10 @@ class Target:
             raise
         self.reachable, self.problem = True, None
         self._warn_disagreement(found)
-        if self.discovered is not None and (found.slots, found.ctx_per_slot, found.pool_tokens
-                                            ) != (self.discovered.slots,
-                                                  self.discovered.ctx_per_slot,
-                                                  self.discovered.pool_tokens):
+        restarted = self.discovered is not None and (
+            found.slots, found.ctx_per_slot, found.pool_tokens) != (
+            self.discovered.slots, self.discovered.ctx_per_slot, self.discovered.pool_tokens)
+        if restarted:
             self._pool_penalty = 0  # a restarted server: what was learnt of the old is moot
         self._recover_pool()
         self._check_preemptions(found)
@@ -250,11 +250,13 @@ class Target:
         layout = self._configured_layout(found)
         old = self.admission.layout
         if layout != old:
-            log.log(logging.WARNING if old is not None else logging.INFO,
+            log.log(logging.WARNING if restarted else logging.INFO,
                     "backend %s layout changed: %s -> %s", self.name, _describe(old),
                     _describe(layout))
-            if old is not None:
-                # A new layout is a restarted server: it runs nothing of the old one.
+            if restarted:
+                # The server reports other values: a restarted server, which runs nothing
+                # of the old one. (A pool penalty easing off is not a restart: what the
+                # slot watch holds still runs.)
                 self.slot_watch.release_all()
             self.admission.set_layout(layout)
         return layout

@@ -242,7 +242,7 @@ async def _with_history(adm: Admission, clock: ManualClock, charge: Charge) -> N
     for _ in range(8):
         lease = await adm.admit(charge)
         clock.advance(1.0)
-        adm.record_duration(1.0)
+        adm.record_duration(1.0, charge)
         adm.release(lease)
 
 
@@ -287,3 +287,28 @@ async def test_without_the_option_a_doomed_request_still_queues() -> None:
     assert not waiting.done()
     adm.release(held)
     adm.release(await waiting)
+
+
+async def test_the_prediction_scales_with_the_cap_and_skips_waiters_that_time_out() -> None:
+    clock = ManualClock()
+    adm = Admission(Layout(1, 4096), max_queue=8, max_wait_s=10.0, clock=clock,
+                    reject_doomed=True)
+    await _with_history(adm, clock, Charge(10, 1000))  # 1 ms per token of cap
+    held = await adm.admit(Charge(10, 1000))  # ends in 1 s
+    assert adm.predict_wait_s(Charge(10, 5)) == pytest.approx(1.0)
+    clock.advance(0.5)
+    # A short request queued behind it holds 5 ms, not the long ones' second.
+    short = asyncio.ensure_future(adm.admit(Charge(10, 5)))
+    await settle()
+    assert adm.predict_wait_s(Charge(10, 5)) == pytest.approx(0.505)
+    adm.__dict__["_reject_doomed"] = False
+    late = asyncio.ensure_future(adm.admit(Charge(10, 4000)))  # holds 4 s once started
+    await settle()
+    assert adm.predict_wait_s(Charge(10, 5)) == pytest.approx(4.505)
+    # Waiters replayed to start after their own deadline leave, holding nothing.
+    adm.__dict__["_max_wait_s"] = 0.2
+    assert adm.predict_wait_s(Charge(10, 5)) == pytest.approx(0.5)
+    for task in (short, late):
+        task.cancel()
+    await asyncio.gather(short, late, return_exceptions=True)
+    adm.release(held)

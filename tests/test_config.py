@@ -55,7 +55,8 @@ def test_env_overrides_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     ("[[backends]]\nname = 'a'\nurl = 'localhost:8080'\n", "http://"),
     ("[[backends]]\nname = 'a'\n[[backends]]\nname = 'a'\n", "repeated: a"),
     ("[[backends]]\nname = 'a'\nkv_unified = false\npool_tokens = 4096\n", "pool_tokens"),
-    ("[[backends]]\nname = 'a'\nkind = 'vllm'\nkv_unified = false\n", "llama.cpp' only"),
+    ("[[backends]]\nname = 'a'\nkind = 'vllm'\nkv_unified = false\n", "contradicts"),
+    ("[[backends]]\nname = 'a'\nkind = 'ollama'\nkv_unified = true\n", "contradicts"),
     ("[[backends]]\nname = 'a'\nkind = 'ollama'\npool_tokens = 4096\n", "own context"),
     ("[[backends]]\nname = 'a'\nurl = 'http://h:8080/v1/'\n", "without /v1"),
     ("[server]\nlog_level = 'verbose'\n", "log_level"),
@@ -90,6 +91,14 @@ def test_check_config_explains_the_unified_layout(
     path = write(tmp_path, f'[[backends]]\nname = "a"\n{extra}')
     assert main(["check-config", str(path)]) == 0
     assert needle in capsys.readouterr().err
+
+
+def test_configs_that_describe_the_real_layout_still_load(tmp_path: Path) -> None:
+    text = ("[server]\nlog_level = 'INFO'\n[[backends]]\nname = 'v'\nkind = 'vllm'\n"
+            "kv_unified = true\n[[backends]]\nname = 'o'\nkind = 'ollama'\n"
+            "kv_unified = false\n")
+    s = load_settings(write(tmp_path, text))
+    assert s.server.log_level == "info" and [b.kv_unified for b in s.backends] == [True, False]
 
 
 def test_python_dash_m_gateway_runs() -> None:

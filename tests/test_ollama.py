@@ -285,3 +285,24 @@ async def test_a_client_num_ctx_is_replaced_by_the_loaded_one(make: Any, ollama:
         "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200
     assert ollama.generations[-1]["options"]["num_ctx"] == 4096
+
+
+async def test_a_configured_context_stands_beside_a_small_embedding_model() -> None:
+    # Two models loaded: the chat model at 8192, an embedding model at 512. The smallest
+    # would cap every chat at 511 tokens; a configured ctx_per_slot is the operator's pick.
+    from gateway.backends import SideCalls
+    from gateway.backends.ollama import Ollama
+    from gateway.config import BackendSettings
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/version":
+            return httpx.Response(200, json={"version": "0.33.0"})
+        return httpx.Response(200, json={"models": [
+            {"name": "llama3.2:1b", "context_length": 8192},
+            {"name": "nomic-embed-text", "context_length": 512}]})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    for configured, expected in ((8192, 8192), (None, 512)):
+        settings = BackendSettings(name="o", kind="ollama", ctx_per_slot=configured)
+        found = await Ollama(settings, SideCalls(settings, client)).discover()
+        assert found.ctx_per_slot == expected

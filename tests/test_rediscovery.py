@@ -63,3 +63,40 @@ async def test_overflow_shrinks_the_pool_model(harness_factory: Any, fake: Any) 
     assert h.sample("gateway_kv_capacity_tokens", backend="local") == 8192 - 819
     await h.backend.discover()  # re-discovery keeps the lowered pool
     assert h.sample("gateway_kv_capacity_tokens", backend="local") == 8192 - 819
+
+
+async def test_a_pool_penalty_easing_off_keeps_what_the_slot_watch_holds() -> None:
+    # Only a restarted server (other reported values) releases the reservations held for
+    # abandoned requests; the pool model growing back after quiet minutes does not.
+    import httpx
+
+    from gateway.backends import Discovered
+    from gateway.capacity import Charge
+    from gateway.config import AdmissionSettings, BackendSettings
+    from gateway.slotwatch import Ticket
+    from gateway.target import PENALTY_RECOVERY_S, Target
+    from tests.fakes import ManualClock
+
+    class Quiet:
+        unified_pool, stop_margin = True, 1
+
+        async def discover(self) -> Discovered:
+            return Discovered(slots=4, ctx_per_slot=4096)
+
+        async def read_slots(self) -> list[Any]:
+            return []
+
+    clock = ManualClock()
+    target = Target(BackendSettings(name="b", pool_tokens=10_000), AdmissionSettings(),
+                    httpx.AsyncClient(), clock, dialect=Quiet())  # type: ignore[arg-type]
+    await target.discover()
+    target.upstream_failed("context_overflow")
+    assert target.layout.pool_tokens == 9_000
+    lease = target.try_admit(Charge(100, 2000))
+    target.release_abandoned(lease, Ticket(slot=lease.slot_ids[0], tasks=1, tag=None,
+                                           n_predict=2000, since=clock.now()), served=False)
+    clock.advance(PENALTY_RECOVERY_S + 1)
+    await target.discover()
+    assert target.layout.pool_tokens == 9_500
+    assert target.stats().reserved_tokens == 2100 and target.stats().abandoned_held == 1
+    await target.close()

@@ -135,9 +135,11 @@ class Ollama(WithoutSlots):
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise UpstreamError(f"Backend {self.name!r} does not answer like Ollama: {exc}"
                                 ) from exc
-        ctx = min(self.loaded.values()) if self.loaded else (
-            self.settings.ctx_per_slot or DEFAULT_NUM_CTX)
-        self.context_length = self.settings.ctx_per_slot or ctx
+        # A configured context is the operator's choice among the loaded models (an
+        # embedding model of 512 tokens may sit beside the chat model): it stands.
+        ctx = self.settings.ctx_per_slot or (min(self.loaded.values()) if self.loaded
+                                             else DEFAULT_NUM_CTX)
+        self.context_length = ctx
         return Discovered(slots=self.settings.slots or self.default_slots, ctx_per_slot=ctx)
 
     async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:

@@ -94,7 +94,6 @@ def _ollama(client: httpx.Client, url: str, version: dict[str, Any]) -> dict[str
             "[[backends]]", 'name = "ollama"', f'url = "{url}"',
             'kind = "ollama"',
             "slots = 1         # OLLAMA_NUM_PARALLEL", f"ctx_per_slot = {ctx or 4096}",
-            "kv_unified = false",
         ]),
     }
 
