@@ -20,10 +20,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio.to_thread
 import httpx
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from gateway.admission import Clock, Lease
 from gateway.capacity import Charge
@@ -31,20 +30,28 @@ from gateway.errors import (
     ClientDisconnected,
     GatewayError,
     UpstreamError,
-    UpstreamRefused,
-    anthropic_body,
     ndjson_error_line,
     reshape_upstream_error,
     sse_error_event,
 )
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import error_messages
+from gateway.relay import (
+    Started,
+    Unraced,
+    body_message,
+    failure_kind,
+    json_object,
+    reshaped,
+    unless_gone,
+    usage_of,
+)
 from gateway.slotwatch import Ticket
 from gateway.sse import EventSplitter, EventTooLarge, event_data
 from gateway.target import Target
 from gateway.upstream import map_upstream_errors
 from gateway.watcher import DisconnectWatcher
-from gateway.wire import Seen, read_event, usage_of_whole
+from gateway.wire import Seen, read_event
 
 __all__ = ["Exchange", "ProxyResponse"]
 
@@ -164,7 +171,7 @@ class ProxyResponse(Response):
                 where = x.backend.queue_progress(x.charge)
                 if where is not None:
                     eta = "" if where[1] is None else f" eta_s={where[1]:.0f}"
-                    await send(_body(f": queued position={where[0]}{eta}\n\n".encode()))
+                    await send(body_message(f": queued position={where[0]}{eta}\n\n".encode()))
         except BaseException:
             admit.cancel()
             await asyncio.gather(admit, return_exceptions=True)
@@ -175,7 +182,7 @@ class ProxyResponse(Response):
         try:
             lease = x.backend.try_admit(x.charge)
             if lease is None and x.progress_s > 0:
-                send = _Started(send, x.api)
+                send = Started(send, x.api)
                 lease = await self._wait_with_progress(watcher, send.raw)
             elif lease is None:
                 lease = await watcher.race(x.backend.admit(x.charge))
@@ -202,7 +209,7 @@ class ProxyResponse(Response):
                 # llama-server placed this request's tasks itself, so /slots cannot show
                 # which are its own once a later request reuses a slot: it is read to its
                 # end even if the client leaves, and released then.
-                await self._forward(_Unraced(), _unless_gone(send, watcher))
+                await self._forward(Unraced(), unless_gone(send, watcher))
                 if watcher.disconnected.is_set():
                     x.status = 499
         except ClientDisconnected:
@@ -232,7 +239,7 @@ class ProxyResponse(Response):
         unpinned request ends that request too (nothing else can be learnt of it:
         ``/slots`` cannot tell its tasks apart); a timeout may leave it running.
         """
-        kind = _failure_kind(exc)
+        kind = failure_kind(exc)
         unpinned = self._lease is not None and not self._lease.pinned
         if kind == "connect" or (unpinned and kind != "timeout"):
             self._done = True
@@ -326,9 +333,9 @@ class ProxyResponse(Response):
                 await self._send_error(send, exc)
                 return
             if x.api in ("openai", "anthropic"):
-                body = _reshaped(resp.status_code, body, x.api)
+                body = reshaped(resp.status_code, body, x.api)
         else:
-            usage, reasons = await _usage_of(x.route, body)
+            usage, reasons = await usage_of(x.route, body)
             self._record_usage(self._all_choices(usage, reasons))
         await self._send_whole(send, resp, body)
 
@@ -422,20 +429,20 @@ class ProxyResponse(Response):
                     for raw in splitter.feed(chunk):
                         relayed = inspect(raw, state)
                         if relayed is not None:
-                            await send(_body(relayed))
+                            await send(body_message(relayed))
         except EventTooLarge as too_large:
             m.upstream_errors.labels(name, "stream_aborted").inc()
-            await send(_body(final(UpstreamError(
+            await send(body_message(final(UpstreamError(
                 f"Backend {name!r} sent an event too large to relay: {too_large}."))))
         except GatewayError as exc:
             m.upstream_errors.labels(name, self._broke(exc)).inc()
-            await send(_body(final(exc)))
+            await send(body_message(final(exc)))
         else:
             self._done = True
             if not state.done and not state.errored:
                 m.upstream_errors.labels(name, "stream_aborted").inc()
                 exc2 = UpstreamError(f"Backend {name!r} closed the stream before it finished.")
-                await send(_body(final(exc2)))
+                await send(body_message(final(exc2)))
         usage = state.usage
         if (isinstance(usage, dict) and state.final_chunks > 1
                 and x.backend.dialect.usage_covers_one_choice):
@@ -445,7 +452,7 @@ class ProxyResponse(Response):
 
     def _inspect_line(self, raw: bytes, state: _StreamState) -> bytes | None:
         """Read one NDJSON line of an Ollama stream; every line is relayed."""
-        obj = _json_object(raw)
+        obj = json_object(raw)
         if obj is None:
             return raw
         if "error" in obj:
@@ -491,7 +498,7 @@ class ProxyResponse(Response):
         if data.strip() == "[DONE]":
             state.done = True
             return None if state.errored else raw
-        obj = _json_object(data)
+        obj = json_object(data)
         if obj is None:
             return raw
         x = self.x
@@ -521,114 +528,6 @@ class ProxyResponse(Response):
                 and x.route in ("chat", "completions")):
             return None
         return raw
-
-
-def _reshaped(status: int, body: bytes, api: str = "openai") -> bytes:
-    """An upstream ``{"error": {...}}`` answer re-encoded in the route's shape: OpenAI's,
-    or Anthropic's ``{"type": "error", "error": {type, message}}`` (an answer already in
-    that shape is kept)."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return body
-    if not isinstance(data, dict) or not isinstance(data.get("error"), dict):
-        return body
-    if api == "anthropic":
-        if data.get("type") == "error":
-            return body
-        message = str(data["error"].get("message") or f"The backend answered HTTP {status}.")
-        return json.dumps(anthropic_body(UpstreamRefused(message, status_code=status)),
-                          separators=(",", ":")).encode()
-    data["error"] = reshape_upstream_error(status, data["error"])
-    return json.dumps(data, separators=(",", ":")).encode()
-
-
-def _body(chunk: bytes) -> Message:
-    """An ASGI body message that keeps the response open."""
-    return {"type": "http.response.body", "body": chunk, "more_body": True}
-
-
-def _failure_kind(exc: GatewayError) -> str:
-    """Label for gateway_upstream_errors_total{kind} of a transport failure."""
-    return exc.upstream_kind or "stream_aborted"
-
-
-_THREAD_PARSE_BYTES = 256 * 1024
-
-
-async def _usage_of(route: str, body: bytes) -> tuple[Any, list[Any]]:
-    """The token counts of a whole answer of ``route`` (or ``None``) and each choice's
-    ``finish_reason`` (:func:`gateway.wire.usage_of_whole`). Large bodies (logprobs can
-    make them megabytes) are parsed in a worker thread so the event loop keeps serving."""
-
-    def parse() -> tuple[Any, list[Any]]:
-        try:
-            return usage_of_whole(route, json.loads(body))
-        except (ValueError, AttributeError, RecursionError):
-            return None, []
-
-    if len(body) > _THREAD_PARSE_BYTES:
-        return await anyio.to_thread.run_sync(parse)
-    return parse()
-
-
-class _Started:
-    """``send`` for a stream whose 200 and SSE headers already went out (queue
-    progress): a later response start is dropped; a stream's events pass; a whole JSON
-    answer (an error) becomes one final SSE error event, the same object in the route's
-    error shape."""
-
-    def __init__(self, send: Send, api: str) -> None:
-        self.raw = send
-        self.api = api
-        self._passing = False
-        self._buffer = bytearray()
-
-    async def __call__(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            headers = dict(message.get("headers") or [])
-            ctype = headers.get(b"content-type", b"")
-            self._passing = message["status"] < 400 and ctype.startswith(b"text/event-stream")
-            return
-        if self._passing or message["type"] != "http.response.body":
-            await self.raw(message)
-            return
-        self._buffer += message.get("body", b"")
-        if message.get("more_body"):
-            return
-        prefix = b"event: error\n" if self.api == "anthropic" else b""
-        payload = bytes(self._buffer).strip() or b'{"error":{"message":"upstream error"}}'
-        await self.raw(_body(prefix + b"data: " + payload + b"\n\n"))
-        await self.raw({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-class _Unraced:
-    """A stand-in for :class:`DisconnectWatcher` that never interrupts the work."""
-
-    async def race(self, work: Any, *, cancel: bool = True) -> Any:
-        return await work
-
-
-def _unless_gone(send: Send, watcher: DisconnectWatcher) -> Send:
-    """``send`` that drops messages once the client has gone."""
-
-    async def guarded(message: Message) -> None:
-        if not watcher.disconnected.is_set():
-            try:
-                await send(message)
-            except OSError:
-                pass
-
-    return guarded
-
-
-def _json_object(text: str | bytes) -> dict[str, Any] | None:
-    """``text`` parsed as a JSON object, or ``None`` when it is not one."""
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 @dataclass

@@ -1,0 +1,125 @@
+"""The small pieces the proxy relays with: ASGI send wrappers, upstream error bodies put
+in the route's shape, and the parsing of whole answers off the event loop."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio.to_thread
+from starlette.types import Message, Send
+
+from gateway.errors import GatewayError, UpstreamRefused, anthropic_body, reshape_upstream_error
+from gateway.watcher import DisconnectWatcher
+from gateway.wire import usage_of_whole
+
+__all__ = ["THREAD_PARSE_BYTES", "Started", "Unraced", "body_message", "failure_kind",
+           "json_object", "reshaped", "unless_gone", "usage_of"]
+
+
+def reshaped(status: int, body: bytes, api: str = "openai") -> bytes:
+    """An upstream ``{"error": {...}}`` answer re-encoded in the route's shape: OpenAI's,
+    or Anthropic's ``{"type": "error", "error": {type, message}}`` (an answer already in
+    that shape is kept)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(data, dict) or not isinstance(data.get("error"), dict):
+        return body
+    if api == "anthropic":
+        if data.get("type") == "error":
+            return body
+        message = str(data["error"].get("message") or f"The backend answered HTTP {status}.")
+        return json.dumps(anthropic_body(UpstreamRefused(message, status_code=status)),
+                          separators=(",", ":")).encode()
+    data["error"] = reshape_upstream_error(status, data["error"])
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def body_message(chunk: bytes) -> Message:
+    """An ASGI body message that keeps the response open."""
+    return {"type": "http.response.body", "body": chunk, "more_body": True}
+
+
+def failure_kind(exc: GatewayError) -> str:
+    """Label for gateway_upstream_errors_total{kind} of a transport failure."""
+    return exc.upstream_kind or "stream_aborted"
+
+
+THREAD_PARSE_BYTES = 256 * 1024
+
+
+async def usage_of(route: str, body: bytes) -> tuple[Any, list[Any]]:
+    """The token counts of a whole answer of ``route`` (or ``None``) and each choice's
+    ``finish_reason`` (:func:`gateway.wire.usage_of_whole`). Large bodies (logprobs can
+    make them megabytes) are parsed in a worker thread so the event loop keeps serving."""
+
+    def parse() -> tuple[Any, list[Any]]:
+        try:
+            return usage_of_whole(route, json.loads(body))
+        except (ValueError, AttributeError, RecursionError):
+            return None, []
+
+    if len(body) > THREAD_PARSE_BYTES:
+        return await anyio.to_thread.run_sync(parse)
+    return parse()
+
+
+class Started:
+    """``send`` for a stream whose 200 and SSE headers already went out (queue
+    progress): a later response start is dropped; a stream's events pass; a whole JSON
+    answer (an error) becomes one final SSE error event, the same object in the route's
+    error shape."""
+
+    def __init__(self, send: Send, api: str) -> None:
+        self.raw = send
+        self.api = api
+        self._passing = False
+        self._buffer = bytearray()
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = dict(message.get("headers") or [])
+            ctype = headers.get(b"content-type", b"")
+            self._passing = message["status"] < 400 and ctype.startswith(b"text/event-stream")
+            return
+        if self._passing or message["type"] != "http.response.body":
+            await self.raw(message)
+            return
+        self._buffer += message.get("body", b"")
+        if message.get("more_body"):
+            return
+        prefix = b"event: error\n" if self.api == "anthropic" else b""
+        payload = bytes(self._buffer).strip() or b'{"error":{"message":"upstream error"}}'
+        await self.raw(body_message(prefix + b"data: " + payload + b"\n\n"))
+        await self.raw({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class Unraced:
+    """A stand-in for :class:`DisconnectWatcher` that never interrupts the work."""
+
+    async def race(self, work: Any, *, cancel: bool = True) -> Any:
+        return await work
+
+
+def unless_gone(send: Send, watcher: DisconnectWatcher) -> Send:
+    """``send`` that drops messages once the client has gone."""
+
+    async def guarded(message: Message) -> None:
+        if not watcher.disconnected.is_set():
+            try:
+                await send(message)
+            except OSError:
+                pass
+
+    return guarded
+
+
+def json_object(text: str | bytes) -> dict[str, Any] | None:
+    """``text`` parsed as a JSON object, or ``None`` when it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
