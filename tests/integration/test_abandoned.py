@@ -78,8 +78,11 @@ async def test_abandoned_non_stream_request_does_not_overflow_the_pool(
         assert events[-1] == "[DONE]", events[-3:]
         assert not any("error" in json.loads(e) for e in events[:-1])
         assert gw.metric("gateway_upstream_errors_total", kind="context_overflow") == 0
-        # B waited for A's slot to be seen free, not for a fixed grace.
-        assert gw.metric("gateway_queue_wait_seconds_sum") > 5
+        # B waited for A's slot to be seen free, not for a fixed grace: with the 2 s grace,
+        # A's reservation would have gone 2 s after its client left, before B arrived,
+        # and B would not have waited at all. (How long A goes on decoding depends on
+        # the machine's speed, so the bound is not tighter.)
+        assert gw.metric("gateway_queue_wait_seconds_sum") > 1
         for _ in range(100):
             if gw.metric("gateway_kv_reserved_tokens") == 0:
                 break
