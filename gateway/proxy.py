@@ -145,20 +145,23 @@ class ProxyResponse(Response):
         await send(start)
         await send(body)
 
-    async def _wait_with_progress(self, watcher: DisconnectWatcher, send: Send) -> Lease:
-        """Wait for a lease while telling the client where it stands: the 200 and SSE
-        headers go out at once, then ``: queued position=N eta_s=M`` every
+    async def _wait_with_progress(self, watcher: DisconnectWatcher, send: Started) -> Lease:
+        """Wait for a lease while telling the client where it stands: once the request
+        is queued (a full queue or a doomed wait is still answered with its own status),
+        the 200 and SSE headers go out, then ``: queued position=N eta_s=M`` every
         ``progress_s`` (an SSE comment, which clients ignore and proxies count as
-        traffic). Whatever comes after is sent through :class:`_Started`.
+        traffic). What follows goes through ``send`` (:class:`gateway.relay.Started`).
 
         :raises GatewayError: as :meth:`Admission.admit`.
         :raises ClientDisconnected: the client left while waiting.
         """
         x = self.x
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": _SSE_HEADERS + x.extra_headers})
         admit = asyncio.ensure_future(x.backend.admit(x.charge))
+        await asyncio.sleep(0)  # admit refuses at once, or queues
+        if admit.done():
+            return admit.result()
         try:
+            await send.open(_SSE_HEADERS + x.extra_headers)
             while True:
                 tick = asyncio.ensure_future(self.clock.sleep(x.progress_s))
                 try:
@@ -171,7 +174,8 @@ class ProxyResponse(Response):
                 where = x.backend.queue_progress(x.charge)
                 if where is not None:
                     eta = "" if where[1] is None else f" eta_s={where[1]:.0f}"
-                    await send(body_message(f": queued position={where[0]}{eta}\n\n".encode()))
+                    await send.raw(body_message(
+                        f": queued position={where[0]}{eta}\n\n".encode()))
         except BaseException:
             admit.cancel()
             await asyncio.gather(admit, return_exceptions=True)
@@ -182,8 +186,8 @@ class ProxyResponse(Response):
         try:
             lease = x.backend.try_admit(x.charge)
             if lease is None and x.progress_s > 0:
-                send = Started(send, x.api)
-                lease = await self._wait_with_progress(watcher, send.raw)
+                send = started = Started(send, x.api)
+                lease = await self._wait_with_progress(watcher, started)
             elif lease is None:
                 lease = await watcher.race(x.backend.admit(x.charge))
         except ClientDisconnected:

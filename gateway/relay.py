@@ -67,18 +67,28 @@ async def usage_of(route: str, body: bytes) -> tuple[Any, list[Any]]:
 
 
 class Started:
-    """``send`` for a stream whose 200 and SSE headers already went out (queue
-    progress): a later response start is dropped; a stream's events pass; a whole JSON
-    answer (an error) becomes one final SSE error event, the same object in the route's
-    error shape."""
+    """``send`` for a stream that may send its 200 and SSE headers before admission
+    (queue progress). Until :meth:`open`, messages pass unchanged. After it, a later
+    response start is dropped, a stream's events pass, and a whole JSON answer (an
+    error) becomes one final SSE error event, the same object in the route's error
+    shape."""
 
     def __init__(self, send: Send, api: str) -> None:
         self.raw = send
         self.api = api
+        self.opened = False
         self._passing = False
         self._buffer = bytearray()
 
+    async def open(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """Send the 200 and ``headers`` now."""
+        await self.raw({"type": "http.response.start", "status": 200, "headers": headers})
+        self.opened = True
+
     async def __call__(self, message: Message) -> None:
+        if not self.opened:
+            await self.raw(message)
+            return
         if message["type"] == "http.response.start":
             headers = dict(message.get("headers") or [])
             ctype = headers.get(b"content-type", b"")

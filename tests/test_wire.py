@@ -218,3 +218,22 @@ async def test_a_queue_timeout_after_the_early_200_is_a_final_error_event(
     fake.hold.set()
     await first
     assert h.backend.stats().reserved_tokens == 0 and h.backend.stats().queued == 0
+
+
+@pytest.mark.anyio
+async def test_a_full_queue_is_still_a_503_for_a_stream_that_asked_for_progress(
+    harness_factory: Any, fake: Any
+) -> None:
+    import asyncio
+
+    h = await harness_factory({"queue_progress_s": 5.0, "max_queue": 0}, slots=1)
+    fake.hold = asyncio.Event()
+    first = asyncio.ensure_future(h.chat("one", max_tokens=2))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    r = await h.client.post("/v1/chat/completions", headers={"X-Queue-Progress": "1"},
+                            json={"messages": [{"role": "user", "content": "two"}],
+                                  "max_tokens": 2, "stream": True})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+    fake.hold.set()
+    await first
