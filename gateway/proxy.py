@@ -434,6 +434,10 @@ class ProxyResponse(Response):
                         relayed = inspect(raw, state)
                         if relayed is not None:
                             await send(body_message(relayed))
+                    if state.done and not state.errored:
+                        # The last event is relayed: the answer is whole. A client that
+                        # closes now (the OpenAI SDK does, at [DONE]) has not left early.
+                        break
         except EventTooLarge as too_large:
             m.upstream_errors.labels(name, "stream_aborted").inc()
             await send(body_message(final(UpstreamError(

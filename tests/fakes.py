@@ -77,6 +77,7 @@ class FakeLlamaServer:
     # a grammar from a json_schema in its HTTP thread before the task exists).
     prepare: asyncio.Event | None = None
     hide_slots: bool = False  # /slots shows every slot idle and without params
+    after_done: asyncio.Event | None = None  # streams stay open after [DONE] until set
     count_fails: bool = False
     requests: list[httpx.Request] = field(default_factory=list)
     generations: list[dict[str, Any]] = field(default_factory=list)
@@ -257,6 +258,8 @@ class _Stream(httpx.AsyncByteStream):
                     "total_tokens": self.prompt + self.n}})
             yield b"data: [DONE]\n\n"
             finished = True
+            if fake.after_done is not None:  # the connection stays open after [DONE]
+                await fake.after_done.wait()
         finally:
             fake._leave(slot, finished)
 

@@ -237,3 +237,18 @@ async def test_a_full_queue_is_still_a_503_for_a_stream_that_asked_for_progress(
     assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
     fake.hold.set()
     await first
+
+
+@pytest.mark.anyio
+async def test_a_stream_is_whole_at_its_last_event(harness: Any, fake: Any) -> None:
+    # The answer ends at [DONE], even if the backend's connection lingers: a client that
+    # closes there (the OpenAI SDK does) got everything, and is not counted as gone.
+    import asyncio
+
+    fake.after_done = asyncio.Event()
+    r = await asyncio.wait_for(harness.chat("hi", max_tokens=2, stream=True), 5)
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    assert harness.sample("gateway_requests_total", backend="local", route="chat",
+                          code="200") == 1
+    assert harness.backend.stats().reserved_tokens == 0
+    fake.after_done.set()
