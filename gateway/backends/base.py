@@ -24,8 +24,9 @@ from gateway.errors import GatewayError, UpstreamAuthFailed, UpstreamError, Upst
 from gateway.slotwatch import SlotsUnsupported, SlotView
 from gateway.validation import ParsedRequest
 
-__all__ = ["BackendKind", "Discovered", "ExactCount", "SideCalls", "WithoutSlots", "error_message",
-           "is_error_object", "openai_body", "other_error", "seconds"]
+__all__ = ["BackendKind", "Discovered", "ExactCount", "SideCalls", "WithoutSlots",
+           "auth_problem", "error_message", "is_error_object", "openai_body", "other_error",
+           "seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +235,14 @@ class ExactCount:
     def observe(self, model: str, raw_estimate: int, reported: int) -> bool:
         """Nothing to calibrate; never a truncation."""
         return False
+
+
+def auth_problem(name: str, status: int, key_set: bool, server: str) -> str:
+    """What to tell the operator when ``server`` refused the gateway's API key (401/403)."""
+    given = "was refused" if key_set else "is needed and none is configured"
+    return (f"Backend {name!r} answered HTTP {status}: an API key {given}. Set "
+            f"backends[].api_key (or api_key_file) to the key {server} was started with "
+            "(--api-key).")
 
 
 def other_error(name: str, status: int, body: bytes, retry_after: str | None,

@@ -19,6 +19,7 @@ from gateway.backends.base import (
     Discovered,
     ExactCount,
     SideCalls,
+    auth_problem,
     error_message,
     is_error_object,
     openai_body,
@@ -129,10 +130,7 @@ class LlamaCpp(ExactCount):
         return n_vocab if isinstance(n_vocab, int) and n_vocab > 0 else None
 
     def _auth_problem(self, status: int) -> str:
-        given = "was refused" if self.settings.api_key else "is needed and none is configured"
-        return (f"Backend {self.name!r} answered HTTP {status}: an API key {given}. "
-                "Set backends[].api_key (or api_key_file) to the key llama-server was "
-                "started with (--api-key).")
+        return auth_problem(self.name, status, self.settings.api_key is not None, "llama-server")
 
     # -- requests ----------------------------------------------------------------------
 

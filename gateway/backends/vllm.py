@@ -37,6 +37,7 @@ from gateway.backends.base import (
     ExactCount,
     SideCalls,
     WithoutSlots,
+    auth_problem,
     error_message,
     openai_body,
     other_error,
@@ -182,10 +183,7 @@ class Vllm(WithoutSlots, ExactCount):
         return self.metrics
 
     def _auth_problem(self, status: int) -> str:
-        given = "was refused" if self.settings.api_key else "is needed and none is configured"
-        return (f"Backend {self.name!r} answered HTTP {status}: an API key {given}. "
-                "Set backends[].api_key (or api_key_file) to the key vLLM was started "
-                "with (--api-key).")
+        return auth_problem(self.name, status, self.settings.api_key is not None, "vLLM")
 
     # -- requests ----------------------------------------------------------------------
 
