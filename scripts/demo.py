@@ -41,10 +41,15 @@ async def burst(url: str) -> dict[str, Any]:
     body = {"messages": [{"role": "user", "content": prompt()}], "max_tokens": MAX_TOKENS,
             "ignore_eos": True}
     started = time.monotonic()
+
+    async def one(client: httpx.AsyncClient, k: int) -> httpx.Response:
+        r = await client.post(url + "/v1/chat/completions", json=body)
+        print(f"  chat {k + 1}: HTTP {r.status_code} after {time.monotonic() - started:.1f} s",
+              flush=True)
+        return r
+
     async with httpx.AsyncClient(timeout=600) as client:
-        results = await asyncio.gather(
-            *(client.post(url + "/v1/chat/completions", json=body) for _ in range(CHATS))
-        )
+        results = await asyncio.gather(*(one(client, k) for k in range(CHATS)))
     wall = time.monotonic() - started
     tokens = [r.json().get("usage", {}).get("completion_tokens", 0) if r.status_code == 200
               else 0 for r in results]
