@@ -37,7 +37,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
-    print(json.dumps(settings.model_dump(mode="json"), indent=2))  # noqa: T201
+    effective = settings.model_dump(mode="json")
+    for shown, backend in zip(effective["backends"], settings.backends, strict=True):
+        if backend.kind == "llama.cpp":
+            shown["kv_unified"] = backend.unified  # unset means true
+        else:
+            shown.pop("kv_unified")  # the kind's layout is known: see the note below
+    print(json.dumps(effective, indent=2))  # noqa: T201
     for backend in settings.backends:
         if backend.kind == "ollama":
             ctx = (f"ctx_per_slot = {backend.ctx_per_slot}" if backend.ctx_per_slot

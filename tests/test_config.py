@@ -93,6 +93,18 @@ def test_check_config_explains_the_unified_layout(
     assert needle in capsys.readouterr().err
 
 
+def test_check_config_prints_the_effective_kv_unified(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    path = write(tmp_path, "[[backends]]\nname = 'a'\n[[backends]]\nname = 'v'\n"
+                           "kind = 'vllm'\n")
+    assert main(["check-config", str(path)]) == 0
+    llama, vllm = json.loads(capsys.readouterr().out)["backends"]
+    assert llama["kv_unified"] is True and "kv_unified" not in vllm
+
+
 def test_configs_that_describe_the_real_layout_still_load(tmp_path: Path) -> None:
     text = ("[server]\nlog_level = 'INFO'\n[[backends]]\nname = 'v'\nkind = 'vllm'\n"
             "kv_unified = true\n[[backends]]\nname = 'o'\nkind = 'ollama'\n"
