@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -20,13 +20,20 @@ import httpx
 from gateway.admission import Lease
 from gateway.capacity import Charge
 from gateway.config import BackendSettings
-from gateway.errors import GatewayError, UpstreamAuthFailed, UpstreamError, UpstreamRefused
+from gateway.errors import (
+    BackendNotReady,
+    ClientError,
+    GatewayError,
+    UpstreamAuthFailed,
+    UpstreamError,
+    UpstreamRefused,
+)
 from gateway.slotwatch import SlotsUnsupported, SlotView
 from gateway.validation import ParsedRequest
 
 __all__ = ["BackendKind", "Discovered", "ExactCount", "SideCalls", "WithoutSlots",
-           "auth_problem", "error_message", "is_error_object", "openai_body", "other_error",
-           "seconds"]
+           "auth_problem", "count_or_none", "error_message", "is_error_object",
+           "openai_body", "other_error", "seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +242,28 @@ class ExactCount:
     def observe(self, model: str, raw_estimate: int, reported: int) -> bool:
         """Nothing to calibrate; never a truncation."""
         return False
+
+
+async def count_or_none(name: str, counting: Awaitable[int | None]) -> int | None:
+    """Await a kind's counting call (run under :func:`gateway.upstream.map_upstream_errors`
+    inside it); ``None`` when the server could not count, so that the gateway estimates.
+
+    :raises ClientError: the server refused the body as the client's mistake.
+    :raises BackendNotReady: the server is loading or busy.
+    :raises UpstreamAuthFailed: the server refused the gateway's API key.
+    :raises UpstreamUnavailable: the server cannot be connected to (``connect``).
+    """
+    try:
+        return await counting
+    except (ClientError, BackendNotReady, UpstreamAuthFailed):
+        raise
+    except GatewayError as exc:
+        if exc.upstream_kind == "connect":
+            raise
+        log.info("backend %s could not count tokens: %s", name, exc)
+    except (ValueError, KeyError, TypeError) as exc:
+        log.info("backend %s could not count tokens: %s", name, exc)
+    return None
 
 
 def auth_problem(name: str, status: int, key_set: bool, server: str) -> str:

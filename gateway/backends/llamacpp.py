@@ -20,6 +20,7 @@ from gateway.backends.base import (
     ExactCount,
     SideCalls,
     auth_problem,
+    count_or_none,
     error_message,
     is_error_object,
     openai_body,
@@ -229,28 +230,20 @@ class LlamaCpp(ExactCount):
         :raises UpstreamAuthFailed: the backend refused the gateway's API key.
         :raises UpstreamUnavailable: the backend cannot be connected to.
         """
-        try:
-            with map_upstream_errors(self.name):
-                if route == "chat":
-                    return await self._count_chat(body)
-                if route in _COUNT_ROUTES:
-                    return await self._count_by(_COUNT_ROUTES[route], body)
-                if route == "infill":
-                    return await self._count_infill(body)
-                counted = await self._count_completion(body.get("prompt"))
-                if counted is not None and route == "rerank":
-                    counted += RERANK_SEPARATORS
-                return counted
-        except (InvalidRequest, BackendNotReady, UpstreamAuthFailed):
-            raise
-        except GatewayError as exc:
-            if exc.upstream_kind == "connect":
-                raise
-            log.info("backend %s could not count tokens: %s", self.name, exc)
-            return None
-        except (ValueError, KeyError, TypeError) as exc:
-            log.info("backend %s could not count tokens: %s", self.name, exc)
-            return None
+        return await count_or_none(self.name, self._count(route, body))
+
+    async def _count(self, route: str, body: dict[str, Any]) -> int | None:
+        with map_upstream_errors(self.name):
+            if route == "chat":
+                return await self._count_chat(body)
+            if route in _COUNT_ROUTES:
+                return await self._count_by(_COUNT_ROUTES[route], body)
+            if route == "infill":
+                return await self._count_infill(body)
+            counted = await self._count_completion(body.get("prompt"))
+            if counted is not None and route == "rerank":
+                counted += RERANK_SEPARATORS
+            return counted
 
     async def _count_by(self, path: str, body: dict[str, Any]) -> int | None:
         """A route's own counting endpoint: ``{"input_tokens": N}``."""

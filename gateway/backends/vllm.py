@@ -38,6 +38,7 @@ from gateway.backends.base import (
     SideCalls,
     WithoutSlots,
     auth_problem,
+    count_or_none,
     error_message,
     openai_body,
     other_error,
@@ -224,23 +225,17 @@ class Vllm(WithoutSlots, ExactCount):
                 return None
             query = {k: body[k] for k in ("model", "add_special_tokens") if k in body}
             query["prompt"] = prompt
-        try:
-            with map_upstream_errors(self.name):
-                resp = await self.side.post("/tokenize", query)
-            if resp.status_code == 200:
-                count = resp.json()["count"]
-                if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
-                    return count
-                raise ValueError(f"count {count!r}")
-        except GatewayError as exc:
-            if exc.upstream_kind == "connect":
-                raise
-            log.info("backend %s could not count tokens: %s", self.name, exc)
-            return None
-        except (ValueError, KeyError, TypeError) as exc:
-            log.info("backend %s could not count tokens: %s", self.name, exc)
-            return None
-        return self._refused(resp.status_code, resp.content)
+        return await count_or_none(self.name, self._tokenize(query))
+
+    async def _tokenize(self, query: dict[str, Any]) -> int | None:
+        with map_upstream_errors(self.name):
+            resp = await self.side.post("/tokenize", query)
+        if resp.status_code != 200:
+            return self._refused(resp.status_code, resp.content)
+        count = resp.json()["count"]
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            return count
+        raise ValueError(f"count {count!r}")
 
     def _refused(self, status: int, body: bytes) -> None:
         """A failed ``/tokenize``: the client's mistake or an unready engine (raise), or
