@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from gateway import capacity
-from gateway.capacity import Budget, Charge, Layout
+from gateway.capacity import Budget, Charge, Layout, LiveUse
 from gateway.errors import (
     BackendNotReady,
     ContextLengthExceeded,
@@ -33,9 +34,15 @@ from gateway.errors import (
     QueueWaitPredicted,
 )
 
-__all__ = ["MIN_HISTORY", "Admission", "AdmissionStats", "Clock", "Lease", "MonotonicClock"]
+__all__ = ["GROWTH_HORIZON_S", "MIN_HISTORY", "Admission", "AdmissionStats", "Clock", "Lease",
+           "MonotonicClock"]
 
 MIN_HISTORY = 8  # timed served leases before a queue wait is predicted
+# How far ahead live use is projected, seconds: the gateway sees each token as its event
+# arrives, and llama-server cancels a stream at its next write, so a victim's cells are
+# free a decode step or two after the gateway decides; this covers those steps.
+GROWTH_HORIZON_S = 0.25
+DEFAULT_DECODE_RATE = 100.0  # tokens/s per sequence assumed before any is measured
 
 
 class Clock(Protocol):
@@ -74,11 +81,24 @@ class Lease:
     slot_ids: tuple[int, ...] = ()
     predicted_wait_s: float | None = None  # the wait predicted when it queued
     granted_at: float = 0.0  # clock time of the grant
+    # Live accounting (the ``predictive`` policy): a tracked lease reports each token
+    # generated (:meth:`Admission.observe`), and may be preempted when the pool runs short.
+    tracked: bool = False
+    preemptible: bool = False
+    generated: int = 0  # tokens generated so far, per completion
+    first_token_at: float | None = None
+    preempted: str | None = None  # the reason, once the gateway chose to preempt it
+    on_preempt: Callable[[str], None] | None = None
 
     @property
     def pinned(self) -> bool:
         """The lease holds known slots (its request is sent with ``id_slot``)."""
         return bool(self.slot_ids)
+
+    @property
+    def used_tokens(self) -> int:
+        """KV cells this request holds now: n × (prompt + generated)."""
+        return self.charge.n * (self.charge.prompt_tokens + self.generated)
 
 
 @dataclass(frozen=True)
@@ -96,6 +116,7 @@ class AdmissionStats:
     admitted: int = 0  # leases granted since start
     abandoned_held: int = 0  # filled in by the backend: held until /slots shows them ended
     preemptions: int = 0  # filled in by the backend: server preemptions it caused
+    live_tokens: int = 0  # KV cells the leases in flight hold now, as observed
 
 
 @dataclass
@@ -116,6 +137,12 @@ class Admission:
     :param reject_doomed: refuse at once a request whose predicted wait
         (:meth:`predict_wait_s`) is longer than ``max_wait_s``.
     :param clock: injected time source.
+    :param predictive: live accounting is on: a tracked lease counts as the larger of
+        its charge and its observed use plus growth, new work must leave
+        ``preempt_margin_tokens`` of the pool free, and tracked leases are preempted
+        (least progress first) when use plus growth would pass the pool less the margin.
+    :param preempt_margin_tokens: tokens of a unified pool kept free under
+        ``predictive``.
     """
 
     def __init__(
@@ -126,8 +153,14 @@ class Admission:
         max_wait_s: float,
         clock: Clock | None = None,
         reject_doomed: bool = False,
+        predictive: bool = False,
+        preempt_margin_tokens: int = 32,
     ) -> None:
         self._layout = layout
+        self._predictive = predictive
+        self._margin = preempt_margin_tokens
+        self._decode_rates: deque[float] = deque(maxlen=32)  # tokens/s per sequence seen
+        self.preemptions: dict[str, int] = {}  # preemptions chosen, by reason
         self._max_queue = max_queue
         self._max_wait_s = max_wait_s
         self._reject_doomed = reject_doomed
@@ -190,6 +223,8 @@ class Admission:
             ctx_per_slot=layout.ctx_per_slot if layout else 0,
             layout_changes=self._layout_changes,
             admitted=self._admitted,
+            live_tokens=sum(lease.used_tokens if lease.tracked else lease.charge.tokens
+                            for lease in self._active.values()),
         )
 
     def retry_after_s(self) -> float:
@@ -300,8 +335,9 @@ class Admission:
             retry_after_s=self.retry_after_s(),
         )
 
-    def try_admit(self, charge: Charge) -> Lease | None:
-        """Grant a lease now, or return ``None``: refuses while others wait (fairness).
+    def try_admit(self, charge: Charge, *, front: bool = False) -> Lease | None:
+        """Grant a lease now, or return ``None``: refuses while others wait (fairness),
+        unless ``front`` (a preempted request coming back, which goes before them).
 
         :raises BackendNotReady: the layout is not known yet.
         :raises ContextLengthExceeded: the charge can never fit the current layout (it
@@ -317,12 +353,14 @@ class Admission:
                 f"(at most {layout.usable_per_slot} usable per slot, "
                 f"{layout.capacity_tokens} in all). Lower max_tokens or shorten the prompt."
             )
-        if self._queue or not capacity.fits(layout, self._budget, charge):
+        if (self._queue and not front) or not self._fits(layout, charge):
             return None
         return self._grant(charge, waited_s=0.0)
 
-    async def admit(self, charge: Charge) -> Lease:
-        """Wait for a lease in FIFO order.
+    async def admit(self, charge: Charge, *, front: bool = False) -> Lease:
+        """Wait for a lease in FIFO order; with ``front``, at the head of the queue (a
+        preempted request resuming: neither the queue bound nor a predicted wait
+        refuses it).
 
         :raises BackendNotReady: the layout is not known yet.
         :raises QueueFull: ``max_queue`` requests already wait (immediately).
@@ -330,12 +368,12 @@ class Admission:
         :raises ContextLengthExceeded: the charge does not fit the current layout (at
             once), or the layout changed while it waited and it no longer fits.
         """
-        lease = self.try_admit(charge)
+        lease = self.try_admit(charge, front=front)
         if lease is not None:
             return lease
-        if len(self._queue) >= self._max_queue:
+        if len(self._queue) >= self._max_queue and not front:
             raise self._queue_full()
-        predicted = self.predict_wait_s(charge)
+        predicted = None if front else self.predict_wait_s(charge)
         if self._reject_doomed and predicted is not None and predicted > self._max_wait_s:
             raise QueueWaitPredicted(
                 f"The queue ahead of this request needs about {predicted:.0f} s to drain "
@@ -345,7 +383,10 @@ class Admission:
         loop = asyncio.get_running_loop()
         waiter = _Waiter(charge, loop.create_future(), since=self._clock.now(),
                          predicted=predicted)
-        self._queue.append(waiter)
+        if front:
+            self._queue.appendleft(waiter)
+        else:
+            self._queue.append(waiter)
         timer = asyncio.ensure_future(self._clock.sleep(self._max_wait_s))
         try:
             await asyncio.wait({waiter.future, timer}, return_when=asyncio.FIRST_COMPLETED)
@@ -390,6 +431,9 @@ class Admission:
         self._budget = capacity.release(self._budget, lease.charge)
         self._inflight -= 1
         self._active.pop(id(lease), None)
+        rate = self._rate_of(lease, now)
+        if rate is not None:
+            self._decode_rates.append(rate)
         if served:
             self._releases.append(now)
         self._wake()
@@ -479,8 +523,90 @@ class Admission:
         if layout is None:
             return
         now = self._clock.now()
-        while self._queue and capacity.fits(layout, self._budget, self._queue[0].charge):
+        while self._queue and self._fits(layout, self._queue[0].charge):
             waiter = self._queue.popleft()
             lease = self._grant(waiter.charge, waited_s=now - waiter.since)
             lease.predicted_wait_s = waiter.predicted
             waiter.future.set_result(lease)
+
+    # -- live accounting (the predictive policy) -----------------------------------------
+
+    def observe(self, lease: Lease, generated: int) -> None:
+        """Note that ``lease``'s request has generated ``generated`` tokens (per
+        completion) so far, and preempt tracked leases if the pool would run short.
+        Ignored for a released lease."""
+        if lease.released:
+            return
+        if generated > 0 and lease.first_token_at is None:
+            lease.first_token_at = self._clock.now()
+        lease.generated = max(lease.generated, generated)
+        self.check_pressure()
+
+    def check_pressure(self) -> list[Lease]:
+        """Preempt tracked leases, least progress first, while live use plus the growth
+        possible within :data:`GROWTH_HORIZON_S` would pass the pool less the margin
+        (:func:`gateway.capacity.choose_victims`); each victim's ``on_preempt`` is
+        called with the reason ``"pool_pressure"``.
+
+        :returns: the leases preempted now.
+        """
+        layout = self._layout
+        if not self._predictive or layout is None or layout.pool_tokens is None:
+            return []
+        now = self._clock.now()
+        uses = []
+        for key, lease in self._active.items():
+            if lease.preempted is not None:
+                continue  # already on its way out: its cells free within the horizon
+            used, growth = self._use_of(lease, now)
+            uses.append(LiveUse(key, used, growth, lease.generated,
+                                lease.preemptible and lease.tracked, lease.granted_at))
+        victims = [self._active[key] for key in
+                   capacity.choose_victims(uses, layout.pool_tokens - self._margin)]
+        for lease in victims:
+            self.preempt(lease, "pool_pressure")
+        return victims
+
+    def preempt(self, lease: Lease, reason: str) -> None:
+        """Mark ``lease`` preempted for ``reason`` and tell its holder (``on_preempt``);
+        the holder cancels its request and releases the lease. Once per lease."""
+        if lease.preempted is not None or lease.released:
+            return
+        lease.preempted = reason
+        self.preemptions[reason] = self.preemptions.get(reason, 0) + 1
+        if lease.on_preempt is not None:
+            lease.on_preempt(reason)
+
+    def _rate_of(self, lease: Lease, now: float) -> float | None:
+        """A tracked lease's decode rate, tokens/s per sequence, once it has two tokens."""
+        if lease.first_token_at is None or lease.generated < 2:
+            return None
+        elapsed = now - lease.first_token_at
+        return (lease.generated - 1) / elapsed if elapsed > 0 else None
+
+    def _use_of(self, lease: Lease, now: float) -> tuple[int, int]:
+        """(cells held now, cells it may add within the horizon) of one lease in flight.
+        An untracked lease is taken at its charge and does not grow past it."""
+        if not lease.tracked:
+            return lease.charge.tokens, 0
+        remaining = max(0, lease.charge.max_tokens - lease.generated)
+        rate = self._rate_of(lease, now)
+        if rate is None:
+            rate = max(self._decode_rates, default=DEFAULT_DECODE_RATE)
+        growth = min(remaining, math.ceil(rate * GROWTH_HORIZON_S) + 1)
+        return lease.used_tokens, lease.charge.n * growth
+
+    def _fits(self, layout: Layout, charge: Charge) -> bool:
+        """:func:`gateway.capacity.fits` against what is reserved; under ``predictive``,
+        a tracked lease counts as the larger of its charge and its live use plus growth,
+        and a unified pool in use keeps ``preempt_margin_tokens`` free."""
+        budget = self._budget
+        if self._predictive and layout.pool_tokens is not None and self._active:
+            now = self._clock.now()
+            excess = 0
+            for lease in self._active.values():
+                used, growth = self._use_of(lease, now)
+                excess += max(0, used + growth - lease.charge.tokens)
+            budget = Budget(budget.reserved_tokens + excess + self._margin,
+                            budget.busy_slots)
+        return capacity.fits(layout, budget, charge)

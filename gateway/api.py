@@ -15,6 +15,7 @@ from gateway.pipeline import count_prompt, prepare_exchange, read_body, require_
 from gateway.proxy import ProxyResponse
 from gateway.routes import FORWARDED
 from gateway.state import GatewayState
+from gateway.tracked import TrackedResponse
 from gateway.upstream import map_upstream_errors
 from gateway.validation import check_content_type, parse_route_body
 
@@ -26,8 +27,9 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
 
     async def handle(request: Request, route: str) -> Response:
         exchange = await prepare_exchange(state, request, route)
-        return ProxyResponse(exchange, client=exchange.backend.client, metrics=state.metrics,
-                             clock=state.clock)
+        kind = TrackedResponse if exchange.tracked else ProxyResponse
+        return kind(exchange, client=exchange.backend.client, metrics=state.metrics,
+                    clock=state.clock)
 
     @app.post("/api/chat")
     async def ollama_chat(request: Request) -> Response:

@@ -45,6 +45,8 @@ __all__ = [
     "CapPolicy",
     "Charge",
     "Layout",
+    "LiveUse",
+    "choose_victims",
     "fits",
     "fits_alone",
     "plan_charge",
@@ -128,6 +130,9 @@ class Charge:
         prompts is not.
     :param block_size: the layout's KV block size; each completion's reservation is
         rounded up to whole blocks.
+    :param predicted: under the ``predictive`` policy, the output tokens charged against
+        the pool (a predicted completion length, at most ``max_tokens``); ``None`` charges
+        the whole cap (``strict``). The cap still has to fit one slot.
     """
 
     prompt_tokens: int
@@ -137,11 +142,20 @@ class Charge:
     defaulted: bool = False
     pinnable: bool = True
     block_size: int = 1
+    predicted: int | None = None
+
+    @property
+    def output_charged(self) -> int:
+        """Output tokens charged per completion: the prediction, or the whole cap."""
+        if self.predicted is None:
+            return self.max_tokens
+        return max(0, min(self.predicted, self.max_tokens))
 
     @property
     def tokens(self) -> int:
-        """KV cells reserved: n × (prompt + cap), each rounded up to whole blocks."""
-        blocks = -(-(self.prompt_tokens + self.max_tokens) // self.block_size)
+        """KV cells reserved: n × (prompt + charged output), each rounded up to whole
+        blocks."""
+        blocks = -(-(self.prompt_tokens + self.output_charged) // self.block_size)
         return self.n * blocks * self.block_size
 
     @property
@@ -268,3 +282,48 @@ def release(budget: Budget, charge: Charge) -> Budget:
     if tokens < 0 or slots < 0:
         raise ValueError(f"release of {charge} from {budget} would go negative")
     return replace(budget, reserved_tokens=tokens, busy_slots=slots)
+
+
+@dataclass(frozen=True)
+class LiveUse:
+    """What one request in flight holds of the pool right now, for :func:`choose_victims`.
+
+    :param key: the caller's handle for the request.
+    :param used: KV cells it holds now: n × (prompt + tokens generated so far).
+    :param growth: cells it may add before the gateway's next observation of it.
+    :param generated: tokens generated so far (its progress, lost if it is preempted).
+    :param preemptible: the gateway can cancel and resume it.
+    :param since: when it was admitted (a tie-break: the later one goes first).
+    """
+
+    key: int
+    used: int
+    growth: int
+    generated: int
+    preemptible: bool
+    since: float = 0.0
+
+
+def choose_victims(uses: list[LiveUse], limit: int) -> list[int]:
+    """The requests to preempt so that live use plus possible growth stays within
+    ``limit`` tokens (the pool less a margin), least progress first.
+
+    llama-server fails every request in flight when a decode step finds no free cell
+    (``shared/design/backends.md`` §1.3), so the gateway cancels the cheapest requests
+    to lose before that step comes. A victim frees all it holds (``used + growth``).
+    When the preemptible requests alone cannot bring the sum under ``limit``, all of
+    them are returned: nothing better can be done.
+
+    :returns: the keys of the victims, in the order chosen.
+    """
+    total = sum(u.used + u.growth for u in uses)
+    if total <= limit:
+        return []
+    victims = []
+    for use in sorted((u for u in uses if u.preemptible),
+                      key=lambda u: (u.generated, -u.since)):
+        victims.append(use.key)
+        total -= use.used + use.growth
+        if total <= limit:
+            break
+    return victims

@@ -37,6 +37,7 @@ __all__ = [
     "BackendKind",
     "BackendSettings",
     "ConfigError",
+    "AdmissionPolicy",
     "OverlongPolicy",
     "ServerSettings",
     "Settings",
@@ -54,6 +55,15 @@ class ConfigError(Exception):
 # What to do when prompt + requested max_tokens exceeds the slot: the capacity model's
 # policy, used as the config type directly.
 OverlongPolicy = CapPolicy
+
+STRICT_DEFAULT_MAX_TOKENS = 1024  # default_max_tokens when unset, under "strict"
+
+
+class AdmissionPolicy(StrEnum):
+    """What a request is charged against the pool: its whole cap, or a prediction."""
+
+    strict = "strict"
+    predictive = "predictive"
 
 
 class BackendKind(StrEnum):
@@ -98,7 +108,21 @@ class AdmissionSettings(_Strict):
     # SSE comment (": queued position=N eta_s=M") every this many seconds while it
     # waits; 0 turns the feature off.
     queue_progress_s: float = Field(0.0, ge=0.0)
-    default_max_tokens: int = Field(1024, ge=1)
+    # Output cap for a request that sets none. Unset: 1024 under "strict"; under
+    # "predictive", the room left in the slot, as llama-server and vLLM themselves give.
+    default_max_tokens: int | None = Field(None, ge=1)
+    # "strict" charges prompt + the whole output cap. "predictive" charges prompt + a
+    # predicted completion length (the predict_quantile of the lengths recently served,
+    # at most the cap), follows each request's real use as its tokens arrive, and
+    # preempts and resumes requests before the pool would overflow (llama.cpp backends
+    # with a unified KV pool; elsewhere it charges as "strict").
+    policy: AdmissionPolicy = AdmissionPolicy.strict
+    predict_quantile: float = Field(0.95, gt=0.0, le=1.0)
+    # Served answers seen on a backend before predicting; until then the cap is charged.
+    predict_min_history: int = Field(16, ge=1)
+    # Tokens of a unified pool kept free under "predictive": preemption starts when live
+    # use plus the growth possible in the next quarter second would pass pool - margin.
+    preempt_margin_tokens: int = Field(32, ge=0)
     overlong: OverlongPolicy = OverlongPolicy.reject
     # Multiplier applied to the local tiktoken estimate when the backend cannot count.
     estimate_margin: float = Field(1.25, ge=1.0)

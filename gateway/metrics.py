@@ -37,8 +37,15 @@ class _AdmissionCollector(Collector):
             "queue_depth": ("Requests waiting in the admission queue.", lambda s: s.queued),
             "inflight_requests": ("Requests holding a lease (forwarded).", lambda s: s.inflight),
             "kv_reserved_tokens": (
-                "KV tokens reserved by requests in flight (prompt + output cap).",
+                "KV tokens reserved by requests in flight (prompt + output cap, or under "
+                "the predictive policy prompt + predicted output).",
                 lambda s: s.reserved_tokens,
+            ),
+            "kv_live_tokens": (
+                "KV tokens the requests in flight hold now: prompt + tokens generated so "
+                "far for those followed live (predictive policy), the reservation for "
+                "the others.",
+                lambda s: s.live_tokens,
             ),
             "kv_capacity_tokens": (
                 "KV tokens the backend can hold: the unified pool, or slots x ctx_per_slot.",
@@ -171,5 +178,19 @@ class GatewayMetrics:
             "Requests whose reported prompt count was under half the gateway's estimate "
             "(the backend probably dropped part of the prompt).",
             ["backend"], registry=registry,
+        )
+        self.preemptions = Counter(
+            "gateway_preemptions",
+            "Requests the gateway cut short to resume later (predictive policy): "
+            "reason=pool_pressure before the pool would overflow, reason=overflow after "
+            "the backend ran out of KV cells.",
+            ["backend", "reason"], registry=registry,
+        )
+        self.resumes = Counter(
+            "gateway_resumes",
+            "Continuations of preempted requests: outcome=continued (the partial answer "
+            "carried over), restarted (nothing generated yet), failed (the client got an "
+            "error instead), client_gone (the client left while it waited).",
+            ["backend", "outcome"], registry=registry,
         )
         registry.register(_AdmissionCollector(stats_source))

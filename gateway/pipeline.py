@@ -12,6 +12,7 @@ from dataclasses import replace
 from starlette.requests import Request
 
 from gateway.capacity import plan_charge
+from gateway.config import STRICT_DEFAULT_MAX_TOKENS
 from gateway.errors import (
     BackendNotReady,
     ContextLengthExceeded,
@@ -19,6 +20,7 @@ from gateway.errors import (
     PayloadTooLarge,
 )
 from gateway.proxy import Exchange
+from gateway.resume import resumable
 from gateway.state import GatewayState
 from gateway.target import Target
 from gateway.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
@@ -202,7 +204,15 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         )
     prompt_tokens, raw_estimate = await count_prompt(state, backend, req)
     admission = state.settings.admission
+    # Followed live (and so charged a prediction) under the predictive policy: one
+    # answer the backend can continue if it is preempted.
+    tracked = (backend.predictive and route in backend.dialect.resumable_routes
+               and req.n == 1 and batch == 1 and not req.queued_batch
+               and route not in backend.dialect.unpinned_routes
+               and resumable(route, req.body))
     default_cap = admission.default_max_tokens
+    if default_cap is None:  # tracked: the room left in the slot, as the server gives
+        default_cap = layout.usable_per_slot if tracked else STRICT_DEFAULT_MAX_TOKENS
     if route in backend.dialect.default_caps and "max_tokens" not in req.body:
         default_cap = min(default_cap, backend.dialect.default_caps[route])
     min_tokens = req.body.get("min_tokens")  # vLLM: a cap below it would be refused
@@ -214,6 +224,8 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         policy=admission.overlong, cap_field=req.cap_field,
     ), pinnable=batch == 1 and not req.queued_batch
         and route not in backend.dialect.unpinned_routes)
+    if tracked:
+        charge = replace(charge, predicted=backend.predicted_output(charge.max_tokens))
     extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]
     if charge.defaulted:
         state.metrics.default_max_tokens_applied.labels(backend.name).inc()
@@ -229,5 +241,5 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         extra_headers=extra, tag=tag, api=req.api,
         progress_s=admission.queue_progress_s if req.stream and request.headers.get(
             "x-queue-progress", "").strip().lower() in ("1", "true", "yes") else 0.0,
-        raw_estimate=raw_estimate,
+        raw_estimate=raw_estimate, tracked=tracked,
     )

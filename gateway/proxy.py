@@ -90,6 +90,8 @@ class Exchange:
         could not count (compared with the count the backend reports, to calibrate).
     :param progress_s: a queued stream gets its 200 at once and an SSE comment every
         this many seconds while it waits (0: it waits silently).
+    :param tracked: the ``predictive`` policy follows this request token by token and
+        may preempt and continue it (:class:`gateway.tracked.TrackedResponse`).
     """
 
     backend: Target
@@ -106,6 +108,7 @@ class Exchange:
     api: str = "openai"
     raw_estimate: int | None = None
     progress_s: float = 0.0  # SSE progress comments while queued, every this many s
+    tracked: bool = False  # followed token by token, preemptible (gateway.tracked)
 
 
 class ProxyResponse(Response):
@@ -181,7 +184,11 @@ class ProxyResponse(Response):
             await asyncio.gather(admit, return_exceptions=True)
             raise
 
-    async def _admit_and_forward(self, watcher: DisconnectWatcher, send: Send) -> None:
+    async def _obtain(self, watcher: DisconnectWatcher, send: Send
+                      ) -> tuple[Lease | None, Send]:
+        """Wait for a lease (with queue progress when asked), count the wait, and add the
+        queue headers; or answer the refusal and return ``None``. Also returns the
+        ``send`` to use from then on (wrapped once progress has started the stream)."""
         x, m, name = self.x, self.metrics, self.x.backend.name
         try:
             lease = x.backend.try_admit(x.charge)
@@ -192,11 +199,11 @@ class ProxyResponse(Response):
                 lease = await watcher.race(x.backend.admit(x.charge))
         except ClientDisconnected:
             m.rejections.labels(name, "client_disconnected").inc()
-            return
+            return None, send
         except GatewayError as exc:
             m.rejections.labels(name, exc.rejection_reason or "other").inc()
             await self._send_error(send, exc)
-            return
+            return None, send
         m.queue_wait.labels(name).observe(lease.waited_s)
         x.extra_headers.append((b"x-queue-wait-ms", str(round(lease.waited_s * 1000)).encode()))
         if lease.predicted_wait_s is not None:
@@ -204,6 +211,13 @@ class ProxyResponse(Response):
                 lease.waited_s - lease.predicted_wait_s)
             x.extra_headers.append((b"x-queue-predicted-wait-ms",
                                     str(round(lease.predicted_wait_s * 1000)).encode()))
+        return lease, send
+
+    async def _admit_and_forward(self, watcher: DisconnectWatcher, send: Send) -> None:
+        x, name = self.x, self.x.backend.name
+        lease, send = await self._obtain(watcher, send)
+        if lease is None:
+            return
         self._lease = lease
         held_since = self.clock.now()
         try:
@@ -256,11 +270,17 @@ class ProxyResponse(Response):
             tag=x.tag, n_predict=x.charge.max_tokens, since=self.clock.now(),
         )
 
-    def _upstream_request(self) -> httpx.Request:
+    def _forward_headers(self) -> list[tuple[bytes, bytes]]:
+        """The client headers passed on, the JSON content type and the backend's key."""
         x = self.x
         headers = [(k, v) for k, v in x.headers if k.lower() in _FORWARD_REQUEST_HEADERS]
         headers.append((b"content-type", b"application/json"))
         headers += [(k.encode(), v.encode()) for k, v in x.backend.settings.auth_headers.items()]
+        return headers
+
+    def _upstream_request(self) -> httpx.Request:
+        x = self.x
+        headers = self._forward_headers()
         if x.stream:
             # llama-server closes the connection after a chunked answer despite announcing
             # keep-alive; reusing that pooled connection would fail the next request.
@@ -385,6 +405,9 @@ class ProxyResponse(Response):
             completion = usage.get("completion_tokens")
             if isinstance(completion, int):
                 self.metrics.completion_tokens.labels(name).observe(completion)
+                if self.x.route in ("chat", "completions", "completion", "ollama_chat",
+                                    "ollama_generate", "messages", "responses"):
+                    self.x.backend.record_completion(completion // max(1, self.x.charge.n))
             reported = usage.get("prompt_tokens")
             if isinstance(reported, int):
                 if reported > prompt and self.x.route not in ("embeddings", "rerank"):

@@ -17,8 +17,9 @@ import httpx
 from gateway.admission import Admission, AdmissionStats, Clock, Lease, MonotonicClock
 from gateway.backends import BackendKind, Discovered, SideCalls, kind_class
 from gateway.capacity import Charge, Layout
-from gateway.config import AdmissionSettings, BackendSettings
+from gateway.config import AdmissionPolicy, AdmissionSettings, BackendSettings
 from gateway.errors import GatewayError
+from gateway.predict import CompletionLengths
 from gateway.slotwatch import SlotWatch, Ticket
 from gateway.validation import ParsedRequest
 
@@ -67,12 +68,20 @@ class Target:
         self._busy_at_check = False  # leases in flight at the last preemption check
         self._admitted_at_check = 0  # leases granted by then
         self._rediscovery: asyncio.Task[None] | None = None
+        # The predictive policy needs a server whose answers the gateway can cancel and
+        # continue (llama-server); other kinds are charged as under strict.
+        self._predictive = (admission_settings.policy is AdmissionPolicy.predictive
+                            and bool(self.dialect.resumable_routes))
+        self.lengths = CompletionLengths(admission_settings.predict_quantile,
+                                         admission_settings.predict_min_history)
         self.admission = Admission(
             self._configured_layout(None),
             max_queue=admission_settings.max_queue,
             max_wait_s=admission_settings.max_queue_wait_s,
             clock=self.clock,
             reject_doomed=admission_settings.reject_predicted_timeouts,
+            predictive=self._predictive,
+            preempt_margin_tokens=admission_settings.preempt_margin_tokens,
         )
         self.slot_watch = SlotWatch(
             self.name, self.dialect.read_slots, self.admission, self.clock,
@@ -108,6 +117,23 @@ class Target:
         """The layout admissions are checked against."""
         return self.admission.layout
 
+    @property
+    def predictive(self) -> bool:
+        """Requests on this backend are charged predicted lengths, followed live and
+        preempted before the pool overflows: the ``predictive`` policy, on a kind that
+        can continue answers, with a unified pool."""
+        layout = self.admission.layout
+        return self._predictive and layout is not None and layout.unified
+
+    def predicted_output(self, cap: int) -> int | None:
+        """Output tokens to charge a tracked request with cap ``cap`` (see
+        :class:`gateway.predict.CompletionLengths`), or ``None`` to charge the cap."""
+        return self.lengths.predict(cap)
+
+    def record_completion(self, tokens: int) -> None:
+        """Note a served answer's completion length (tokens per choice)."""
+        self.lengths.record(tokens)
+
     def stats(self) -> AdmissionStats:
         """Queue, reservation and slot-watch figures, for metrics."""
         return replace(self.admission.stats(), abandoned_held=self.slot_watch.waiting,
@@ -123,9 +149,9 @@ class Target:
         """A lease now, or ``None`` (see :meth:`Admission.try_admit`)."""
         return self.admission.try_admit(charge)
 
-    async def admit(self, charge: Charge) -> Lease:
+    async def admit(self, charge: Charge, *, front: bool = False) -> Lease:
         """Wait for a lease (see :meth:`Admission.admit`)."""
-        return await self.admission.admit(charge)
+        return await self.admission.admit(charge, front=front)
 
     def release(self, lease: Lease, *, served: bool) -> None:
         """Give a lease back at once."""

@@ -22,7 +22,8 @@ def test_example_config_loads_with_documented_defaults() -> None:
     s = load_settings(ROOT / "config.example.toml")
     assert s.server.port == 8000 and s.server.max_body_bytes == 10485760
     assert s.admission.max_queue == 64 and s.admission.max_queue_wait_s == 30.0
-    assert s.admission.default_max_tokens == 1024 and s.admission.overlong.value == "reject"
+    assert s.admission.default_max_tokens is None and s.admission.overlong.value == "reject"
+    assert s.admission.policy.value == "strict" and s.admission.predict_quantile == 0.95
     b = s.backends[0]
     assert (b.name, b.url, b.kind.value, b.kv_unified) == (
         "local", "http://127.0.0.1:8080", "llama.cpp", True)
@@ -75,7 +76,7 @@ def test_missing_file() -> None:
 
 def test_check_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-config", str(ROOT / "config.example.toml")]) == 0
-    assert '"default_max_tokens": 1024' in capsys.readouterr().out
+    assert '"default_max_tokens": null' in capsys.readouterr().out
     assert main(["check-config", str(write(tmp_path, "nope = 1\n"))]) == 2
     assert "nope: unknown key" in capsys.readouterr().err
 

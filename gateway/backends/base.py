@@ -123,6 +123,10 @@ class BackendKind(Protocol):
     usage_covers_one_choice: ClassVar[bool]  # whole answers report one choice of n > 1
     unpinned_routes: ClassVar[frozenset[str]]  # routes whose requests cannot be pinned
     default_caps: ClassVar[Mapping[str, int]]  # the server's own cap for an uncapped route
+    # Routes whose streams the gateway can cancel and continue where they stopped (the
+    # "predictive" policy's preemption); empty where the server schedules optimistically
+    # itself (vLLM) or has no shared pool (Ollama).
+    resumable_routes: ClassVar[frozenset[str]]
 
     async def discover(self) -> Discovered:
         """Read the server's capacity. Raises :class:`GatewayError` when it cannot."""

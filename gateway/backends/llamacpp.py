@@ -79,6 +79,7 @@ class LlamaCpp(ExactCount):
     # drops id_slot (and n_discard) when it converts the body (measured on the build in
     # use), so those leases are unpinned, like batches.
     unpinned_routes: ClassVar[frozenset[str]] = frozenset({"messages"})
+    resumable_routes: ClassVar[frozenset[str]] = frozenset({"chat", "completions"})
     usage_covers_one_choice: ClassVar[bool] = True  # a whole n > 1 answer reports one choice
     stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
     default_caps: ClassVar[dict[str, int]] = {}  # no cap of its own: the gateway's default

@@ -104,6 +104,7 @@ class Ollama(WithoutSlots):
     default_slots: ClassVar[int] = 1
     counts_exactly: ClassVar[bool] = False
     unpinned_routes: ClassVar[frozenset[str]] = frozenset()
+    resumable_routes: ClassVar[frozenset[str]] = frozenset()
     usage_covers_one_choice: ClassVar[bool] = False
     stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
     default_caps: ClassVar[dict[str, int]] = {}  # no cap of its own: the gateway's default

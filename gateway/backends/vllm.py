@@ -114,6 +114,7 @@ class Vllm(WithoutSlots, ExactCount):
     default_slots: ClassVar[int] = DEFAULT_MAX_NUM_SEQS
     counts_exactly: ClassVar[bool] = True
     unpinned_routes: ClassVar[frozenset[str]] = frozenset()
+    resumable_routes: ClassVar[frozenset[str]] = frozenset()
     usage_covers_one_choice: ClassVar[bool] = False  # completion_tokens sums every choice
     stop_margin: ClassVar[int] = 0  # prompt + max_tokens <= max_model_len, strictly
     # vLLM's own cap when a request sets none, per route (None: the room left).

@@ -1,0 +1,377 @@
+"""A request followed token by token, preempted before the pool overflows, and continued
+where it stopped (the ``predictive`` policy on llama-server).
+
+:class:`TrackedResponse` is a :class:`~gateway.proxy.ProxyResponse` for the requests the
+pipeline marks ``tracked``. It:
+
+1. always streams upstream, so that every token is seen as it is generated and reported
+   to the admission (:meth:`~gateway.admission.Admission.observe`): a client that asked
+   for a whole answer gets one rebuilt from the events
+   (:class:`~gateway.resume.Reassembler`);
+2. races each attempt against preemption: when the admission preempts the lease (the
+   pool would run short), the upstream stream is closed, which makes llama-server
+   cancel the task at its next write, and the lease is held until ``/slots`` shows the
+   slot free (:mod:`gateway.slotwatch`);
+3. treats llama-server's "Context size has been exceeded." (an error event, or a 500)
+   the same way: the backend has already ended the task;
+4. then queues again at the head and sends the continuation
+   (:class:`~gateway.resume.Continuation`), up to :data:`MAX_RESUMES` times, relaying
+   its events in the same client stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable
+from dataclasses import replace
+from typing import Any
+
+import httpx
+from starlette.types import Send
+
+from gateway.admission import Lease
+from gateway.errors import ClientDisconnected, GatewayError, UpstreamError, sse_error_event
+from gateway.proxy import _SSE_HEADERS, ProxyResponse, _StreamState
+from gateway.relay import body_message, json_object
+from gateway.resume import Continuation, Reassembler
+from gateway.sse import EventSplitter, EventTooLarge, event_data
+from gateway.upstream import map_upstream_errors
+from gateway.watcher import DisconnectWatcher
+
+__all__ = ["MAX_RESUMES", "TrackedResponse"]
+
+log = logging.getLogger(__name__)
+
+MAX_RESUMES = 4  # continuations per request; after them it is no longer preempted
+RECOUNT_SLACK = 16  # tokens added to prompt + generated when a recount is not possible
+OVERFLOW = "overflow"  # the reason when the backend itself ran out of cells
+
+
+class _Client:
+    """What the client receives over the attempts: one SSE stream (the 200 sent once),
+    or one whole JSON answer rebuilt at the end."""
+
+    def __init__(self, owner: TrackedResponse, send: Send) -> None:
+        self.owner = owner
+        self.send = send
+        self.stream = owner.x.stream
+        self.started = False  # the 200 went out (streams)
+        self.whole = Reassembler(owner.x.route)
+
+    async def event(self, raw: bytes | None, obj: dict[str, Any]) -> None:
+        """Relay one event: ``raw`` as received when it is unchanged, else ``obj``."""
+        if not self.stream:
+            self.whole.feed(obj)
+            return
+        await self.open()
+        data = raw if raw is not None else (
+            b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+        # Shielded: a preemption arriving meanwhile must not cut an event in half.
+        await asyncio.shield(self.send(body_message(data)))
+
+    async def open(self) -> None:
+        """Send the 200 and the SSE headers, once."""
+        if self.started:
+            return
+        self.started = True
+        x = self.owner.x
+        x.status = 200
+        await self.send({"type": "http.response.start", "status": 200,
+                         "headers": _SSE_HEADERS + x.extra_headers})
+
+    async def finish(self) -> None:
+        """End the answer: ``[DONE]`` and the end of a stream, or the whole answer."""
+        x = self.owner.x
+        if self.stream:
+            await self.open()
+            await self.send(body_message(b"data: [DONE]\n\n"))
+            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        body = json.dumps(self.whole.answer(), separators=(",", ":")).encode()
+        x.status = 200
+        await self.send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()), *x.extra_headers]})
+        await self.send({"type": "http.response.body", "body": body})
+
+    async def error(self, exc: GatewayError) -> None:
+        """Fail the answer: a JSON error before the 200, a final error event after it."""
+        if not self.started:
+            await self.owner._send_error(self.send, exc)
+            return
+        self.owner.x.status = self.owner.x.status or 200
+        await self.send(body_message(sse_error_event(exc, self.owner.x.api)))
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class TrackedResponse(ProxyResponse):
+    """Admits, forwards and relays one tracked request, preempting and continuing it as
+    the admission decides (see the module doc)."""
+
+    async def _admit_and_forward(self, watcher: DisconnectWatcher, send: Send) -> None:
+        x, m, name = self.x, self.metrics, self.x.backend.name
+        lease, send = await self._obtain(watcher, send)
+        if lease is None:
+            return
+        client = _Client(self, send)
+        client.started = getattr(send, "opened", False)  # queue progress sent the 200
+        cont = Continuation(x.route, x.charge.prompt_tokens)
+        first_body, cap = x.body, x.charge.max_tokens
+        state = _StreamState()
+        while True:
+            reason = await self._attempt(watcher, client, lease, cont, state)
+            if reason is None:
+                return
+            m.preemptions.labels(name, reason).inc()
+            lease = await self._resume(watcher, client, cont, first_body, cap)
+            if lease is None:
+                return
+
+    async def _resume(self, watcher: DisconnectWatcher, client: _Client, cont: Continuation,
+                      first_body: dict[str, Any], cap: int) -> Lease | None:
+        """Queue the continuation at the head and wait for its lease; or tell the client
+        why it cannot go on and return ``None``."""
+        x, m, name = self.x, self.metrics, self.x.backend.name
+        outcome = "continued" if cont.total_tokens else "restarted"
+        try:
+            if cont.attempts >= MAX_RESUMES:
+                raise UpstreamError(f"Backend {name!r} had to stop this answer to make room "
+                                    f"{cont.attempts + 1} times; giving up.")
+            if not cont.faithful:
+                raise UpstreamError(f"Backend {name!r} had to stop this answer to make room, "
+                                    "and an answer with reasoning cannot be continued.")
+            try:
+                body = cont.next_body(first_body, cap)
+            except ValueError:
+                raise UpstreamError(f"Backend {name!r} stopped this answer at its cap.") \
+                    from None
+            charge = await self._continuation_charge(body, cap - cont.generated)
+            x.body, x.charge = body, charge
+            lease = await watcher.race(x.backend.admit(charge, front=True))
+        except ClientDisconnected:
+            m.resumes.labels(name, "client_gone").inc()
+            x.status = 499
+            return None
+        except GatewayError as exc:
+            m.resumes.labels(name, "failed").inc()
+            log.warning("backend %s: a preempted %s request could not resume: %s", name,
+                        x.route, exc.message)
+            await client.error(exc)
+            return None
+        m.resumes.labels(name, outcome).inc()
+        return lease
+
+    async def _continuation_charge(self, body: dict[str, Any], left: int) -> Any:
+        """The charge of a continuation: its prompt counted again by the backend (the
+        partial answer is now part of it), the cap left, a fresh prediction."""
+        x = self.x
+        layout = x.backend.layout
+        counted = None
+        try:
+            counted = await x.backend.count_prompt(x.route, body)
+        except GatewayError as exc:
+            if exc.upstream_kind == "connect":
+                raise
+        if counted is None:
+            counted = x.charge.prompt_tokens + x.charge.max_tokens - left + RECOUNT_SLACK
+        if layout is not None:
+            left = min(left, layout.usable_per_slot - counted)
+        if left < 1:
+            raise UpstreamError(f"Backend {x.backend.name!r} had to stop this answer to make "
+                                "room, and its continuation no longer fits one slot.")
+        for name in ("max_tokens", "max_completion_tokens", "n_predict"):
+            if name in body:
+                body[name] = left
+        return replace(x.charge, prompt_tokens=counted, max_tokens=left,
+                       predicted=x.backend.predicted_output(left), clamped=False)
+
+    async def _attempt(self, watcher: DisconnectWatcher, client: _Client, lease: Lease,
+                       cont: Continuation, state: _StreamState) -> str | None:
+        """Run one attempt on ``lease`` and release it. Returns the reason it was cut
+        short (``pool_pressure``, or :data:`OVERFLOW`), or ``None`` when the answer is
+        over (served, failed, or the client left)."""
+        x = self.x
+        preempted = asyncio.Event()
+        lease.tracked = True
+        lease.preemptible = cont.faithful and cont.attempts < MAX_RESUMES
+        lease.on_preempt = lambda reason: preempted.set()
+        self._lease, self._pending = lease, None
+        self._sent = self._done = self._launched = False
+        held_since = self.clock.now()
+        reason: str | None = None
+        try:
+            reason = await watcher.race(self._until(
+                preempted, lease, self._forward_tracked(client, lease, cont, state)))
+        except ClientDisconnected:
+            x.status = 499
+            log.info("client left %s request on backend %s; upstream closed", x.route,
+                     x.backend.name)
+        finally:
+            lease.on_preempt = None
+            served = reason is None and 200 <= x.status < 400
+            if served:
+                x.backend.record_duration(self.clock.now() - held_since, x.charge)
+            if self._sent and not self._done:
+                x.backend.release_abandoned(
+                    lease, self._ticket(lease), served=served, pending=self._pending,
+                    stream=True, launched=self._launched)
+            else:
+                x.backend.release(lease, served=served)
+        return reason
+
+    @staticmethod
+    async def _until(preempted: asyncio.Event, lease: Lease,
+                     work: Awaitable[str | None]) -> str | None:
+        """``work``'s result, or the lease's preemption reason if that comes first (the
+        work is then cancelled, which closes the upstream stream)."""
+        task = asyncio.ensure_future(work)
+        flag = asyncio.ensure_future(preempted.wait())
+        try:
+            await asyncio.wait({task, flag}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return lease.preempted
+        finally:
+            for pending in (task, flag):
+                if not pending.done():
+                    pending.cancel()
+                    await asyncio.gather(pending, return_exceptions=True)
+
+    def _upstream_body(self) -> dict[str, Any]:
+        """The body sent: always a stream, with usage (a whole answer is rebuilt)."""
+        body = dict(self.x.body)
+        body["stream"] = True
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        return body
+
+    async def _forward_tracked(self, client: _Client, lease: Lease, cont: Continuation,
+                               state: _StreamState) -> str | None:
+        x, m, name = self.x, self.metrics, self.x.backend.name
+        headers = self._forward_headers()
+        headers.append((b"connection", b"close"))  # see ProxyResponse._upstream_request
+        request = self.client.build_request(
+            "POST", x.backend.route_url(x.route), headers=headers,
+            content=json.dumps(x.backend.pin(self._upstream_body(), lease)).encode(),
+            timeout=x.backend.timeout)
+        try:
+            with map_upstream_errors(name):
+                self._sent = True
+                sending = asyncio.ensure_future(self.client.send(request, stream=True))
+                try:
+                    resp = await asyncio.shield(sending)
+                except asyncio.CancelledError:
+                    # Preempted (or the client left) before the answer began: the open
+                    # request is handed on, so that the backend cannot start it unseen.
+                    self._pending = sending
+                    raise
+        except GatewayError as exc:
+            kind = self._broke(exc)
+            m.upstream_errors.labels(name, kind).inc()
+            x.backend.upstream_failed(kind)
+            await client.error(exc)
+            return None
+        self._launched = True
+        try:
+            if resp.status_code >= 400 or not resp.headers.get(
+                    "content-type", "").startswith("text/event-stream"):
+                return await self._refused(client, resp)
+            return await self._relay_events(client, resp, lease, cont, state)
+        finally:
+            await resp.aclose()
+
+    async def _refused(self, client: _Client, resp: httpx.Response) -> str | None:
+        """An upstream answer that is not a stream: an overflow to resume from, or an
+        error to pass on."""
+        x, name = self.x, self.x.backend.name
+        try:
+            with map_upstream_errors(name):
+                body = await resp.aread()
+        except GatewayError as exc:
+            self.metrics.upstream_errors.labels(name, self._broke(exc)).inc()
+            await client.error(exc)
+            return None
+        self._done = True
+        exc, kind = x.backend.translate_error(resp.status_code, body,
+                                              resp.headers.get("retry-after"))
+        if kind:
+            self.metrics.upstream_errors.labels(name, kind).inc()
+            x.backend.upstream_failed(kind)
+        if kind == "context_overflow":
+            return OVERFLOW
+        await client.error(exc or UpstreamError(
+            f"Backend {name!r} answered HTTP {resp.status_code} instead of a stream."))
+        return None
+
+    async def _relay_events(self, client: _Client, resp: httpx.Response, lease: Lease,
+                            cont: Continuation, state: _StreamState) -> str | None:
+        x, m, name = self.x, self.metrics, self.x.backend.name
+        admission = x.backend.admission
+        splitter = EventSplitter()
+        done = False
+        try:
+            with map_upstream_errors(name):
+                async for chunk in resp.aiter_raw():
+                    for raw in splitter.feed(chunk):
+                        data = event_data(raw)
+                        if data is None:
+                            continue
+                        if data.strip() == "[DONE]":
+                            done = True
+                            continue
+                        obj = json_object(data)
+                        if obj is None:
+                            continue
+                        if "error" in obj:
+                            self._done = True
+                            return await self._stream_error(client, obj)
+                        before = cont.total_tokens
+                        first_attempt = cont.attempts == 0
+                        out = cont.rewrite(obj)
+                        if cont.total_tokens > before:
+                            self._token_seen(state)
+                            lease.preemptible = lease.preemptible and cont.faithful
+                            admission.observe(lease, cont.attempt_tokens)
+                        if isinstance(obj.get("usage"), dict):
+                            state.usage = obj["usage"]
+                        if out is None or (obj.get("choices") == [] and "usage" in obj
+                                           and x.stream and not x.client_wants_usage):
+                            continue
+                        await client.event(raw if first_attempt else None, out)
+                    if done:
+                        break
+        except EventTooLarge as too_large:
+            m.upstream_errors.labels(name, "stream_aborted").inc()
+            await client.error(UpstreamError(
+                f"Backend {name!r} sent an event too large to relay: {too_large}."))
+            return None
+        except GatewayError as exc:
+            m.upstream_errors.labels(name, self._broke(exc)).inc()
+            await client.error(exc)
+            return None
+        self._done = True
+        if not done:
+            m.upstream_errors.labels(name, "stream_aborted").inc()
+            await client.error(UpstreamError(
+                f"Backend {name!r} closed the stream before it finished."))
+            return None
+        self._record_usage(state.usage)
+        await client.finish()
+        return None
+
+    async def _stream_error(self, client: _Client, obj: dict[str, Any]) -> str | None:
+        """An error event: an overflow is resumed from; anything else ends the answer."""
+        x, name = self.x, self.x.backend.name
+        overflow = x.backend.is_overflow_event(obj)
+        kind = "context_overflow" if overflow else "stream_aborted"
+        self.metrics.upstream_errors.labels(name, kind).inc()
+        if overflow:
+            x.backend.upstream_failed(kind)
+            return OVERFLOW
+        error = obj.get("error")
+        message = error.get("message") if isinstance(error, dict) else str(error)
+        await client.error(UpstreamError(f"Backend {name!r} failed the answer: {message}"))
+        return None
