@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from gateway import capacity
@@ -546,13 +546,17 @@ class Admission:
         """Preempt tracked leases, least progress first, while live use plus the growth
         possible within :data:`GROWTH_HORIZON_S` would pass the pool less the margin
         (:func:`gateway.capacity.choose_victims`); each victim's ``on_preempt`` is
-        called with the reason ``"pool_pressure"``.
+        called with the reason ``"pool_pressure"``. Nothing is preempted while the
+        whole caps of everything in flight fit the pool: then nothing can overflow.
 
         :returns: the leases preempted now.
         """
         layout = self._layout
         if not self._predictive or layout is None or layout.pool_tokens is None:
             return []
+        if sum(replace(lease.charge, predicted=None).tokens
+               for lease in self._active.values()) <= layout.pool_tokens:
+            return []  # even every whole cap fits: nothing can overflow
         now = self._clock.now()
         uses = []
         for key, lease in self._active.items():

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 RETRY_DISCOVERY_S = 1.0  # delay between discovery attempts while the backend is down
 PENALTY_RECOVERY_S = 300.0  # quiet time after which the pool penalty is halved
 PREEMPTION_WATCH_S = 5.0  # discovery interval at most, where the server counts preemptions
+# Overflow reports this close together are one overflow: llama-server fails every request
+# in flight at once, and each of them reports it.
+OVERFLOW_BURST_S = 2.0
 
 
 class Target:
@@ -326,22 +329,35 @@ class Target:
                 log.debug("backend %s re-discovery failed: %s", self.name, exc.message)
             await self.clock.sleep(RETRY_DISCOVERY_S)
 
-    def upstream_failed(self, kind: str) -> None:
+    def upstream_failed(self, kind: str, *, live_tokens: int | None = None) -> None:
         """React to an upstream failure of ``kind`` (a gateway_upstream_errors_total kind):
-        re-read capacity; after a context overflow, also shrink the unified pool model."""
+        re-read capacity; after a context overflow, also shrink the unified pool model.
+
+        :param live_tokens: the cells the gateway's requests held when the overflow was
+            reported (live accounting), when known.
+        """
         if kind == "context_overflow":
-            self._shrink_pool()
+            self._shrink_pool(live_tokens, burst=True)
         self.request_rediscovery()
 
-    def _shrink_pool(self) -> None:
-        """The backend overflowed its pool, so the model of P was too large: take 10 % off
-        (never below one slot's context; ``shared/design/backends.md`` §4.10)."""
+    def _shrink_pool(self, live_tokens: int | None = None, *, burst: bool = False) -> None:
+        """The backend overflowed its pool (or preempted), so the model of P was too
+        large: take 10 % off, or down to ``live_tokens`` when the overflow came with less
+        than that in use (the rest was someone else's); never below one slot's context
+        (``shared/design/backends.md`` §4.10). With ``burst``, a report within
+        :data:`OVERFLOW_BURST_S` of the last shrink is the same overflow, and ignored."""
         layout = self.admission.layout
         if layout is None or layout.pool_tokens is None:
             return
         if layout.pool_tokens <= layout.ctx_per_slot:
             return
-        self._pool_penalty += max(1, layout.pool_tokens // 10)
+        if burst and self._pool_penalty and (
+                self.clock.now() - self._penalized_at < OVERFLOW_BURST_S):
+            return
+        cut = max(1, layout.pool_tokens // 10)
+        if live_tokens is not None and live_tokens < layout.pool_tokens:
+            cut = max(cut, layout.pool_tokens - live_tokens)
+        self._pool_penalty += cut
         self._penalized_at = self.clock.now()
         smaller = self._configured_layout(self.discovered)
         log.warning("backend %s overflowed its KV pool; pool model %d -> %s tokens", self.name,

@@ -299,7 +299,7 @@ class TrackedResponse(ProxyResponse):
                                               resp.headers.get("retry-after"))
         if kind:
             self.metrics.upstream_errors.labels(name, kind).inc()
-            x.backend.upstream_failed(kind)
+            x.backend.upstream_failed(kind, live_tokens=self._live())
         if kind == "context_overflow":
             return OVERFLOW
         await client.error(exc or UpstreamError(
@@ -362,6 +362,10 @@ class TrackedResponse(ProxyResponse):
         await client.finish()
         return None
 
+    def _live(self) -> int:
+        """KV cells the gateway's requests on this backend hold now (live accounting)."""
+        return self.x.backend.admission.stats().live_tokens
+
     async def _stream_error(self, client: _Client, obj: dict[str, Any]) -> str | None:
         """An error event: an overflow is resumed from; anything else ends the answer."""
         x, name = self.x, self.x.backend.name
@@ -369,7 +373,7 @@ class TrackedResponse(ProxyResponse):
         kind = "context_overflow" if overflow else "stream_aborted"
         self.metrics.upstream_errors.labels(name, kind).inc()
         if overflow:
-            x.backend.upstream_failed(kind)
+            x.backend.upstream_failed(kind, live_tokens=self._live())
             return OVERFLOW
         error = obj.get("error")
         message = error.get("message") if isinstance(error, dict) else str(error)

@@ -85,6 +85,15 @@ class FakeLlamaServer:
     peak: int = 0
     closed_streams: int = 0
     lingering: set[asyncio.Task[None]] = field(default_factory=set)
+    # A unified KV pool of this many cells shared by the streams in flight (prompt +
+    # tokens generated so far each). When a token would take the sum over it, every
+    # stream in flight gets the error event "Context size has been exceeded.", as
+    # llama-server does (shared/design/backends.md §1.3). Streams only.
+    pool: int | None = None
+    cells: dict[int, int] = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)
+    overflows: int = 0
+    peak_cells: int = 0
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -171,9 +180,12 @@ class FakeLlamaServer:
         n = min(self.tokens, int(body.get("max_tokens") or self.tokens))
         prompt = count_words(body)
         if body.get("stream"):
+            wanted = answer_length(body)
+            if wanted is not None:  # the prompt asks for an answer of this many tokens
+                n = min(wanted - already_said(body), int(body.get("max_tokens") or wanted))
             return httpx.Response(
                 200, headers={"content-type": "text/event-stream"},
-                stream=_Stream(self, body, n, prompt),
+                stream=_Stream(self, body, n, prompt, stop=wanted is not None),
             )
         slot = await self._enter(body)
         finished = False
@@ -229,29 +241,95 @@ class FakeLlamaServer:
             await self.hold.wait()
 
 
+def answer_length(body: dict[str, Any]) -> int | None:
+    """The answer length a test asked for with ``answer=N`` in the prompt, or ``None``."""
+    text = body.get("prompt") if "prompt" in body else " ".join(
+        str(m.get("content") or "") for m in body.get("messages", []) if m.get("role") == "user")
+    for word in str(text or "").split():
+        if word.startswith("answer=") and word[7:].isdigit():
+            return int(word[7:])
+    return None
+
+
+def already_said(body: dict[str, Any]) -> int:
+    """Tokens of the answer already given: the ``tN`` words of a final assistant message
+    (a prefill) or at the end of a completion prompt."""
+    if "messages" in body:
+        last = body["messages"][-1] if body["messages"] else {}
+        text = str(last.get("content") or "") if last.get("role") == "assistant" else ""
+    else:
+        text = str(body.get("prompt") or "")
+    return sum(1 for w in text.split() if w[:1] == "t" and w[1:].isdigit())
+
+
 class _Stream(httpx.AsyncByteStream):
-    def __init__(self, fake: FakeLlamaServer, body: dict[str, Any], n: int, prompt: int) -> None:
-        self.fake, self.body, self.n, self.prompt = fake, body, n, prompt
+    def __init__(self, fake: FakeLlamaServer, body: dict[str, Any], n: int, prompt: int,
+                 stop: bool = False) -> None:
+        self.fake, self.body, self.n, self.prompt, self.stop = fake, body, n, prompt, stop
+        wanted = answer_length(body)
+        self.wanted_left = 0 if wanted is None else wanted - already_said(body)
+        self.slot: int | None = None
+        self.left = False
+
+    def _release(self, finished: bool) -> None:
+        if self.left:
+            return
+        self.left = True
+        self.fake.cells.pop(id(self), None)
+        if self.slot is not None:
+            self.fake._leave(self.slot, finished)
+
+    def _overflowed(self) -> bool:
+        """Take one more cell of the pool; True when this stream must fail."""
+        fake, key = self.fake, id(self)
+        if fake.pool is None:
+            return False
+        if key in fake.failed:
+            return True
+        fake.cells[key] = fake.cells.get(key, self.prompt) + 1
+        fake.peak_cells = max(fake.peak_cells, sum(fake.cells.values()))
+        if sum(fake.cells.values()) > fake.pool:
+            fake.overflows += 1
+            fake.failed |= set(fake.cells)
+            for other in [k for k in fake.cells if k < 0]:  # a client outside the gateway
+                del fake.cells[other]  # fails too, and frees its cells
+            return True
+        return False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         fake = self.fake
-        slot = await fake._enter(self.body)
+        self.slot = await fake._enter(self.body)
         finished = False
+        # llama-server continues a final assistant message (prefill), and repeats it at
+        # the start of the first content delta (measured on the build in use).
+        messages = self.body.get("messages") or [{}]
+        prefill = str(messages[-1].get("content") or "") if messages[-1].get(
+            "role") == "assistant" else ""
+        first = already_said(self.body)
         try:
             await fake._wait()
+            if fake.pool is not None:
+                fake.cells[id(self)] = self.prompt
             yield _chunk({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
             for i in range(self.n):
                 await asyncio.sleep(fake.token_delay)
                 if i == 2 and fake.mode == "midstream":
                     raise httpx.ReadError("connection reset")
-                if i == 2 and fake.mode == "midstream_overflow":
+                if (i == 2 and fake.mode == "midstream_overflow") or self._overflowed():
                     yield _chunk({"error": {"code": 500, "type": "server_error",
                                             "message": "Context size has been exceeded."}})
                     return
-                yield _chunk({"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]})
+                # A test's answer=N tokens are " tK", numbered through continuations.
+                text = f" t{first + i}" if self.stop or first else f"t{i} "
+                if i == 0 and prefill:
+                    text = prefill + text
+                key = "text" if "prompt" in self.body else "content"
+                yield _chunk({"choices": [{"index": 0, "delta": {key: text}}]} if key ==
+                             "content" else {"choices": [{"index": 0, "text": text}]})
             if fake.mode == "truncated":
                 return
-            yield _chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+            reason = "stop" if self.stop and self.n >= self.wanted_left else "length"
+            yield _chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]})
             if (self.body.get("stream_options") or {}).get("include_usage"):
                 yield _chunk({"choices": [], "usage": {
                     "prompt_tokens": self.prompt, "completion_tokens": self.n,
@@ -261,10 +339,12 @@ class _Stream(httpx.AsyncByteStream):
             if fake.after_done is not None:  # the connection stays open after [DONE]
                 await fake.after_done.wait()
         finally:
-            fake._leave(slot, finished)
+            self._release(finished)
 
     async def aclose(self) -> None:
+        # llama-server cancels a stream at its next write once the client has gone.
         self.fake.closed_streams += 1
+        self._release(False)
 
 
 def _chunk(obj: dict[str, Any]) -> bytes:

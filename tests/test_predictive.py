@@ -1,0 +1,417 @@
+"""The predictive policy: predicted charges, live accounting, preemption and resume.
+
+The pure parts (victim choice, length prediction, the admission's live accounting) are
+tested directly, with Hypothesis over interleavings. The whole path runs in-process over
+``tests.fakes.FakeLlamaServer`` with a unified pool that fails every stream in flight
+when it runs out, as llama-server does; the real llama-server is exercised in
+``tests/integration/test_predictive_real.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.admission import Admission, Lease
+from gateway.capacity import Charge, Layout, LiveUse, choose_victims
+from gateway.predict import CompletionLengths
+from gateway.resume import Continuation, Reassembler, resumable
+from tests.fakes import ManualClock
+
+pytestmark = pytest.mark.anyio
+
+# -- victim choice ---------------------------------------------------------------------
+
+uses_strategy = st.lists(st.builds(
+    LiveUse, key=st.integers(0, 10**6), used=st.integers(0, 3000),
+    growth=st.integers(0, 60), generated=st.integers(0, 2000), preemptible=st.booleans(),
+    since=st.floats(0, 100)), max_size=12, unique_by=lambda u: u.key)
+
+
+@given(uses_strategy, st.integers(0, 20000))
+def test_victims_bring_use_under_the_limit_least_progress_first(
+        uses: list[LiveUse], limit: int) -> None:
+    victims = choose_victims(uses, limit)
+    by_key = {u.key: u for u in uses}
+    left = sum(u.used + u.growth for u in uses if u.key not in victims)
+    assert all(by_key[k].preemptible for k in victims)
+    if victims:  # only when over, and then under unless every preemptible one went
+        assert sum(u.used + u.growth for u in uses) > limit
+        assert left <= limit or set(victims) == {u.key for u in uses if u.preemptible}
+        spared = [u for u in uses if u.preemptible and u.key not in victims]
+        assert all(by_key[k].generated <= s.generated for k in victims for s in spared)
+        assert left + by_key[victims[-1]].used + by_key[victims[-1]].growth > limit
+    else:
+        assert left <= limit or not any(u.preemptible for u in uses)
+
+
+def test_victim_ties_go_to_the_latest_admitted() -> None:
+    uses = [LiveUse(1, 100, 1, 5, True, since=1.0), LiveUse(2, 100, 1, 5, True, since=2.0)]
+    assert choose_victims(uses, 150) == [2]
+
+
+# -- length prediction -------------------------------------------------------------------
+
+
+def test_prediction_waits_for_history_then_charges_the_quantile_within_the_cap() -> None:
+    lengths = CompletionLengths(quantile=0.9, min_history=10)
+    for n in range(1, 10):
+        lengths.record(n * 10)
+    assert lengths.predict(500) is None  # 9 seen: the cap is charged
+    lengths.record(100)
+    assert lengths.value() == 90  # nearest rank: the 9th of 10
+    assert lengths.predict(500) == 90 and lengths.predict(40) == 40
+
+
+def test_prediction_refuses_bad_settings() -> None:
+    with pytest.raises(ValueError):
+        CompletionLengths(quantile=0.0)
+    with pytest.raises(ValueError):
+        CompletionLengths(min_history=0)
+
+
+def test_predicted_charge_counts_against_the_pool_but_the_cap_must_fit_the_slot() -> None:
+    charge = Charge(30, 1000, predicted=100)
+    assert charge.tokens == 130 and charge.output_charged == 100
+    assert Charge(30, 50, predicted=100).tokens == 80  # never more than the cap
+    assert Charge(30, 1000, predicted=100, block_size=16).tokens == 144
+
+
+# -- live accounting in the admission ---------------------------------------------------
+
+POOL = Layout(slots=4, ctx_per_slot=2048, pool_tokens=2048)
+
+
+def _admission(clock: ManualClock, margin: int = 32) -> Admission:
+    return Admission(POOL, max_queue=16, max_wait_s=30.0, clock=clock, predictive=True,
+                     preempt_margin_tokens=margin)
+
+
+def _tracked(lease: Lease, preempted: list[Lease]) -> Lease:
+    lease.tracked = lease.preemptible = True
+    lease.on_preempt = lambda reason: preempted.append(lease)
+    return lease
+
+
+async def test_predictive_admits_on_predictions_and_preempts_least_progress() -> None:
+    clock = ManualClock()
+    adm = _admission(clock)
+    preempted: list[Lease] = []
+    leases = [_tracked(adm.try_admit(Charge(100, 1500, predicted=300)), preempted)
+              for _ in range(4)]
+    assert all(leases) and adm.stats().busy_slots == 4  # strict would admit one
+    for step in range(1, 600):
+        clock.advance(0.01)
+        for lease in leases:
+            if lease not in preempted:
+                adm.observe(lease, step if lease is not leases[2] else step // 2)
+        live = sum(lease.used_tokens for lease in leases if lease not in preempted)
+        assert live <= POOL.capacity_tokens - 32
+    assert preempted and preempted[0] is leases[2]  # the slowest one, least progress
+    assert adm.preemptions["pool_pressure"] == len(preempted)
+
+
+async def test_an_untracked_lease_counts_as_its_charge_and_is_never_chosen() -> None:
+    clock = ManualClock()
+    adm = _admission(clock)
+    preempted: list[Lease] = []
+    full = adm.try_admit(Charge(100, 1400))  # untracked: charged its whole cap
+    assert full is not None
+    tracked = _tracked(adm.try_admit(Charge(50, 1000, predicted=50)), preempted)
+    assert adm.try_admit(Charge(50, 1000, predicted=500)) is None  # 1500+100+550+32 > 2048
+    for step in range(1, 500):
+        clock.advance(0.01)
+        adm.observe(tracked, step)
+        if preempted:
+            break
+    assert preempted == [tracked] and tracked.generated < 500
+    assert tracked.used_tokens + 1500 <= 2048
+
+
+events = st.lists(st.tuples(st.sampled_from(["admit", "token", "finish", "cancel"]),
+                            st.integers(0, 7), st.integers(1, 40)), max_size=120)
+
+
+@settings(max_examples=60, deadline=None)
+@given(events, st.integers(0, 64))
+def test_live_use_stays_under_the_pool_whatever_the_interleaving(
+        ops: list[tuple[str, int, int]], margin: int) -> None:
+    """Any interleaving of admissions, token arrivals, finishes, client cancels and
+    preemptions: at every observation the leases not preempted hold at most the pool
+    less the margin, and once all are released nothing is left reserved or live."""
+
+    async def run() -> None:
+        clock = ManualClock()
+        adm = _admission(clock, margin)
+        preempted: list[Lease] = []
+        live: list[Lease] = []
+        for op, pick, size in ops:
+            clock.advance(0.05)
+            if op == "admit":
+                lease = adm.try_admit(Charge(size * 5, size * 30, predicted=size * 2))
+                if lease is not None:
+                    live.append(_tracked(lease, preempted))
+            elif live:
+                lease = live[pick % len(live)]
+                if op == "token" and lease not in preempted:
+                    adm.observe(lease, min(lease.charge.max_tokens, lease.generated + size))
+                    kept = [le for le in live if le not in preempted]
+                    assert sum(le.used_tokens for le in kept) <= POOL.capacity_tokens - margin
+                elif op in ("finish", "cancel") or lease in preempted:
+                    adm.release(lease, served=op == "finish")
+                    live.remove(lease)
+            for lease in [le for le in live if le in preempted]:
+                adm.release(lease, served=False)  # its holder gives it back
+                live.remove(lease)
+        for lease in live:
+            adm.release(lease)
+        stats = adm.stats()
+        assert (stats.reserved_tokens, stats.busy_slots, stats.live_tokens,
+                stats.inflight) == (0, 0, 0, 0)
+
+    asyncio.run(run())
+
+
+# -- continuation ------------------------------------------------------------------------
+
+
+def test_only_plain_single_answers_are_resumable() -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert resumable("chat", chat)
+    assert not resumable("chat", {**chat, "tools": [{"type": "function"}]})
+    assert not resumable("chat", {**chat, "n": 2})
+    assert not resumable("chat", {**chat, "response_format": {"type": "json_object"}})
+    assert resumable("chat", {**chat, "response_format": {"type": "text"}})
+    assert not resumable("chat", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}]}]})
+    assert resumable("completions", {"prompt": "once"})
+    assert not resumable("completions", {"prompt": [1, 2, 3]})
+    assert not resumable("completions", {"prompt": "once", "logprobs": 2})
+
+
+def test_a_chat_continuation_prefills_and_strips_the_repeat() -> None:
+    cont = Continuation("chat", prompt_tokens=20)
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 10,
+            "max_completion_tokens": 10}
+    for obj in ({"id": "a", "created": 1, "choices": [{"delta": {"role": "assistant"}}]},
+                {"id": "a", "choices": [{"delta": {"content": "Hello"}}]},
+                {"id": "a", "choices": [{"delta": {"content": " world"}}]}):
+        assert cont.rewrite(obj) is obj
+    nxt = cont.next_body(body, 10)
+    assert nxt["messages"][-1] == {"role": "assistant", "content": "Hello world"}
+    assert nxt["max_tokens"] == nxt["max_completion_tokens"] == 8
+    assert body["max_tokens"] == 10 and len(body["messages"]) == 1  # the original stays
+    assert cont.rewrite({"id": "b", "created": 2, "choices": [
+        {"delta": {"role": "assistant", "content": None}}]}) is None
+    out = cont.rewrite({"id": "b", "created": 2, "choices": [
+        {"delta": {"content": "Hello world again"}}]})
+    assert out is not None and out["id"] == "a" and out["created"] == 1
+    assert out["choices"][0]["delta"]["content"] == " again"
+    usage = cont.rewrite({"id": "b", "choices": [], "usage": {
+        "prompt_tokens": 23, "completion_tokens": 1, "total_tokens": 24}})
+    assert usage is not None and usage["usage"] == {
+        "prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23}
+    assert cont.text == "Hello world again"
+
+
+def test_a_completion_continuation_extends_the_prompt() -> None:
+    cont = Continuation("completions", prompt_tokens=5)
+    cont.rewrite({"id": "x", "choices": [{"text": " upon"}]})
+    nxt = cont.next_body({"prompt": "Once", "max_tokens": 4}, 4)
+    assert nxt["prompt"] == "Once upon" and nxt["max_tokens"] == 3
+    cont.rewrite({"id": "y", "choices": [{"text": " a"}]})
+    assert cont.text == " upon a" and cont.total_tokens == 2
+
+
+def test_a_used_up_cap_is_not_continued() -> None:
+    cont = Continuation("completions", prompt_tokens=5)
+    cont.rewrite({"id": "x", "choices": [{"text": "a"}]})
+    with pytest.raises(ValueError):
+        cont.next_body({"prompt": "p", "max_tokens": 1}, 1)
+
+
+def test_reassembled_answer_has_the_non_stream_shape() -> None:
+    whole = Reassembler("chat")
+    for obj in ({"id": "i", "created": 3, "model": "m", "system_fingerprint": "f",
+                 "object": "chat.completion.chunk",
+                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]},
+                {"choices": [{"index": 0, "delta": {"content": "Hi"}}]},
+                {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1,
+                                          "total_tokens": 4}, "timings": {"x": 1}}):
+        whole.feed(obj)
+    assert whole.answer() == {
+        "choices": [{"finish_reason": "stop", "index": 0,
+                     "message": {"role": "assistant", "content": "Hi"}}],
+        "created": 3, "model": "m", "system_fingerprint": "f", "object": "chat.completion",
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        "id": "i", "timings": {"x": 1}}
+
+
+# -- the whole path, over a fake llama-server with a unified pool -----------------------
+
+
+async def _predictive(harness_factory: Any, fake: Any, **admission: Any) -> Any:
+    return await harness_factory(
+        {"policy": "predictive", "predict_min_history": 4, "max_queue_wait_s": 60.0,
+         **admission}, kv_unified=True, pool_tokens=fake.pool)
+
+
+def _stream_text(body: str) -> tuple[str, set[str], int, list[Any]]:
+    """(content, ids, [DONE] count, error objects) of an SSE chat or completion body."""
+    text, ids, done, errors = "", set(), 0, []
+    for block in body.split("\n\n"):
+        if not block.startswith("data: "):
+            continue
+        data = block[6:]
+        if data == "[DONE]":
+            done += 1
+            continue
+        obj = json.loads(data)
+        if "error" in obj:
+            errors.append(obj)
+            continue
+        ids.add(obj.get("id"))
+        for choice in obj.get("choices") or []:
+            text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+    return text, ids, done, errors
+
+
+async def _warm(h: Any, count: int = 4) -> None:
+    """Serve ``count`` short answers so that the prediction starts (answer=5)."""
+    for _ in range(count):
+        r = await h.chat("warm answer=5", max_tokens=100)
+        assert r.status_code == 200, r.text
+
+
+async def test_short_answers_under_generous_caps_run_together(harness_factory: Any,
+                                                              fake: Any) -> None:
+    fake.pool, fake.n_ctx, fake.token_delay, fake.tokens = 2048, 2048, 0.002, 10**6
+    h = await _predictive(harness_factory, fake)
+    await _warm(h)
+    fake.peak = 0
+    results = await asyncio.gather(*(h.chat("hello answer=5", max_tokens=1024, stream=True)
+                                     for _ in range(8)))
+    assert all(r.status_code == 200 for r in results)
+    assert fake.peak >= 2 and fake.overflows == 0  # strict runs these one at a time
+    for r in results:
+        text, ids, done, errors = _stream_text(r.text)
+        assert text == " t0 t1 t2 t3 t4" and done == 1 and not errors and len(ids) == 1
+
+
+async def test_long_answers_are_preempted_and_continued_without_overflow(
+        harness_factory: Any, fake: Any) -> None:
+    fake.pool, fake.n_ctx, fake.token_delay, fake.tokens = 600, 600, 0.001, 10**6
+    h = await _predictive(harness_factory, fake)
+    await _warm(h)  # predicts 5 tokens, so four 150-token answers are let in at once
+    streams = [h.chat(f"go answer=150 n{i}", max_tokens=500, stream=True) for i in range(3)]
+    whole = [h.chat(f"go answer=150 w{i}", max_tokens=500) for i in range(2)]
+    results = await asyncio.gather(*streams, *whole)
+    assert fake.overflows == 0
+    assert h.sample("gateway_preemptions_total", backend="local", reason="pool_pressure") > 0
+    expected = "".join(f" t{i}" for i in range(150))
+    for r in results[:3]:
+        text, ids, done, errors = _stream_text(r.text)
+        assert r.status_code == 200 and not errors
+        assert text == expected and done == 1 and len(ids) == 1
+    for r in results[3:]:
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["object"] == "chat.completion"
+        assert answer["choices"][0]["message"]["content"] == expected
+        assert answer["choices"][0]["finish_reason"] == "stop"
+        assert answer["usage"]["completion_tokens"] == 150
+    stats = h.backend.stats()
+    await asyncio.sleep(0)
+    assert stats.inflight == 0 or h.backend.slot_watch.waiting >= 0
+    assert h.sample("gateway_resumes_total", backend="local", outcome="continued") + h.sample(
+        "gateway_resumes_total", backend="local", outcome="restarted") == h.sample(
+        "gateway_preemptions_total", backend="local", reason="pool_pressure")
+
+
+async def test_an_overflow_is_recovered_by_continuing(harness_factory: Any,
+                                                      fake: Any) -> None:
+    """A client outside the gateway holds 700 of the 1200 cells: the backend overflows,
+    every stream in flight gets its error event (the outsider's request fails too), and
+    the gateway continues each of its own; no client of the gateway sees the error."""
+    fake.n_ctx, fake.token_delay, fake.tokens = 1200, 0.001, 10**6
+    fake.pool = 1200
+    h = await _predictive(harness_factory, fake)
+    await _warm(h)
+    fake.cells[-1] = 700
+    results = await asyncio.gather(*(h.chat(f"go answer=200 n{i}", max_tokens=300,
+                                            stream=True) for i in range(3)))
+    assert fake.overflows == 1  # the continuations fit once the outsider is gone
+    assert h.sample("gateway_preemptions_total", backend="local", reason="overflow") == 3
+    expected = "".join(f" t{i}" for i in range(200))
+    for r in results:
+        text, _ids, done, errors = _stream_text(r.text)
+        assert not errors and text == expected and done == 1
+
+
+async def test_a_completion_stream_is_continued_from_its_partial_text(
+        harness_factory: Any, fake: Any) -> None:
+    fake.pool, fake.n_ctx, fake.token_delay, fake.tokens = 500, 500, 0.001, 10**6
+    h = await _predictive(harness_factory, fake)
+    await _warm(h)
+    results = await asyncio.gather(*(h.client.post("/v1/completions", json={
+        "prompt": f"go answer=140 c{i}", "max_tokens": 400, "stream": True})
+        for i in range(3)))
+    expected = "".join(f" t{i}" for i in range(140))
+    assert fake.overflows == 0
+    for r in results:
+        text, _ids, done, errors = _stream_text(r.text)
+        assert not errors and text == expected and done == 1
+
+
+async def test_requests_that_cannot_resume_are_charged_their_cap(harness_factory: Any,
+                                                                 fake: Any) -> None:
+    fake.pool, fake.n_ctx, fake.tokens = 2048, 2048, 5
+    h = await _predictive(harness_factory, fake)
+    await _warm(h)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    hold = asyncio.Event()
+    fake.hold = hold
+    first = asyncio.ensure_future(h.chat("x", max_tokens=1500, tools=[tool]))
+    second = asyncio.ensure_future(h.chat("y", max_tokens=1500, tools=[tool]))
+    third = asyncio.ensure_future(h.chat("z answer=5", max_tokens=1500))  # plain: predicted
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+    stats = h.backend.stats()
+    assert stats.inflight == 2 and stats.queued == 1  # 1500 + 1500 > 2048: tools wait
+    assert 1500 < stats.reserved_tokens < 1600
+    hold.set()
+    for r in await asyncio.gather(first, second, third):
+        assert r.status_code == 200
+
+
+async def test_no_cap_means_the_room_left_in_the_slot(harness_factory: Any,
+                                                      fake: Any) -> None:
+    fake.pool, fake.n_ctx, fake.tokens = 2048, 2048, 5
+    h = await _predictive(harness_factory, fake)
+    r = await h.chat("hello", stream=True)
+    assert r.status_code == 200
+    sent = fake.generations[-1]
+    prompt = int(r.headers["x-gateway-prompt-tokens"])
+    assert sent["max_tokens"] == 2048 - 1 - prompt  # not default_max_tokens' 1024
+    h2 = await _predictive(harness_factory, fake, default_max_tokens=300)
+    await h2.chat("hello")
+    assert fake.generations[-1]["max_tokens"] == 300  # an explicit default still applies
+
+
+async def test_one_overflow_burst_shrinks_the_pool_once_to_what_was_in_use(
+        harness_factory: Any, fake: Any) -> None:
+    fake.n_ctx = 1000
+    h = await harness_factory(pool_tokens=4000)
+    h.backend.upstream_failed("context_overflow", live_tokens=2500)
+    assert h.backend.layout.pool_tokens == 2500  # more than the 10 % cut
+    for _ in range(3):  # the other requests of the same overflow report it too
+        h.backend.upstream_failed("context_overflow", live_tokens=2500)
+    assert h.backend.layout.pool_tokens == 2500
+    h.backend.upstream_failed("context_overflow")
+    assert h.backend.layout.pool_tokens == 2500  # still the same burst
