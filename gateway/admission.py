@@ -125,6 +125,7 @@ class _Waiter:
     future: asyncio.Future[Lease]
     since: float = field(default=0.0)
     predicted: float | None = None
+    prefer: int | None = None  # the slot to take if it is free
 
 
 class Admission:
@@ -335,7 +336,8 @@ class Admission:
             retry_after_s=self.retry_after_s(),
         )
 
-    def try_admit(self, charge: Charge, *, front: bool = False) -> Lease | None:
+    def try_admit(self, charge: Charge, *, front: bool = False,
+                  prefer: int | None = None) -> Lease | None:
         """Grant a lease now, or return ``None``: refuses while others wait (fairness),
         unless ``front`` (a preempted request coming back, which goes before them).
 
@@ -355,12 +357,14 @@ class Admission:
             )
         if (self._queue and not front) or not self._fits(layout, charge):
             return None
-        return self._grant(charge, waited_s=0.0)
+        return self._grant(charge, waited_s=0.0, prefer=prefer)
 
-    async def admit(self, charge: Charge, *, front: bool = False) -> Lease:
+    async def admit(self, charge: Charge, *, front: bool = False,
+                    prefer: int | None = None) -> Lease:
         """Wait for a lease in FIFO order; with ``front``, at the head of the queue (a
         preempted request resuming: neither the queue bound nor a predicted wait
-        refuses it).
+        refuses it); ``prefer`` names the slot to take if it is free then (where the
+        backend still caches the request's prefix).
 
         :raises BackendNotReady: the layout is not known yet.
         :raises QueueFull: ``max_queue`` requests already wait (immediately).
@@ -368,7 +372,7 @@ class Admission:
         :raises ContextLengthExceeded: the charge does not fit the current layout (at
             once), or the layout changed while it waited and it no longer fits.
         """
-        lease = self.try_admit(charge, front=front)
+        lease = self.try_admit(charge, front=front, prefer=prefer)
         if lease is not None:
             return lease
         if len(self._queue) >= self._max_queue and not front:
@@ -382,7 +386,7 @@ class Admission:
                 retry_after_s=predicted)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(charge, loop.create_future(), since=self._clock.now(),
-                         predicted=predicted)
+                         predicted=predicted, prefer=prefer)
         if front:
             self._queue.appendleft(waiter)
         else:
@@ -464,7 +468,7 @@ class Admission:
         """Slot ids held by leases in flight (abandoned ones awaiting release included)."""
         return frozenset(self._held_slots)
 
-    def _pick_slots(self, charge: Charge) -> tuple[int, ...]:
+    def _pick_slots(self, charge: Charge, prefer: int | None = None) -> tuple[int, ...]:
         """Slot ids for a new lease, chosen as llama-server will place its tasks, or none.
 
         The first (the ``id_slot`` sent) is the least recently used free slot; the
@@ -480,7 +484,11 @@ class Admission:
         if not self._free:
             self._unpinned += 1
             return ()
-        first = self._free.popleft()
+        if prefer is not None and prefer in self._free:
+            self._free.remove(prefer)
+            first = prefer
+        else:
+            first = self._free.popleft()
         rest: list[int] = []
         if charge.slots > 1:
             rest = sorted(self._free)[:charge.slots - 1]
@@ -499,11 +507,11 @@ class Admission:
             )
         return self._layout
 
-    def _grant(self, charge: Charge, *, waited_s: float) -> Lease:
+    def _grant(self, charge: Charge, *, waited_s: float, prefer: int | None = None) -> Lease:
         self._budget = capacity.reserve(self._budget, charge)
         self._inflight += 1
         self._admitted += 1
-        lease = Lease(charge, waited_s=waited_s, slot_ids=self._pick_slots(charge),
+        lease = Lease(charge, waited_s=waited_s, slot_ids=self._pick_slots(charge, prefer),
                       granted_at=self._clock.now())
         self._active[id(lease)] = lease
         return lease
@@ -525,7 +533,8 @@ class Admission:
         now = self._clock.now()
         while self._queue and self._fits(layout, self._queue[0].charge):
             waiter = self._queue.popleft()
-            lease = self._grant(waiter.charge, waited_s=now - waiter.since)
+            lease = self._grant(waiter.charge, waited_s=now - waiter.since,
+                                prefer=waiter.prefer)
             lease.predicted_wait_s = waiter.predicted
             waiter.future.set_result(lease)
 

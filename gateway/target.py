@@ -152,9 +152,10 @@ class Target:
         """A lease now, or ``None`` (see :meth:`Admission.try_admit`)."""
         return self.admission.try_admit(charge)
 
-    async def admit(self, charge: Charge, *, front: bool = False) -> Lease:
+    async def admit(self, charge: Charge, *, front: bool = False,
+                    prefer: int | None = None) -> Lease:
         """Wait for a lease (see :meth:`Admission.admit`)."""
-        return await self.admission.admit(charge, front=front)
+        return await self.admission.admit(charge, front=front, prefer=prefer)
 
     def release(self, lease: Lease, *, served: bool) -> None:
         """Give a lease back at once."""

@@ -125,12 +125,16 @@ class TrackedResponse(ProxyResponse):
             if reason is None:
                 return
             m.preemptions.labels(name, reason).inc()
-            lease = await self._resume(watcher, client, cont, first_body, cap)
+            # Back on the same slot if it is free by then: llama-server still caches
+            # the prompt and the partial answer there, so little is computed again.
+            slot = lease.slot_ids[0] if lease.slot_ids else None
+            lease = await self._resume(watcher, client, cont, first_body, cap, slot)
             if lease is None:
                 return
 
     async def _resume(self, watcher: DisconnectWatcher, client: _Client, cont: Continuation,
-                      first_body: dict[str, Any], cap: int) -> Lease | None:
+                      first_body: dict[str, Any], cap: int, slot: int | None
+                      ) -> Lease | None:
         """Queue the continuation at the head and wait for its lease; or tell the client
         why it cannot go on and return ``None``."""
         x, m, name = self.x, self.metrics, self.x.backend.name
@@ -149,7 +153,7 @@ class TrackedResponse(ProxyResponse):
                     from None
             charge = await self._continuation_charge(body, cap - cont.generated)
             x.body, x.charge = body, charge
-            lease = await watcher.race(x.backend.admit(charge, front=True))
+            lease = await watcher.race(x.backend.admit(charge, front=True, prefer=slot))
         except ClientDisconnected:
             m.resumes.labels(name, "client_gone").inc()
             x.status = 499

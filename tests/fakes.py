@@ -94,6 +94,10 @@ class FakeLlamaServer:
     failed: set[int] = field(default_factory=set)
     overflows: int = 0
     peak_cells: int = 0
+    # As llama-server's task queue: at most ``slots`` generations run, the rest wait.
+    queue_slots: bool = False
+    prefill_s_per_token: float = 0.0  # prefill time per prompt token, seconds
+    _free_slots: asyncio.Semaphore | None = None
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -207,6 +211,10 @@ class FakeLlamaServer:
     async def _enter(self, body: dict[str, Any]) -> int:
         """Take the slot named by ``id_slot`` (else the first idle one), as llama-server
         does, and record the task's seed and n_predict for ``/slots``."""
+        if self.queue_slots:
+            if self._free_slots is None:
+                self._free_slots = asyncio.Semaphore(self.slots)
+            await self._free_slots.acquire()
         self.active += 1
         self.peak = max(self.peak, self.active)
         slot = body.get("id_slot")
@@ -221,6 +229,8 @@ class FakeLlamaServer:
 
     def _leave(self, slot: int, finished: bool) -> None:
         self.active -= 1
+        if self._free_slots is not None:
+            self._free_slots.release()
 
         def free() -> None:
             self.slot_state[slot]["processing"] = False
@@ -310,6 +320,8 @@ class _Stream(httpx.AsyncByteStream):
             await fake._wait()
             if fake.pool is not None:
                 fake.cells[id(self)] = self.prompt
+            if fake.prefill_s_per_token:
+                await asyncio.sleep(fake.prefill_s_per_token * self.prompt)
             yield _chunk({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
             for i in range(self.n):
                 await asyncio.sleep(fake.token_delay)
