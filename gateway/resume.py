@@ -89,6 +89,7 @@ class Continuation:
     id: str | None = None
     created: Any = None
     reasoning: bool = False  # reasoning_content was streamed: not continued faithfully
+    finished: bool = False  # a finish_reason was seen: the answer is over
     _strip: str = ""  # text the continuation will repeat before its new tokens
     _role_sent: bool = False
 
@@ -112,6 +113,7 @@ class Continuation:
         self.generated += self.attempt_tokens
         self.attempt_tokens = 0
         self.attempts += 1
+        self.finished = False
         left = cap - self.generated
         if left < 1:
             raise ValueError(f"the cap of {cap} tokens is used up")
@@ -123,13 +125,14 @@ class Continuation:
         if self.route == "completions":
             out["prompt"] = body["prompt"] + self.text
             return out
+        self._strip = self.text
+        if not self.text:  # nothing relayed yet: the same request again
+            return out
         messages = list(out["messages"])
         if messages and messages[-1].get("role") == "assistant":
             messages.pop()  # the client's prefill: already at the start of self.text
-        if self.text:
-            messages.append({"role": "assistant", "content": self.text})
+        messages.append({"role": "assistant", "content": self.text})
         out["messages"] = messages
-        self._strip = self.text
         return out
 
     def rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -150,6 +153,8 @@ class Continuation:
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             return obj
         choice = choices[0]
+        if choice.get("finish_reason") is not None:
+            self.finished = True
         if self.route == "completions":
             text = choice.get("text")
             if isinstance(text, str) and text:

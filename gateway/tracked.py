@@ -34,7 +34,7 @@ from starlette.types import Send
 from gateway.admission import Lease
 from gateway.errors import ClientDisconnected, GatewayError, UpstreamError, sse_error_event
 from gateway.proxy import _SSE_HEADERS, ProxyResponse, _StreamState
-from gateway.relay import body_message, json_object
+from gateway.relay import body_message, json_object, reshaped
 from gateway.resume import Continuation, Reassembler
 from gateway.sse import EventSplitter, EventTooLarge, event_data
 from gateway.upstream import map_upstream_errors
@@ -116,9 +116,9 @@ class TrackedResponse(ProxyResponse):
         if lease is None:
             return
         client = _Client(self, send)
-        client.started = getattr(send, "opened", False)  # queue progress sent the 200
         cont = Continuation(x.route, x.charge.prompt_tokens)
         first_body, cap = x.body, x.charge.max_tokens
+        self._cap = cap
         state = _StreamState()
         while True:
             reason = await self._attempt(watcher, client, lease, cont, state)
@@ -152,6 +152,9 @@ class TrackedResponse(ProxyResponse):
                 raise UpstreamError(f"Backend {name!r} stopped this answer at its cap.") \
                     from None
             charge = await self._continuation_charge(body, cap - cont.generated)
+            if x.tag is not None:  # a new tag: /slots must not take this attempt for the last
+                body.pop(x.tag[0], None)
+                x.tag = x.backend.dialect.tag_request(body)
             x.body, x.charge = body, charge
             lease = await watcher.race(x.backend.admit(charge, front=True, prefer=slot))
         except ClientDisconnected:
@@ -199,6 +202,7 @@ class TrackedResponse(ProxyResponse):
         x = self.x
         preempted = asyncio.Event()
         lease.tracked = True
+        lease.earlier = cont.generated
         lease.preemptible = cont.faithful and cont.attempts < MAX_RESUMES
         lease.on_preempt = lambda reason: preempted.set()
         self._lease, self._pending = lease, None
@@ -306,6 +310,10 @@ class TrackedResponse(ProxyResponse):
             x.backend.upstream_failed(kind, live_tokens=self._live())
         if kind == "context_overflow":
             return OVERFLOW
+        if exc is None and not client.started and resp.status_code >= 400:
+            # The backend's own refusal (a 4xx), passed on as the untracked path does.
+            await self._send_whole(client.send, resp, reshaped(resp.status_code, body, x.api))
+            return None
         await client.error(exc or UpstreamError(
             f"Backend {name!r} answered HTTP {resp.status_code} instead of a stream."))
         return None
@@ -335,6 +343,8 @@ class TrackedResponse(ProxyResponse):
                         before = cont.total_tokens
                         first_attempt = cont.attempts == 0
                         out = cont.rewrite(obj)
+                        if cont.finished or cont.total_tokens >= self._cap:
+                            lease.preemptible = False  # over: let it end
                         if cont.total_tokens > before:
                             self._token_seen(state)
                             lease.preemptible = lease.preemptible and cont.faithful

@@ -13,6 +13,7 @@ import asyncio
 import json
 from typing import Any
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,7 +22,7 @@ from gateway.admission import Admission, Lease
 from gateway.capacity import Charge, Layout, LiveUse, choose_victims
 from gateway.predict import CompletionLengths
 from gateway.resume import Continuation, Reassembler, resumable
-from tests.fakes import ManualClock
+from tests.fakes import ManualClock, count_words
 
 pytestmark = pytest.mark.anyio
 
@@ -415,3 +416,185 @@ async def test_one_overflow_burst_shrinks_the_pool_once_to_what_was_in_use(
     assert h.backend.layout.pool_tokens == 2500
     h.backend.upstream_failed("context_overflow")
     assert h.backend.layout.pool_tokens == 2500  # still the same burst
+
+
+# -- found by an adversarial pass ----------------------------------------------------------
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+
+
+async def _settle(h: Any, seconds: float = 4.0) -> Any:
+    """Wait for the slot watch to let go; return the final stats."""
+    for _ in range(int(seconds / 0.05)):
+        stats = h.backend.stats()
+        if stats.inflight == 0 and stats.reserved_tokens == 0:
+            return stats
+        await asyncio.sleep(0.05)
+    return h.backend.stats()
+
+
+def _events(body: str) -> list[Any]:
+    out = []
+    for block in body.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def test_queue_progress_stream_is_relayed_as_events(harness_factory: Any,
+                                                          fake: Any) -> None:
+    """A tracked stream that queued with X-Queue-Progress: 1."""
+    fake.pool, fake.n_ctx, fake.tokens = 2048, 2048, 5
+    h = await _predictive(harness_factory, fake, queue_progress_s=0.05)
+    await _warm(h)
+    fake.hold = asyncio.Event()
+    blocker = asyncio.ensure_future(h.chat("x", max_tokens=2000, tools=[TOOL]))
+    await asyncio.sleep(0.1)
+    queued = asyncio.ensure_future(h.client.post(
+        "/v1/chat/completions", headers={"X-Queue-Progress": "1"},
+        json={"messages": [{"role": "user", "content": "q answer=5"}], "max_tokens": 100,
+              "stream": True}))
+    await asyncio.sleep(0.2)
+    assert h.backend.stats().queued == 1
+    fake.hold.set()
+    assert (await blocker).status_code == 200
+    r = await queued
+    text, ids, done, errors = _stream_text(r.text)
+    assert text == " t0 t1 t2 t3 t4" and done == 1 and not errors
+
+
+async def test_client_prefill_survives_a_restart(harness_factory: Any, fake: Any) -> None:
+    """The client's own final assistant message (a prefill); the backend overflows at the
+    answer's first token (an outsider holds the rest of the pool), so nothing was
+    generated yet when the gateway continues it."""
+    fake.pool, fake.n_ctx, fake.token_delay, fake.tokens = 1200, 1200, 0.001, 10**6
+    h = await _predictive(harness_factory, fake)
+    await _warm(h)
+    body = {"messages": [{"role": "user", "content": "go answer=5"},
+                         {"role": "assistant", "content": "Sure:"}],
+            "max_tokens": 100, "stream": True}
+    plain = await h.client.post("/v1/chat/completions", json=body)
+    assert _stream_text(plain.text)[0] == "Sure: t0 t1 t2 t3 t4"  # no preemption
+    prompt = count_words(fake.generations[-1])
+    fake.cells[-1] = fake.pool - prompt  # the first token overflows the pool
+    r = await h.client.post("/v1/chat/completions", json=body)
+    assert h.sample("gateway_preemptions_total", backend="local", reason="overflow") == 1
+    text, _ids, done, errors = _stream_text(r.text)
+    assert not errors and done == 1
+    assert fake.generations[-1]["messages"][-1] == {"role": "assistant", "content": "Sure:"}
+    assert text == "Sure: t0 t1 t2 t3 t4"
+
+
+def _preempting_client(h: Any, marker: bytes) -> Any:
+    """A client whose ASGI ``send`` preempts every tracked lease in flight while it
+    delivers a body containing ``marker``: what another request's ``observe`` does when
+    it runs during that await (each relayed event is awaited under ``asyncio.shield``,
+    so other tasks do run there)."""
+    admission = h.backend.admission
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        async def wrapped(message: Any) -> None:
+            await send(message)
+            if marker in message.get("body", b""):
+                for lease in list(admission._active.values()):
+                    if lease.tracked and lease.preemptible:
+                        admission.preempt(lease, "pool_pressure")
+                await asyncio.sleep(0)
+        await h.app(scope, receive, wrapped)
+
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g")
+
+
+async def test_a_preemption_after_the_last_token_does_not_continue_a_finished_answer(
+        harness_factory: Any, fake: Any) -> None:
+    fake.pool, fake.n_ctx, fake.token_delay, fake.tokens = 2048, 2048, 0.001, 10**6
+    h = await _predictive(harness_factory, fake)
+    await _warm(h)
+    client = _preempting_client(h, b'"finish_reason": "stop"')
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "go answer=5"}], "max_tokens": 100,
+        "stream": True})
+    events = _events(r.text)
+    finishes = [e for e in events if isinstance(e, dict)
+                and (e.get("choices") or [{}])[0].get("finish_reason")]
+    assert len(finishes) == 1 and events[-1] == "[DONE]"
+    assert len(fake.generations) == 5  # 4 warm-ups and this one: nothing sent again
+
+
+async def test_a_preemption_at_the_cap_finishes_with_length(harness_factory: Any,
+                                                            fake: Any) -> None:
+    fake.pool, fake.n_ctx, fake.token_delay, fake.tokens = 2048, 2048, 0.001, 10**6
+    h = await _predictive(harness_factory, fake)
+    await _warm(h)
+    client = _preempting_client(h, b'"finish_reason": "length"')
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "go answer=50"}], "max_tokens": 2,
+        "stream": True})
+    text, _ids, done, errors = _stream_text(r.text)
+    assert text == " t0 t1" and not errors and done == 1
+    whole = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "go answer=50"}], "max_tokens": 1})
+    assert whole.status_code == 200
+
+
+async def test_a_restart_does_not_keep_the_first_attempt_held(harness_factory: Any,
+                                                              fake: Any) -> None:
+    """Preempted before its first token (least progress: the usual first victim), the
+    request is restarted with the same tag and the same cap; the first attempt's slot is
+    idle at once, so the slot watch should let its lease go at its next poll (1.5 s)."""
+    fake.pool, fake.n_ctx, fake.token_delay, fake.tokens = 2048, 2048, 0.01, 10**6
+    h = await _predictive(harness_factory, fake)
+    await _warm(h)
+    fake.hold = asyncio.Event()
+    req = asyncio.ensure_future(h.chat("go answer=400", max_tokens=500, stream=True))
+    await asyncio.sleep(0.1)
+    admission = h.backend.admission
+    (lease,) = admission._active.values()
+    admission.preempt(lease, "pool_pressure")  # as check_pressure would
+    await asyncio.sleep(0.05)
+    fake.hold.set()  # the continuation runs for about 4 s
+    await asyncio.sleep(2.5)
+    assert not req.done()
+    idle = [i for i, s in fake.slot_state.items() if not s["processing"]]
+    assert lease.slot_ids[0] in idle
+    assert h.backend.slot_watch.waiting == 0 and h.backend.stats().inflight == 1
+    r = await req
+    assert _stream_text(r.text)[0] == "".join(f" t{i}" for i in range(400))
+
+
+async def test_a_continuation_is_not_the_first_victim_again() -> None:
+    """Least progress first: a continuation that carries 600 tokens of answer in its
+    prompt (and adds to it) has more progress than a fresh request ~530 tokens in."""
+    clock = ManualClock()
+    adm = Admission(Layout(slots=4, ctx_per_slot=2048, pool_tokens=2048), max_queue=4,
+                    max_wait_s=30.0, clock=clock, predictive=True)
+    victims: list[str] = []
+    fresh = adm.try_admit(Charge(700, 1300, predicted=5))
+    resumed = adm.try_admit(Charge(700, 900, predicted=5))  # 100 prompt + 600 answered
+    resumed.earlier = 600  # tokens its earlier attempt generated (now in its prompt)
+    for name, lease in (("fresh", fresh), ("resumed", resumed)):
+        lease.tracked = lease.preemptible = True
+        lease.on_preempt = lambda reason, name=name: victims.append(name)
+    for step in range(1, 1500):
+        clock.advance(0.01)
+        adm.observe(fresh, step)
+        adm.observe(resumed, min(step // 10, 200))
+        if victims:
+            break
+    assert fresh.generated < 600 + resumed.generated
+    assert victims[0] == "fresh"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_backend_400_is_passed_on_as_under_strict(harness_factory: Any, fake: Any,
+                                                         stream: bool) -> None:
+    fake.pool, fake.n_ctx = 2048, 2048
+    strict = await harness_factory(kv_unified=True, pool_tokens=fake.pool)
+    h = await _predictive(harness_factory, fake)
+    fake.mode = "bad_request"  # llama-server's 400 exceed_context_size_error
+    want = await strict.chat("hello", max_tokens=10, stream=stream)
+    got = await h.chat("hello", max_tokens=10, stream=stream)
+    assert want.status_code == 400
+    assert got.status_code == want.status_code
+    assert "exceeds the available context" in got.text
