@@ -12,9 +12,10 @@ Two backends, one run each:
 
 Three workloads:
 
-* ``short``: 16 completions of 5–11 prompt tokens that stop by themselves after 28–89
-  tokens ("\\n\\n"), under ``max_tokens`` 1024. (This model's chat template never lets
-  chats stop, so completions stand for them.)
+* ``short``: 16 completions of 5–7 prompt tokens that stop by themselves at the end of
+  their first sentence (``"stop": ["."]``: 10 tokens at the median, 20 at p95, now and
+  then one that runs on), under ``max_tokens`` 1024. (This model's chat template never
+  lets chats stop, so completions stand for them.)
 * ``seed``: 3 requests of ~790 prompt tokens and 900 output tokens (the shared seed
   scenario): each fits alone, the three together overflow the pool.
 * ``mixed``: 16 requests with random prompts (20–600 tokens) and random answers
@@ -54,18 +55,12 @@ from gateway.config import load_settings  # noqa: E402
 from gateway.dev.localbackend import LlamaServer, free_port  # noqa: E402
 from tests.fakes import FakeLlamaServer  # noqa: E402
 
-# Prompts whose greedy answers from Gemma 3 270M stop at "\n\n" after 28-89 tokens
-# (found by probing the cached model at temperature 0).
-SHORT = [
-    "The history of the school", "The history of the station",
-    "My first visit to the mountain", "My first visit to the garden",
-    "My first visit to the forest", "My first visit to the school",
-    "My first visit to the market", "My first visit to the castle",
-    "My first visit to the harbour", "My first visit to the museum",
-    "My first visit to the factory", "My first visit to the farm",
-    "My first visit to the airport", "My first visit to the street",
-    "My first visit to the theatre", "My first visit to the valley",
-]
+# Completions that end with their first sentence ("stop": ["."]): probed here over 40
+# such prompts, 10 tokens at the median and 20 at p95, and now and then one that runs to
+# its cap (a heavy tail the predictive policy must absorb).
+SUBJECTS = ["river", "mountain", "city", "garden", "library", "train", "kitchen", "forest"]
+SHORT = [start.format(s) for start in ("My first visit to the {}", "The history of the {}")
+         for s in SUBJECTS]
 FILLER = ("the river runs past the old mill and the houses along the bank where the "
           "children play in summer and the boats wait for the tide ")  # ~30 tokens
 
@@ -86,8 +81,8 @@ def workload(name: str, flat: bool) -> list[dict[str, Any]]:
     """The request bodies of a workload (completions, streamed)."""
     rng = random.Random(7)
     if name == "short":
-        return [{"prompt": p + (" answer=" + str(28 + (i * 37) % 62) if flat else ""),
-                 "max_tokens": 1024, "temperature": 0, "stop": ["\n\n"]}
+        return [{"prompt": p + (" answer=" + str(5 + (i * 7) % 16) if flat else ""),
+                 "max_tokens": 1024, "temperature": 0, "stop": ["."]}
                 for i, p in enumerate(SHORT)]
     if name == "seed":
         return [{"prompt": f"Story {i}: " + FILLER * 26 + (" answer=900" if flat else ""),
@@ -98,9 +93,9 @@ def workload(name: str, flat: bool) -> list[dict[str, Any]]:
         filler = FILLER * rng.randint(0, 20)
         if rng.random() < 0.6:
             p = rng.choice(SHORT)
-            bodies.append({"prompt": filler + p + (f" answer={rng.randint(28, 90)}"
+            bodies.append({"prompt": filler + p + (f" answer={rng.randint(5, 20)}"
                                                    if flat else ""),
-                           "max_tokens": 1024, "temperature": 0, "stop": ["\n\n"]})
+                           "max_tokens": 1024, "temperature": 0, "stop": ["."]})
         else:
             cap = rng.randint(200, 700)
             bodies.append({"prompt": f"Tale {i}: " + filler + (f" answer={cap}" if flat
