@@ -12,10 +12,9 @@ Two backends, one run each:
 
 Three workloads:
 
-* ``short``: 16 completions of 5–7 prompt tokens that stop by themselves at the end of
-  their first sentence (``"stop": ["."]``: 10 tokens at the median, 20 at p95, now and
-  then one that runs on), under ``max_tokens`` 1024. (This model's chat template never
-  lets chats stop, so completions stand for them.)
+* ``short``: 16 completions of 6–7 prompt tokens that stop by themselves at the end of
+  their first sentence (``"stop": ["."]``, 10–20 tokens), under ``max_tokens`` 1024.
+  (This model's chat template never lets chats stop, so completions stand for them.)
 * ``seed``: 3 requests of ~790 prompt tokens and 900 output tokens (the shared seed
   scenario): each fits alone, the three together overflow the pool.
 * ``mixed``: 16 requests with random prompts (20–600 tokens) and random answers
@@ -55,12 +54,12 @@ from gateway.config import load_settings  # noqa: E402
 from gateway.dev.localbackend import LlamaServer, free_port  # noqa: E402
 from tests.fakes import FakeLlamaServer  # noqa: E402
 
-# Completions that end with their first sentence ("stop": ["."]): probed here over 40
-# such prompts, 10 tokens at the median and 20 at p95, and now and then one that runs to
-# its cap (a heavy tail the predictive policy must absorb).
-SUBJECTS = ["river", "mountain", "city", "garden", "library", "train", "kitchen", "forest"]
-SHORT = [start.format(s) for start in ("My first visit to the {}", "The history of the {}")
-         for s in SUBJECTS]
+# Completions that end with their first sentence ("stop": ["."]): 10-20 tokens each
+# in two probes here at 4 at a time (other openings, "The history of the city" or "A walk
+# through the river", ran to their cap, and are left out: those are not short answers).
+SUBJECTS = ["river", "mountain", "city", "garden", "library", "train", "kitchen", "forest",
+            "ocean", "school", "market", "bridge", "castle", "island", "desert", "harbour"]
+SHORT = [f"My first visit to the {s}" for s in SUBJECTS]
 FILLER = ("the river runs past the old mill and the houses along the bank where the "
           "children play in summer and the boats wait for the tide ")  # ~30 tokens
 

@@ -190,11 +190,12 @@ class ProxyResponse(Response):
         queue headers; or answer the refusal and return ``None``. Also returns the
         ``send`` to use from then on (wrapped once progress has started the stream)."""
         x, m, name = self.x, self.metrics, self.x.backend.name
+        if x.progress_s > 0:
+            send = Started(send, x.api)  # may open the stream early: queue, prefill
         try:
             lease = x.backend.try_admit(x.charge)
-            if lease is None and x.progress_s > 0:
-                send = started = Started(send, x.api)
-                lease = await self._wait_with_progress(watcher, started)
+            if lease is None and isinstance(send, Started):
+                lease = await self._wait_with_progress(watcher, send)
             elif lease is None:
                 lease = await watcher.race(x.backend.admit(x.charge))
         except ClientDisconnected:
@@ -212,6 +213,23 @@ class ProxyResponse(Response):
             x.extra_headers.append((b"x-queue-predicted-wait-ms",
                                     str(round(lease.predicted_wait_s * 1000)).encode()))
         return lease, send
+
+    async def _begun(self, sending: asyncio.Future[httpx.Response], send: Send
+                     ) -> httpx.Response:
+        """Wait for the upstream answer to begin. llama-server sends a stream's headers
+        with its first token, so a long prefill sends nothing for minutes; a stream that
+        asked for progress (``send`` is a :class:`~gateway.relay.Started`) gets its 200
+        and ``: processing prompt`` every ``progress_s`` meanwhile (shared case P13).
+        Cancelling this wait leaves ``sending`` running."""
+        x = self.x
+        while True:
+            done, _ = await asyncio.wait({sending}, timeout=x.progress_s or None)
+            if done:
+                return sending.result()
+            if isinstance(send, Started) and x.stream:
+                if not send.opened:
+                    await send.open(_SSE_HEADERS + x.extra_headers)
+                await send.raw(body_message(b": processing prompt\n\n"))
 
     async def _admit_and_forward(self, watcher: DisconnectWatcher, send: Send) -> None:
         x, name = self.x, self.x.backend.name
@@ -299,7 +317,7 @@ class ProxyResponse(Response):
                 self._sent = True
                 sending = asyncio.ensure_future(self.client.send(request, stream=True))
                 try:
-                    resp = await watcher.race(sending, cancel=False)
+                    resp = await watcher.race(self._begun(sending, send))
                 except ClientDisconnected:
                     self._pending = sending
                     raise

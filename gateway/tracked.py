@@ -270,7 +270,7 @@ class TrackedResponse(ProxyResponse):
                 self._sent = True
                 sending = asyncio.ensure_future(self.client.send(request, stream=True))
                 try:
-                    resp = await asyncio.shield(sending)
+                    resp = await self._begun(sending, client.send)
                 except asyncio.CancelledError:
                     # Preempted (or the client left) before the answer began: the open
                     # request is handed on, so that the backend cannot start it unseen.

@@ -598,3 +598,30 @@ async def test_a_backend_400_is_passed_on_as_under_strict(harness_factory: Any, 
     assert want.status_code == 400
     assert got.status_code == want.status_code
     assert "exceeds the available context" in got.text
+
+
+@pytest.mark.parametrize("policy", ["strict", "predictive"])
+async def test_p13_a_long_prefill_keeps_a_progress_stream_alive(
+        harness_factory: Any, fake: Any, policy: str) -> None:
+    """Shared case P13, point 3: llama-server sends a stream's headers with its first
+    token, so a long prefill is minutes of silence, which proxies in front time out. A
+    stream that asked for progress gets its 200 and ``: processing prompt`` comments
+    until the answer begins, then the answer; one without the header gets nothing early."""
+    fake.pool, fake.n_ctx, fake.tokens = 2048, 2048, 3
+    h = await harness_factory({"policy": policy, "queue_progress_s": 0.05},
+                              kv_unified=True, pool_tokens=2048)
+    fake.prepare = asyncio.Event()
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": True}
+    asyncio.get_running_loop().call_later(0.3, fake.prepare.set)  # a 0.3 s prefill
+    r = await h.client.post("/v1/chat/completions", json=body,
+                            headers={"X-Queue-Progress": "1"})
+    assert r.status_code == 200
+    head, _, rest = r.text.partition("data: ")
+    assert head.count(": processing prompt\n\n") >= 3
+    assert head.replace(": processing prompt\n\n", "") == ""
+    text, _ids, done, errors = _stream_text("data: " + rest)
+    assert done == 1 and not errors and text.split() == ["t0", "t1", "t2"]
+    fake.prepare = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.3, fake.prepare.set)
+    quiet = await h.client.post("/v1/chat/completions", json=body)
+    assert quiet.text.startswith("data: ")  # no header asked: nothing before the answer
