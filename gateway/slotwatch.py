@@ -68,6 +68,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 1.5  # how often /slots is read while a reservation waits on it
+# The first read after the gateway cancelled a running stream to make room (preemption):
+# llama-server ends it at its next write, and its continuation waits for this release.
+QUICK_POLL_S = 0.2
 UNSUPPORTED_RETRY_S = 60.0  # how long a "no /slots" answer is believed
 TAG_FIELDS = ("n_discard", "seed")  # the params a tag may use, in order of preference
 
@@ -232,7 +235,7 @@ class SlotWatch:
     def hold(
         self, lease: Lease, ticket: Ticket, *, served: bool,
         pending: asyncio.Task[httpx.Response] | None = None, stream: bool = False,
-        launched: bool = False,
+        launched: bool = False, quick: bool = False,
     ) -> None:
         """Release ``lease`` once the request behind ``ticket`` has left the backend.
 
@@ -240,6 +243,8 @@ class SlotWatch:
             it is followed (and closed once ``/slots`` shows the request running).
         :param stream: the upstream request is a stream (its headers mean "started").
         :param launched: the request is known to have started.
+        :param quick: read ``/slots`` after :data:`QUICK_POLL_S` rather than
+            :data:`POLL_INTERVAL_S` (a preempted stream, whose continuation waits).
         """
         if not self.supported:
             self._fall_back(lease, served, pending)
@@ -248,8 +253,11 @@ class SlotWatch:
         if pending is not None:
             held.follow = asyncio.ensure_future(self._follow(held, pending, stream))
         self._held.append(held)
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._run())
+        if quick and self._task is not None and not self._task.done():
+            self._task.cancel()  # start again with a short first wait
+        if self._task is None or self._task.done() or quick:
+            self._task = asyncio.ensure_future(
+                self._run(QUICK_POLL_S if quick else POLL_INTERVAL_S))
 
     async def _follow(self, held: _Held, pending: asyncio.Task[httpx.Response],
                       stream: bool) -> None:
@@ -300,9 +308,11 @@ class SlotWatch:
         for held in list(self._held):
             self._release(held)
 
-    async def _run(self) -> None:
+    async def _run(self, first_s: float = POLL_INTERVAL_S) -> None:
+        wait = first_s
         while self._held:
-            await self._clock.sleep(POLL_INTERVAL_S)
+            await self._clock.sleep(wait)
+            wait = POLL_INTERVAL_S
             try:
                 await self._poll()
             except Exception:  # never strand a reservation: keep polling

@@ -180,12 +180,12 @@ class Target:
     def release_abandoned(
         self, lease: Lease, ticket: Ticket, *, served: bool,
         pending: asyncio.Task[httpx.Response] | None = None, stream: bool = False,
-        launched: bool = False,
+        launched: bool = False, quick: bool = False,
     ) -> None:
         """Keep ``lease`` until the backend shows the abandoned request ended (see
         :meth:`gateway.slotwatch.SlotWatch.hold`)."""
         self.slot_watch.hold(lease, ticket, served=served, pending=pending, stream=stream,
-                             launched=launched)
+                             launched=launched, quick=quick)
 
     # -- requests ----------------------------------------------------------------------
 

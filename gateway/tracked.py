@@ -224,7 +224,7 @@ class TrackedResponse(ProxyResponse):
             if self._sent and not self._done:
                 x.backend.release_abandoned(
                     lease, self._ticket(lease), served=served, pending=self._pending,
-                    stream=True, launched=self._launched)
+                    stream=True, launched=self._launched, quick=reason is not None)
             else:
                 x.backend.release(lease, served=served)
         return reason

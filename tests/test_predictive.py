@@ -625,3 +625,25 @@ async def test_p13_a_long_prefill_keeps_a_progress_stream_alive(
     asyncio.get_running_loop().call_later(0.3, fake.prepare.set)
     quiet = await h.client.post("/v1/chat/completions", json=body)
     assert quiet.text.startswith("data: ")  # no header asked: nothing before the answer
+
+
+async def test_a_preempted_stream_is_released_at_a_quick_read_of_the_slots(
+        harness_factory: Any, fake: Any) -> None:
+    """llama-server ends a cancelled stream at its next write; the continuation waits
+    for that release, so /slots is read 0.2 s after a preemption, not 1.5 s."""
+    fake.pool, fake.n_ctx, fake.token_delay, fake.tokens = 2048, 2048, 0.01, 10**6
+    h = await _predictive(harness_factory, fake)
+    await _warm(h)
+    req = asyncio.ensure_future(h.chat("go answer=300", max_tokens=500, stream=True))
+    admission = h.backend.admission
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        leases = list(admission._active.values())
+        if leases and leases[0].generated >= 3:
+            break
+    admission.preempt(leases[0], "pool_pressure")
+    await asyncio.sleep(0.6)
+    assert h.backend.slot_watch.waiting == 0 and not req.done()
+    assert h.backend.stats().inflight == 1  # the continuation runs
+    text, _ids, done, errors = _stream_text((await req).text)
+    assert text == "".join(f" t{i}" for i in range(300)) and done == 1 and not errors
