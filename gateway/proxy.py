@@ -66,6 +66,8 @@ _FORWARD_REQUEST_HEADERS = {
 }
 # Upstream response headers relayed on whole (non-SSE) answers.
 _PASS_RESPONSE_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
+# Times a whole answer failed by an overflow is sent again (predictive policy).
+MAX_OVERFLOW_RESTARTS = 2
 _NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"x-accel-buffering", b"no")]
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
@@ -127,6 +129,8 @@ class ProxyResponse(Response):
         self._done = False  # ... and the backend is known to have finished with it
         self._launched = False  # ... and a stream's headers came: its task is running
         self._pending: asyncio.Task[httpx.Response] | None = None  # send left open
+        self._again = False  # send the request once more (an overflow failed it whole)
+        self._restarts = 0
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -232,10 +236,32 @@ class ProxyResponse(Response):
                 await send.raw(body_message(b": processing prompt\n\n"))
 
     async def _admit_and_forward(self, watcher: DisconnectWatcher, send: Send) -> None:
-        x, name = self.x, self.x.backend.name
+        x, m, name = self.x, self.metrics, self.x.backend.name
         lease, send = await self._obtain(watcher, send)
-        if lease is None:
-            return
+        while lease is not None:
+            await self._hold(watcher, send, lease)
+            if not self._again:
+                return
+            # The backend overflowed and failed this whole answer before any of it was
+            # sent (predictive policy): the same request again, at the head of the queue.
+            m.preemptions.labels(name, "overflow").inc()
+            self._again, self._sent, self._done, self._launched = False, False, False, False
+            self._pending = None
+            try:
+                lease = await watcher.race(x.backend.admit(x.charge, front=True))
+            except ClientDisconnected:
+                m.resumes.labels(name, "client_gone").inc()
+                x.status = 499
+                return
+            except GatewayError as exc:
+                m.resumes.labels(name, "failed").inc()
+                await self._send_error(send, exc)
+                return
+            m.resumes.labels(name, "restarted").inc()
+
+    async def _hold(self, watcher: DisconnectWatcher, send: Send, lease: Lease) -> None:
+        """Forward and relay on ``lease``, and give it back whatever happens."""
+        x, name = self.x, self.x.backend.name
         self._lease = lease
         held_since = self.clock.now()
         try:
@@ -372,6 +398,11 @@ class ProxyResponse(Response):
                 if kind:
                     self.metrics.upstream_errors.labels(x.backend.name, kind).inc()
                     x.backend.upstream_failed(kind)
+                if (kind == "context_overflow" and x.backend.predictive
+                        and self._restarts < MAX_OVERFLOW_RESTARTS):
+                    self._restarts += 1
+                    self._again = True  # nothing was sent: try the whole request again
+                    return
                 await self._send_error(send, exc)
                 return
             if x.api in ("openai", "anthropic"):

@@ -647,3 +647,34 @@ async def test_a_preempted_stream_is_released_at_a_quick_read_of_the_slots(
     assert h.backend.stats().inflight == 1  # the continuation runs
     text, _ids, done, errors = _stream_text((await req).text)
     assert text == "".join(f" t{i}" for i in range(300)) and done == 1 and not errors
+
+
+async def test_a_whole_answer_the_pool_overflow_failed_is_sent_again(
+        harness_factory: Any, fake: Any) -> None:
+    """An untracked whole answer (tools) is failed by an overflow before any byte of it
+    was sent: under predictive the gateway sends it again instead of passing the 500 on;
+    an overflow that persists still ends in 503 after two more tries."""
+    fake.pool, fake.n_ctx, fake.tokens = 2048, 2048, 5
+    h = await _predictive(harness_factory, fake)
+    generate = fake._generate
+    failures = [1]
+
+    async def once_overflowing(request: Any) -> Any:
+        if failures:
+            failures.pop()
+            fake.generations.append({})
+            return httpx.Response(500, json={"error": {
+                "code": 500, "message": "Context size has been exceeded.",
+                "type": "server_error"}})
+        return await generate(request)
+
+    fake._generate = once_overflowing
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    r = await h.chat("x", max_tokens=50, tools=[tool])
+    assert r.status_code == 200 and len(fake.generations) == 2
+    assert h.sample("gateway_resumes_total", backend="local", outcome="restarted") == 1
+    fake._generate = generate
+    fake.mode = "overflow"
+    r = await h.chat("x", max_tokens=50, tools=[tool])
+    assert r.status_code == 503 and len(fake.generations) == 5
+    assert h.backend.stats().inflight == 0
