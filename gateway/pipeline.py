@@ -239,7 +239,8 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         started=started, headers=list(request.headers.raw),
         client_wants_usage=bool(options.get("include_usage")),
         extra_headers=extra, tag=tag, api=req.api,
-        progress_s=admission.queue_progress_s if req.stream and request.headers.get(
+        progress_s=admission.queue_progress_s if req.stream and req.api != "ollama"
+        and request.headers.get(
             "x-queue-progress", "").strip().lower() in ("1", "true", "yes") else 0.0,
         raw_estimate=raw_estimate, tracked=tracked,
     )

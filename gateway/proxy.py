@@ -129,6 +129,7 @@ class ProxyResponse(Response):
         self._done = False  # ... and the backend is known to have finished with it
         self._launched = False  # ... and a stream's headers came: its task is running
         self._pending: asyncio.Task[httpx.Response] | None = None  # send left open
+        self._progress: Started | None = None  # the send that may open the stream early
         self._again = False  # send the request once more (an overflow failed it whole)
         self._restarts = 0
         self.background = None
@@ -195,7 +196,7 @@ class ProxyResponse(Response):
         ``send`` to use from then on (wrapped once progress has started the stream)."""
         x, m, name = self.x, self.metrics, self.x.backend.name
         if x.progress_s > 0:
-            send = Started(send, x.api)  # may open the stream early: queue, prefill
+            send = self._progress = Started(send, x.api)  # opens early: queue, prefill
         try:
             lease = x.backend.try_admit(x.charge)
             if lease is None and isinstance(send, Started):
@@ -218,22 +219,26 @@ class ProxyResponse(Response):
                                     str(round(lease.predicted_wait_s * 1000)).encode()))
         return lease, send
 
-    async def _begun(self, sending: asyncio.Future[httpx.Response], send: Send
-                     ) -> httpx.Response:
+    async def _begun(self, sending: asyncio.Future[httpx.Response]) -> httpx.Response:
         """Wait for the upstream answer to begin. llama-server sends a stream's headers
         with its first token, so a long prefill sends nothing for minutes; a stream that
-        asked for progress (``send`` is a :class:`~gateway.relay.Started`) gets its 200
-        and ``: processing prompt`` every ``progress_s`` meanwhile (shared case P13).
+        asked for progress gets its 200 (unless a response already started) and
+        ``: processing prompt`` every ``progress_s`` meanwhile (shared case P13).
         Cancelling this wait leaves ``sending`` running."""
-        x = self.x
+        x, progress = self.x, self._progress
         while True:
             done, _ = await asyncio.wait({sending}, timeout=x.progress_s or None)
             if done:
                 return sending.result()
-            if isinstance(send, Started) and x.stream:
-                if not send.opened:
-                    await send.open(_SSE_HEADERS + x.extra_headers)
-                await send.raw(body_message(b": processing prompt\n\n"))
+            if progress is None:
+                continue
+            try:
+                if progress.can_open:
+                    await progress.open(_SSE_HEADERS + x.extra_headers)
+                if progress.streaming:
+                    await progress.raw(body_message(b": processing prompt\n\n"))
+            except OSError:
+                pass  # the client has gone; the caller notices
 
     async def _admit_and_forward(self, watcher: DisconnectWatcher, send: Send) -> None:
         x, m, name = self.x, self.metrics, self.x.backend.name
@@ -343,9 +348,10 @@ class ProxyResponse(Response):
                 self._sent = True
                 sending = asyncio.ensure_future(self.client.send(request, stream=True))
                 try:
-                    resp = await watcher.race(self._begun(sending, send))
-                except ClientDisconnected:
-                    self._pending = sending
+                    resp = await watcher.race(self._begun(sending))
+                except BaseException:
+                    if not sending.done():
+                        self._pending = sending  # handed on open (see _hold)
                     raise
         except GatewayError as exc:
             kind = self._broke(exc)

@@ -78,6 +78,7 @@ class Started:
         self.api = api
         self.opened = False
         self._passing = False
+        self._started = False  # a response start passed through before any open()
         self._buffer = bytearray()
 
     async def open(self, headers: list[tuple[bytes, bytes]]) -> None:
@@ -85,8 +86,23 @@ class Started:
         await self.raw({"type": "http.response.start", "status": 200, "headers": headers})
         self.opened = True
 
+    @property
+    def can_open(self) -> bool:
+        """No response has started yet: :meth:`open` may send the 200."""
+        return not self.opened and not self._started
+
+    @property
+    def streaming(self) -> bool:
+        """An SSE 200 has gone out: comments may be sent with :attr:`raw`."""
+        return self.opened or (self._started and self._passing)
+
     async def __call__(self, message: Message) -> None:
         if not self.opened:
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers") or [])
+                self._started = True
+                self._passing = message["status"] < 400 and headers.get(
+                    b"content-type", b"").startswith(b"text/event-stream")
             await self.raw(message)
             return
         if message["type"] == "http.response.start":

@@ -218,6 +218,8 @@ class SlotWatch:
         self._grace_s = fallback_grace_s
         self._held: list[_Held] = []
         self._task: asyncio.Task[None] | None = None
+        self._waiting_long = False  # the poll task sleeps its long interval now
+        self._quick_next = False  # a quick read was asked for while one could not start
         self._unsupported_at: float | None = None  # when the backend said it has no /slots
 
     @property
@@ -253,9 +255,15 @@ class SlotWatch:
         if pending is not None:
             held.follow = asyncio.ensure_future(self._follow(held, pending, stream))
         self._held.append(held)
-        if quick and self._task is not None and not self._task.done():
-            self._task.cancel()  # start again with a short first wait
-        if self._task is None or self._task.done() or quick:
+        running = self._task is not None and not self._task.done()
+        if quick and running:
+            if self._waiting_long:  # only a long wait is cut short, never a read
+                assert self._task is not None
+                self._task.cancel()
+                running = False
+            else:  # reading now, or a quick read is due already: read again soon after
+                self._quick_next = True
+        if not running:
             self._task = asyncio.ensure_future(
                 self._run(QUICK_POLL_S if quick else POLL_INTERVAL_S))
 
@@ -311,12 +319,17 @@ class SlotWatch:
     async def _run(self, first_s: float = POLL_INTERVAL_S) -> None:
         wait = first_s
         while self._held:
-            await self._clock.sleep(wait)
-            wait = POLL_INTERVAL_S
+            self._waiting_long = wait >= POLL_INTERVAL_S
+            try:
+                await self._clock.sleep(wait)
+            finally:
+                self._waiting_long = False
             try:
                 await self._poll()
             except Exception:  # never strand a reservation: keep polling
                 log.exception("backend %s: checking /slots failed", self.name)
+            wait = QUICK_POLL_S if self._quick_next else POLL_INTERVAL_S
+            self._quick_next = False
 
     async def _poll(self) -> None:
         try:

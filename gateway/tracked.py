@@ -58,6 +58,7 @@ class _Client:
         self.send = send
         self.stream = owner.x.stream
         self.started = False  # the 200 went out (streams)
+        self.closed = False  # the answer is complete: finished, or failed with its error
         self.whole = Reassembler(owner.x.route)
 
     async def event(self, raw: bytes | None, obj: dict[str, Any]) -> None:
@@ -87,6 +88,7 @@ class _Client:
         if self.stream:
             await self.open()
             await self.send(body_message(b"data: [DONE]\n\n"))
+            self.closed = True
             await self.send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         body = json.dumps(self.whole.answer(), separators=(",", ":")).encode()
@@ -94,10 +96,12 @@ class _Client:
         await self.send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()), *x.extra_headers]})
+        self.closed = True
         await self.send({"type": "http.response.body", "body": body})
 
     async def error(self, exc: GatewayError) -> None:
         """Fail the answer: a JSON error before the 200, a final error event after it."""
+        self.closed = True
         if not self.started:
             await self.owner._send_error(self.send, exc)
             return
@@ -213,9 +217,10 @@ class TrackedResponse(ProxyResponse):
             reason = await watcher.race(self._until(
                 preempted, lease, self._forward_tracked(client, lease, cont, state)))
         except ClientDisconnected:
-            x.status = 499
-            log.info("client left %s request on backend %s; upstream closed", x.route,
-                     x.backend.name)
+            if not client.closed:  # (a client that closes at the end has not left early)
+                x.status = 499
+                log.info("client left %s request on backend %s; upstream closed", x.route,
+                         x.backend.name)
         finally:
             lease.on_preempt = None
             served = reason is None and 200 <= x.status < 400
@@ -270,11 +275,12 @@ class TrackedResponse(ProxyResponse):
                 self._sent = True
                 sending = asyncio.ensure_future(self.client.send(request, stream=True))
                 try:
-                    resp = await self._begun(sending, client.send)
-                except asyncio.CancelledError:
+                    resp = await self._begun(sending)
+                except BaseException:
                     # Preempted (or the client left) before the answer began: the open
                     # request is handed on, so that the backend cannot start it unseen.
-                    self._pending = sending
+                    if not sending.done():
+                        self._pending = sending
                     raise
         except GatewayError as exc:
             kind = self._broke(exc)
