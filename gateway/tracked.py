@@ -94,7 +94,7 @@ class _Client:
         body = json.dumps(self.whole.answer(), separators=(",", ":")).encode()
         x.status = 200
         await self.send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"application/json"),
+            (b"content-type", b"application/json; charset=utf-8"),  # as llama-server's
             (b"content-length", str(len(body)).encode()), *x.extra_headers]})
         self.closed = True
         await self.send({"type": "http.response.body", "body": body})
@@ -129,6 +129,8 @@ class TrackedResponse(ProxyResponse):
             if reason is None:
                 return
             m.preemptions.labels(name, reason).inc()
+            log.info("backend %s: %s request preempted (%s) after %d tokens; it resumes "
+                     "at the head of the queue", name, x.route, reason, cont.total_tokens)
             # Back on the same slot if it is free by then: llama-server still caches
             # the prompt and the partial answer there, so little is computed again.
             slot = lease.slot_ids[0] if lease.slot_ids else None
