@@ -121,6 +121,29 @@ def _check_parts(parts: list[Any], where: str) -> None:
             raise InvalidRequest(f"{param}.text must be a string.", param=f"{param}.text")
 
 
+def _check_role_fields(message: dict[str, Any], i: int) -> None:
+    """The fields the OpenAI Chat Completions API requires per role (its request schema:
+    ``ChatCompletionRequest*Message``): system, developer, user and tool messages need
+    ``content``, a tool message also its ``tool_call_id``, and an assistant message
+    ``content`` or ``tool_calls`` (or the older ``function_call``). Other roles, which
+    some chat templates define, are left to the backend.
+
+    :raises InvalidRequest: a required field is missing or null.
+    """
+    role = message["role"]
+    where = f"messages[{i}]"
+    if role in ("system", "developer", "user", "tool") and message.get("content") is None:
+        raise InvalidRequest(f"{where}.content is required for a {role} message.",
+                             param=f"{where}.content")
+    if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise InvalidRequest(f"{where}.tool_call_id must be a string: a tool message "
+                             "answers one tool call.", param=f"{where}.tool_call_id")
+    if role == "assistant" and message.get("content") is None and not (
+            message.get("tool_calls") or message.get("function_call")):
+        raise InvalidRequest(f"{where} needs content or tool_calls (an assistant "
+                             "message).", param=f"{where}.content")
+
+
 def _check_messages(body: dict[str, Any]) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -144,6 +167,7 @@ def _check_messages(body: dict[str, Any]) -> None:
         if calls is not None and not isinstance(calls, list):
             raise InvalidRequest(f"messages[{i}].tool_calls must be an array.",
                                  param=f"messages[{i}].tool_calls")
+        _check_role_fields(message, i)
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or not all(

@@ -273,3 +273,41 @@ async def test_streams_ask_upstream_to_close_the_connection(harness: Harness) ->
     await AsgiCall(harness, chat()).run()
     gen = [q for q in harness.fake.requests if q.url.path == CHAT][-1]
     assert gen.headers["connection"] == "close"
+
+
+CALL = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "system"}, {"role": "user", "content": "hi"}], "messages[0].content"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}],
+     "messages[1].content"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": CALL},
+      {"role": "tool", "content": "42"}], "messages[2].tool_call_id"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": CALL},
+      {"role": "tool", "tool_call_id": "c1"}], "messages[2].content"),
+])
+async def test_a_field_a_role_requires_is_checked_before_forwarding(
+        harness: Harness, messages: list[dict[str, Any]], param: str) -> None:
+    """Issue 14: a user message with "content": null was forwarded, where the OpenAI API
+    answers 400. Each role's required fields are checked, and nothing is forwarded."""
+    r = await harness.client.post(CHAT, json={"messages": messages, "max_tokens": 5})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert generations(harness) == []
+
+
+async def test_what_the_roles_allow_is_still_forwarded(harness: Harness) -> None:
+    for messages in (
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": CALL},
+         {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+        [{"role": "user", "content": ""}],  # empty, not missing
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}],
+        [{"role": "ipython", "content": None}, {"role": "user", "content": "hi"}],
+    ):
+        r = await harness.client.post(CHAT, json={"messages": messages, "max_tokens": 5})
+        assert r.status_code == 200, (messages, r.text)
+    assert len(generations(harness)) == 4
