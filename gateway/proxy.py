@@ -153,23 +153,28 @@ class ProxyResponse(Response):
         await send(start)
         await send(body)
 
-    async def _wait_with_progress(self, watcher: DisconnectWatcher, send: Started) -> Lease:
+    async def _wait_with_progress(self, watcher: DisconnectWatcher, send: Started, *,
+                                  front: bool = False, prefer: int | None = None) -> Lease:
         """Wait for a lease while telling the client where it stands: once the request
         is queued (a full queue or a doomed wait is still answered with its own status),
         the 200 and SSE headers go out, then ``: queued position=N eta_s=M`` every
         ``progress_s`` (an SSE comment, which clients ignore and proxies count as
         traffic). What follows goes through ``send`` (:class:`gateway.relay.Started`).
 
+        ``front`` and ``prefer`` are passed to the admission (a preempted request coming
+        back, whose stream may have started already).
+
         :raises GatewayError: as :meth:`Admission.admit`.
         :raises ClientDisconnected: the client left while waiting.
         """
         x = self.x
-        admit = asyncio.ensure_future(x.backend.admit(x.charge))
+        admit = asyncio.ensure_future(x.backend.admit(x.charge, front=front, prefer=prefer))
         await asyncio.sleep(0)  # admit refuses at once, or queues
         if admit.done():
             return admit.result()
         try:
-            await send.open(_SSE_HEADERS + x.extra_headers)
+            if send.can_open:
+                await send.open(_SSE_HEADERS + x.extra_headers)
             while True:
                 tick = asyncio.ensure_future(self.clock.sleep(x.progress_s))
                 try:
@@ -180,7 +185,7 @@ class ProxyResponse(Response):
                 if admit.done():
                     return admit.result()
                 where = x.backend.queue_progress(x.charge)
-                if where is not None:
+                if where is not None and send.streaming:
                     eta = "" if where[1] is None else f" eta_s={where[1]:.0f}"
                     await send.raw(body_message(
                         f": queued position={where[0]}{eta}\n\n".encode()))

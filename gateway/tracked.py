@@ -162,7 +162,11 @@ class TrackedResponse(ProxyResponse):
                 body.pop(x.tag[0], None)
                 x.tag = x.backend.dialect.tag_request(body)
             x.body, x.charge = body, charge
-            lease = await watcher.race(x.backend.admit(charge, front=True, prefer=slot))
+            if self._progress is not None and x.stream:  # it asked to hear where it stands
+                lease = await self._wait_with_progress(watcher, self._progress, front=True,
+                                                       prefer=slot)
+            else:
+                lease = await watcher.race(x.backend.admit(charge, front=True, prefer=slot))
         except ClientDisconnected:
             m.resumes.labels(name, "client_gone").inc()
             x.status = 499

@@ -127,3 +127,32 @@ async def test_preemptions_never_cancel_a_slow_slots_read() -> None:
                 await asyncio.sleep(0)
             clock.advance(0.1)
     assert done and sw.waiting == 0  # was: no read ever completed; 10 leases held
+
+
+async def test_a_continuation_waiting_in_the_queue_keeps_telling_where_it_stands(
+        harness_factory: Any, fake: Any) -> None:
+    """A stream that asked for progress, preempted after its first tokens, waits for its
+    continuation's lease with ': queued position=1' comments in the same stream."""
+    fake.pool, fake.n_ctx, fake.token_delay, fake.tokens = 2048, 2048, 0.01, 10**6
+    h = await _predictive(harness_factory, fake, queue_progress_s=0.05)
+    await _warm(h)
+    adm = h.backend.admission
+    plain = adm.try_admit
+
+    def queue_the_continuation(charge: Any, *, front: bool = False,
+                               prefer: Any = None) -> Any:
+        return None if front else plain(charge, front=front, prefer=prefer)
+
+    adm.try_admit = queue_the_continuation  # it queues until the old lease goes (0.2 s)
+    req = asyncio.ensure_future(h.client.post(
+        "/v1/chat/completions", headers={"X-Queue-Progress": "1"},
+        json={"messages": [{"role": "user", "content": "go answer=40"}],
+              "max_tokens": 500, "stream": True}))
+    while not (adm._active and next(iter(adm._active.values())).generated >= 3):
+        await asyncio.sleep(0.01)
+    adm.preempt(next(iter(adm._active.values())), "pool_pressure")
+    r = await req
+    head, _, after_first = r.text.partition("data: ")
+    assert ": queued position=1" in after_first
+    text, _ids, done, errors = _stream_text(r.text)
+    assert text == "".join(f" t{i}" for i in range(40)) and done == 1 and not errors
