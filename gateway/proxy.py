@@ -288,21 +288,33 @@ class ProxyResponse(Response):
             x.status = 499  # nginx's "client closed request", even if a 200 had started
             log.info("client left %s request on backend %s; upstream closed", x.route, name)
         finally:
-            served = 200 <= x.status < 400
-            if served:
-                x.backend.record_duration(self.clock.now() - held_since, x.charge)
-            if self._sent and not self._done:
-                # The gateway left before the backend finished (client gone, timeout). The
-                # backend may go on using the slot's cells for a while: keep the
-                # reservation until it is seen to end (gateway.slotwatch). An upstream
-                # request still waiting for its answer is handed on open, so that the
-                # backend cannot drop it unseen and start it later.
-                x.backend.release_abandoned(
-                    lease, self._ticket(lease), served=served, pending=self._pending,
-                    stream=x.stream, launched=self._launched,
-                )
-            else:
-                x.backend.release(lease, served=served)
+            self._give_back(lease, held_since, served=200 <= x.status < 400,
+                            stream=x.stream)
+
+    def _give_back(self, lease: Lease, held_since: float, *, served: bool, stream: bool,
+                   quick: bool = False) -> None:
+        """Release ``lease`` after an attempt that began at ``held_since``: at once when
+        the backend is known to be done with the request, else through the slot watch.
+
+        :param stream: the upstream request was a stream (its headers mean "started").
+        :param quick: the gateway cut the stream itself to make room: read ``/slots``
+            soon (:data:`gateway.slotwatch.QUICK_POLL_S`).
+        """
+        x = self.x
+        if served:
+            x.backend.record_duration(self.clock.now() - held_since, x.charge)
+        if self._sent and not self._done:
+            # The gateway left before the backend finished (client gone, timeout,
+            # preemption). The backend may go on using the slot's cells for a while: keep
+            # the reservation until it is seen to end (gateway.slotwatch). An upstream
+            # request still waiting for its answer is handed on open, so that the backend
+            # cannot drop it unseen and start it later.
+            x.backend.release_abandoned(
+                lease, self._ticket(lease), served=served, pending=self._pending,
+                stream=stream, launched=self._launched, quick=quick,
+            )
+        else:
+            x.backend.release(lease, served=served)
 
     def _broke(self, exc: GatewayError) -> str:
         """Note an upstream failure; return its ``gateway_upstream_errors_total`` kind.

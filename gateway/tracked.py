@@ -229,15 +229,8 @@ class TrackedResponse(ProxyResponse):
                          x.backend.name)
         finally:
             lease.on_preempt = None
-            served = reason is None and 200 <= x.status < 400
-            if served:
-                x.backend.record_duration(self.clock.now() - held_since, x.charge)
-            if self._sent and not self._done:
-                x.backend.release_abandoned(
-                    lease, self._ticket(lease), served=served, pending=self._pending,
-                    stream=True, launched=self._launched, quick=reason is not None)
-            else:
-                x.backend.release(lease, served=served)
+            self._give_back(lease, held_since, served=reason is None and 200 <= x.status < 400,
+                            stream=True, quick=reason is not None)
         return reason
 
     @staticmethod
