@@ -16,9 +16,8 @@ __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from gateway.app import create_app, uvicorn_options
+    from gateway.app import create_app
+    from gateway.serving import serve
 
     settings = load_settings(args.config)
     server = settings.server.model_copy(
@@ -27,11 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(settings)
-    uvicorn.run(
-        app, host=server.host, port=server.port, log_level=server.log_level,
-        loop="uvloop", **uvicorn_options(settings),
-    )
+    serve(create_app(settings), settings, host=server.host, port=server.port)
     return 0
 
 

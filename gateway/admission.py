@@ -212,6 +212,14 @@ class Admission:
                     )
         self._wake()
 
+    def refuse_waiting(self, exc: Exception) -> None:
+        """Fail every request waiting in the queue with ``exc`` (the gateway is
+        stopping)."""
+        while self._queue:
+            waiter = self._queue.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(exc)
+
     def stats(self) -> AdmissionStats:
         """Return a snapshot of queue and budget."""
         layout = self._layout

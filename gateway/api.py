@@ -113,8 +113,11 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
                 "ctx_per_slot": stats.ctx_per_slot, "capacity_tokens": stats.capacity_tokens,
                 "kv_unified": layout.unified if layout else b.settings.unified,
             }
-        ok = any(b.ready for b in state.backends.values())
-        return JSONResponse({"ready": ok, "backends": rows}, 200 if ok else 503)
+        ok = any(b.ready for b in state.backends.values()) and not state.draining
+        body: dict[str, Any] = {"ready": ok, "backends": rows}
+        if state.draining:
+            body["draining"] = True
+        return JSONResponse(body, 200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -93,6 +93,11 @@ class ServerSettings(_Strict):
     # How long an idle client connection is kept open, seconds (announced in a
     # "Keep-Alive: timeout=N" header): above the 60-90 s that client pools keep theirs.
     keepalive_timeout_s: int = Field(120, ge=1)
+    # On SIGTERM/SIGINT: /ready turns 503 and new requests get 503 shutting_down at once;
+    # requests in flight (and queued ones, with drain_queued = "serve") get this long
+    # to finish before the server stops (seconds). A second signal stops at once.
+    drain_timeout_s: float = Field(30.0, ge=0)
+    drain_queued: Literal["serve", "refuse"] = "serve"
 
 
 class AdmissionSettings(_Strict):

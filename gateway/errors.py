@@ -209,6 +209,14 @@ class BackendNotReady(Overloaded):
     rejection_reason = "backend_unavailable"
 
 
+class ShuttingDown(Overloaded):
+    """Raised for a request that arrives (or waits in the queue) while the gateway drains
+    before it stops (SIGTERM): retry on another instance, or after the restart."""
+
+    code = "shutting_down"
+    rejection_reason = "shutting_down"
+
+
 class UpstreamContextOverflow(Overloaded):
     """Raised when llama-server answers 500 "Context size has been exceeded.".
 

@@ -18,6 +18,7 @@ from gateway.errors import (
     ContextLengthExceeded,
     InvalidRequest,
     PayloadTooLarge,
+    ShuttingDown,
 )
 from gateway.proxy import Exchange
 from gateway.resume import resumable
@@ -167,6 +168,9 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
     """
     started = state.clock.now()
     request.state.route = route
+    if state.draining:
+        raise ShuttingDown("The gateway is shutting down; retry after the Retry-After "
+                           "delay.", retry_after_s=1.0)
     _count_sdk_retry(state, request)
     check_content_type(request.headers.get("content-type"),
                        request.headers.get("content-encoding"))

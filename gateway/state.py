@@ -10,7 +10,7 @@ import httpx
 
 from gateway.admission import AdmissionStats, Clock
 from gateway.config import Settings
-from gateway.errors import RouteNotFound
+from gateway.errors import RouteNotFound, ShuttingDown
 from gateway.metrics import GatewayMetrics
 from gateway.target import Target
 
@@ -27,6 +27,31 @@ class GatewayState:
     backends: dict[str, Target]
     metrics: GatewayMetrics = field(init=False)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    draining: bool = False  # stopping: /ready is 503 and new requests are refused
+
+    async def drain(self) -> bool:
+        """Stop taking requests and wait for those in hand: new ones get 503
+        ``shutting_down`` (see :func:`gateway.pipeline.prepare_exchange`); queued ones
+        are served, or refused at once with ``server.drain_queued = "refuse"``; then wait
+        up to ``server.drain_timeout_s`` seconds for the queues to empty and the leases of
+        clients' requests to be given back (reservations the slot watch holds for
+        abandoned requests are not waited for).
+
+        :returns: True when everything finished in time.
+        """
+        self.draining = True
+        server = self.settings.server
+        if server.drain_queued == "refuse":
+            for backend in self.backends.values():
+                backend.admission.refuse_waiting(ShuttingDown(
+                    "The gateway is shutting down; retry after the Retry-After delay.",
+                    retry_after_s=1.0))
+        deadline = self.clock.now() + server.drain_timeout_s
+        while self.clock.now() < deadline:
+            if not any(s.queued or s.inflight - s.abandoned_held for _, s, _r in self.stats()):
+                return True
+            await self.clock.sleep(0.1)
+        return False
 
     def stats(self) -> Iterable[tuple[str, AdmissionStats, bool]]:
         """Each backend's name, admission figures and readiness (for metrics)."""

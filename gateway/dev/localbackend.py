@@ -296,10 +296,9 @@ class LlamaServer:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from gateway.app import create_app, uvicorn_options
+    from gateway.app import create_app
     from gateway.config import load_settings
+    from gateway.serving import serve
 
     settings = load_settings(args.config)
     backend = settings.backends[0]
@@ -307,16 +306,14 @@ def _run(args: argparse.Namespace) -> int:
     extra = args.llama_args or ["-c", "2048"]
     server = LlamaServer(extra, port=port, log_path=cache_dir() / "llama-server.log")
     _say(f"starting llama-server on {server.url}: {' '.join(extra)} (log: {server.log_path})")
-    # uvicorn re-raises SIGTERM after its shutdown; turn it into SystemExit so that
-    # ``running()`` stops llama-server on the way out.
+    # A SIGTERM before the gateway serves becomes SystemExit, so that ``running()``
+    # stops llama-server on the way out; once it serves, the gateway drains on it and
+    # returns (gateway.serving).
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with server.running():
         _say(f"llama-server ready; starting the gateway on "
              f"http://{settings.server.host}:{settings.server.port}")
-        uvicorn.run(
-            create_app(settings), host=settings.server.host, port=settings.server.port,
-            log_level=settings.server.log_level, loop="uvloop", **uvicorn_options(settings),
-        )
+        serve(create_app(settings), settings)
     return 0
 
 

@@ -1,0 +1,88 @@
+"""Running the gateway under uvicorn, with a graceful drain on SIGTERM and SIGINT.
+
+uvicorn, on the first signal, stops listening at once and gives open requests
+``timeout_graceful_shutdown`` seconds. A gateway in front of slow generations needs more
+than that, and load balancers need to be told first. So the first signal starts a drain
+(:meth:`gateway.state.GatewayState.drain`): ``/ready`` turns 503 and new requests get 503
+``shutting_down`` while the server still listens; requests in flight, and queued ones
+unless ``server.drain_queued = "refuse"``, get ``server.drain_timeout_s`` to finish.
+Then uvicorn's own shutdown runs, which cuts what is left (each request's lease is
+released in its ``finally``). A second signal skips the rest of the drain. The process
+exits 0, without re-raising the signal as uvicorn otherwise does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Generator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from gateway.app import uvicorn_options
+from gateway.config import Settings
+
+__all__ = ["DrainingServer", "serve"]
+
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first exit signal drains the gateway before it stops.
+
+    :param config: the uvicorn config; its app is the gateway (``app.state.gateway``).
+    """
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._drain: asyncio.Task[None] | None = None
+        self._draining = False  # the first signal came
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """First signal: start the drain. Later ones: stop now (uvicorn's behaviour)."""
+        if not self._draining and not self.should_exit and self._loop is not None:
+            self._draining = True
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        state = self.config.app.state.gateway  # type: ignore[attr-defined]
+        log.info("draining: refusing new requests, finishing those in hand (up to %g s)",
+                 state.settings.server.drain_timeout_s)
+        try:
+            finished = await state.drain()
+            log.info("drain %s", "complete" if finished else "timed out; cutting the rest")
+        finally:
+            self.should_exit = True
+
+    @contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()  # a drained stop is a clean exit (status 0)
+
+
+def serve(app: Any, settings: Settings, *, host: str | None = None,
+          port: int | None = None) -> None:
+    """Serve ``app`` (built by :func:`gateway.app.create_app`) until a signal drains it.
+
+    :param host: overrides ``server.host``.
+    :param port: overrides ``server.port``.
+    """
+    server = settings.server
+    config = uvicorn.Config(
+        app, host=host or server.host, port=port if port is not None else server.port,
+        log_level=server.log_level, loop="uvloop", **uvicorn_options(settings))
+    DrainingServer(config).run()

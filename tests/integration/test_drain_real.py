@@ -1,0 +1,65 @@
+"""The graceful drain of the real gateway process in front of the real llama-server
+(issue 14, part 1): SIGTERM while a stream is in flight."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.dev.localbackend import LlamaServer, free_port
+
+pytestmark = pytest.mark.llama
+
+
+def test_sigterm_lets_a_stream_finish_refuses_new_work_and_exits_0(
+        default_server: LlamaServer, tmp_path: Path) -> None:
+    port = free_port()
+    config = tmp_path / "gateway.toml"
+    config.write_text(f'[server]\nport = {port}\ndrain_timeout_s = 120\n'
+                      f'[[backends]]\nname = "local"\nurl = "{default_server.url}"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config",
+                             str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body: list[str] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
+                    "messages": [{"role": "user", "content": "Tell a long story."}],
+                    "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
+                for text in r.iter_text():
+                    body.append(text)
+                    first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert httpx.get(url + "/ready", timeout=5).status_code == 503
+        late = httpx.post(url + "/v1/chat/completions", timeout=5, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        reader.join(120)
+        text = "".join(body)
+        assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
