@@ -101,6 +101,11 @@ class Lease:
         """KV cells this request holds now: n × (prompt + generated)."""
         return self.charge.n * (self.charge.prompt_tokens + self.generated)
 
+    @property
+    def live_tokens(self) -> int:
+        """KV cells counted for it now: its use when tracked, else its whole charge."""
+        return self.used_tokens if self.tracked else self.charge.tokens
+
 
 @dataclass(frozen=True)
 class AdmissionStats:
@@ -233,8 +238,7 @@ class Admission:
             ctx_per_slot=layout.ctx_per_slot if layout else 0,
             layout_changes=self._layout_changes,
             admitted=self._admitted,
-            live_tokens=sum(lease.used_tokens if lease.tracked else lease.charge.tokens
-                            for lease in self._active.values()),
+            live_tokens=sum(lease.live_tokens for lease in self._active.values()),
         )
 
     def retry_after_s(self) -> float:
@@ -612,13 +616,13 @@ class Admission:
         """(cells held now, cells it may add within the horizon) of one lease in flight.
         An untracked lease is taken at its charge and does not grow past it."""
         if not lease.tracked:
-            return lease.charge.tokens, 0
+            return lease.live_tokens, 0
         remaining = max(0, lease.charge.max_tokens - lease.generated)
         rate = self._rate_of(lease, now)
         if rate is None:
             rate = max(self._decode_rates, default=DEFAULT_DECODE_RATE)
         growth = min(remaining, math.ceil(rate * GROWTH_HORIZON_S) + 1)
-        return lease.used_tokens, lease.charge.n * growth
+        return lease.live_tokens, lease.charge.n * growth
 
     def _fits(self, layout: Layout, charge: Charge) -> bool:
         """:func:`gateway.capacity.fits` against what is reserved; under ``predictive``,

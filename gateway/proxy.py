@@ -255,8 +255,6 @@ class ProxyResponse(Response):
             # The backend overflowed and failed this whole answer before any of it was
             # sent (predictive policy): the same request again, at the head of the queue.
             m.preemptions.labels(name, "overflow").inc()
-            self._again, self._sent, self._done, self._launched = False, False, False, False
-            self._pending = None
             try:
                 lease = await watcher.race(x.backend.admit(x.charge, front=True))
             except ClientDisconnected:
@@ -272,8 +270,7 @@ class ProxyResponse(Response):
     async def _hold(self, watcher: DisconnectWatcher, send: Send, lease: Lease) -> None:
         """Forward and relay on ``lease``, and give it back whatever happens."""
         x, name = self.x, self.x.backend.name
-        self._lease = lease
-        held_since = self.clock.now()
+        held_since = self._start_attempt(lease)
         try:
             if lease.pinned:
                 await self._forward(watcher, send)
@@ -290,6 +287,13 @@ class ProxyResponse(Response):
         finally:
             self._give_back(lease, held_since, served=200 <= x.status < 400,
                             stream=x.stream)
+
+    def _start_attempt(self, lease: Lease) -> float:
+        """Forget the last attempt's upstream state and hold ``lease``; returns the clock
+        time the attempt starts (for :meth:`_give_back`)."""
+        self._lease, self._pending = lease, None
+        self._sent = self._done = self._launched = self._again = False
+        return self.clock.now()
 
     def _give_back(self, lease: Lease, held_since: float, *, served: bool, stream: bool,
                    quick: bool = False) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CAP_FIELDS", "Continuation", "Reassembler", "resumable"]
@@ -217,7 +217,6 @@ class Reassembler:
     finish_reason: Any = None
     usage: Any = None
     timings: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def feed(self, obj: dict[str, Any]) -> None:
         """Take one event object."""

@@ -35,7 +35,7 @@ from gateway.admission import Lease
 from gateway.errors import ClientDisconnected, GatewayError, UpstreamError, sse_error_event
 from gateway.proxy import _SSE_HEADERS, ProxyResponse, _StreamState
 from gateway.relay import body_message, json_object, reshaped
-from gateway.resume import Continuation, Reassembler
+from gateway.resume import CAP_FIELDS, Continuation, Reassembler
 from gateway.sse import EventSplitter, EventTooLarge, event_data
 from gateway.upstream import map_upstream_errors
 from gateway.watcher import DisconnectWatcher
@@ -198,7 +198,7 @@ class TrackedResponse(ProxyResponse):
         if left < 1:
             raise UpstreamError(f"Backend {x.backend.name!r} had to stop this answer to make "
                                 "room, and its continuation no longer fits one slot.")
-        for name in ("max_tokens", "max_completion_tokens", "n_predict"):
+        for name in CAP_FIELDS:
             if name in body:
                 body[name] = left
         return replace(x.charge, prompt_tokens=counted, max_tokens=left,
@@ -215,9 +215,7 @@ class TrackedResponse(ProxyResponse):
         lease.earlier = cont.generated
         lease.preemptible = cont.faithful and cont.attempts < MAX_RESUMES
         lease.on_preempt = lambda reason: preempted.set()
-        self._lease, self._pending = lease, None
-        self._sent = self._done = self._launched = False
-        held_since = self.clock.now()
+        held_since = self._start_attempt(lease)
         reason: str | None = None
         try:
             reason = await watcher.race(self._until(

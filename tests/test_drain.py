@@ -12,9 +12,8 @@ import pytest
 pytestmark = pytest.mark.anyio
 
 
-async def test_a_drain_refuses_new_work_and_waits_for_what_is_in_hand(
-        harness_factory: Any, fake: Any) -> None:
-    h = await harness_factory({"max_queue_wait_s": 60.0})
+async def _one_in_flight_one_queued(h: Any, fake: Any) -> tuple[Any, Any]:
+    """Two chats whose caps do not fit together, held by the fake: one runs, one waits."""
     fake.hold = asyncio.Event()
     inflight = asyncio.ensure_future(h.chat("one", max_tokens=1500))
     queued = asyncio.ensure_future(h.chat("two", max_tokens=1500))
@@ -22,6 +21,14 @@ async def test_a_drain_refuses_new_work_and_waits_for_what_is_in_hand(
         await asyncio.sleep(0.01)
         if h.backend.stats().queued == 1:
             break
+    assert h.backend.stats().queued == 1
+    return inflight, queued
+
+
+async def test_a_drain_refuses_new_work_and_waits_for_what_is_in_hand(
+        harness_factory: Any, fake: Any) -> None:
+    h = await harness_factory({"max_queue_wait_s": 60.0})
+    inflight, queued = await _one_in_flight_one_queued(h, fake)
     assert (await h.client.get("/ready")).status_code == 200
     drain = asyncio.ensure_future(h.state.drain())
     await asyncio.sleep(0.05)
@@ -42,13 +49,7 @@ async def test_a_drain_can_refuse_the_queue_and_gives_up_after_its_timeout(
     settings = h.state.settings
     h.state.settings = settings.model_copy(update={"server": settings.server.model_copy(
         update={"drain_queued": "refuse", "drain_timeout_s": 0.3})})
-    fake.hold = asyncio.Event()
-    inflight = asyncio.ensure_future(h.chat("one", max_tokens=1500))
-    queued = asyncio.ensure_future(h.chat("two", max_tokens=1500))
-    for _ in range(100):
-        await asyncio.sleep(0.01)
-        if h.backend.stats().queued == 1:
-            break
+    inflight, queued = await _one_in_flight_one_queued(h, fake)
     assert await h.state.drain() is False  # the one in flight outlives the timeout
     r = await queued
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
