@@ -21,6 +21,7 @@ from gateway.admission import Clock, MonotonicClock
 from gateway.api import register_routes
 from gateway.backends import SIDE_CONNECTIONS
 from gateway.config import Settings
+from gateway.connection import guarded_protocol
 from gateway.errors import GatewayError, render, shape_of
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestAccounting
@@ -33,17 +34,33 @@ __all__ = ["GatewayState", "create_app", "uvicorn_options"]
 log = logging.getLogger(__name__)
 
 
+# The largest request head h11 buffers (bytes). Above the middleware's own limit
+# (MAX_HEADER_BYTES, 16 KiB), so that a head between the two gets the gateway's 431 in
+# the OpenAI shape; a larger one gets h11's plain 400 and its connection is closed.
+MAX_HEAD_BYTES = 64 * 1024
+
+
 def uvicorn_options(settings: Settings | None = None) -> dict[str, Any]:
     """How uvicorn serves the gateway, shared by ``gateway serve``, ``make run`` and the
-    tests: h11, and idle client connections kept ``server.keepalive_timeout_s``.
+    tests: every client-facing limit is set here, none is left at uvicorn's default.
 
-    The HTTP implementation is h11: it frames a response by the client's HTTP version, so
-    an HTTP/1.0 client gets a close-delimited stream. uvicorn's httptools protocol always
-    adds ``Transfer-Encoding: chunked`` to a body of unknown length, which an HTTP/1.0
-    client cannot read (``uvicorn/protocols/http/httptools_impl.py``).
+    * HTTP/1.1 by h11, with the head and body timeouts of :mod:`gateway.connection`.
+      h11 frames a response by the client's HTTP version, so an HTTP/1.0 client gets a
+      close-delimited stream; uvicorn's httptools protocol always adds
+      ``Transfer-Encoding: chunked`` to a body of unknown length, which an HTTP/1.0
+      client cannot read (``uvicorn/protocols/http/httptools_impl.py``).
+    * Request heads up to :data:`MAX_HEAD_BYTES` (``h11_max_incomplete_event_size``).
+    * Idle client connections kept ``server.keepalive_timeout_s`` seconds.
+    * At most ``server.max_connections`` client connections (``limit_concurrency``).
     """
-    keepalive = (settings or Settings()).server.keepalive_timeout_s
-    return {"http": "h11", "timeout_graceful_shutdown": 5, "timeout_keep_alive": keepalive}
+    server = (settings or Settings()).server
+    return {
+        "http": guarded_protocol(server.head_timeout_s, server.body_idle_timeout_s),
+        "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
+        "limit_concurrency": server.max_connections,
+        "timeout_graceful_shutdown": 5,
+        "timeout_keep_alive": server.keepalive_timeout_s,
+    }
 
 
 def create_app(

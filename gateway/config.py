@@ -98,6 +98,14 @@ class ServerSettings(_Strict):
     # to finish before the server stops (seconds). A second signal stops at once.
     drain_timeout_s: float = Field(30.0, ge=0)
     drain_queued: Literal["serve", "refuse"] = "serve"
+    # Client connection limits (gateway/connection.py): the longest a client may take to
+    # send a request head, from its first byte (slowloris); the longest it may pause
+    # while sending a body (seconds); and how many client connections are open at once.
+    # Past max_connections a new request gets uvicorn's plain 503 and its connection is
+    # closed: a bound on sockets and file descriptors, far above max_queue on purpose.
+    head_timeout_s: float = Field(10.0, gt=0)
+    body_idle_timeout_s: float = Field(30.0, gt=0)
+    max_connections: int = Field(1000, ge=1)
 
 
 class AdmissionSettings(_Strict):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 from collections.abc import Generator
 from contextlib import contextmanager
 from types import FrameType
@@ -82,7 +83,24 @@ def serve(app: Any, settings: Settings, *, host: str | None = None,
     :param port: overrides ``server.port``.
     """
     server = settings.server
+    _raise_fd_limit(2 * server.max_connections + 256)
     config = uvicorn.Config(
         app, host=host or server.host, port=port if port is not None else server.port,
         log_level=server.log_level, loop="uvloop", **uvicorn_options(settings))
     DrainingServer(config).run()
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    """Raise the soft limit on open files towards ``wanted`` (at most the hard limit):
+    each client connection in hand holds one descriptor and, while forwarded, another
+    upstream. Logs a warning when the hard limit is lower than ``wanted``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit to %d: %s", target, exc)
+    if target < wanted:
+        log.warning("the open-file limit (%d) is below what server.max_connections "
+                    "needs (%d); lower max_connections or raise the limit", target, wanted)

@@ -8,21 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from prometheus_client import CollectorRegistry
 
-from gateway.app import create_app, uvicorn_options
-from gateway.dev.localbackend import free_port
 from gateway.middleware import MAX_HEADER_BYTES, MAX_HEADERS
 from tests.conftest import Harness
 from tests.fakes import FakeLlamaServer
+from tests.served import exchange, request_bytes, served, split_response
 
 pytestmark = pytest.mark.anyio
 CHAT = "/v1/chat/completions"
@@ -195,47 +190,14 @@ async def test_each_answered_request_is_counted_once(harness: Harness) -> None:
 
 
 # 7. HTTP/1.0 clients get a close-delimited stream, not a chunked one.
-def http10_post(port: int, path: str, payload: dict[str, Any]) -> tuple[bytes, bytes]:
-    """POST as an HTTP/1.0 client over a raw socket; read until the server closes.
-    Returns the response head and body bytes."""
-    body = json.dumps(payload).encode()
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-        sock.sendall(b"POST " + path.encode() + b" HTTP/1.0\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\n\r\n" + body)
-        raw = b""
-        while chunk := sock.recv(65536):
-            raw += chunk
-    head, _, rest = raw.partition(b"\r\n\r\n")
-    return head, rest
-
-
 def test_http_1_0_stream_is_close_delimited(make_settings: Any) -> None:
-    fake = FakeLlamaServer()
-    app = create_app(make_settings(), http_client=fake.client(), registry=CollectorRegistry())
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", loop="asyncio",
-                                           **uvicorn_options()))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        head, payload = http10_post(port, CHAT, {
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
-        assert b" 200 " in head.split(b"\r\n")[0]
-        assert b"transfer-encoding" not in head.lower()
-        assert payload.startswith(b"data: {") and payload.endswith(b"data: [DONE]\n\n")
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                       "stream": True}).encode()
+    with served(make_settings(), FakeLlamaServer().client()) as port:
+        raw = exchange(port, request_bytes(CHAT, body, version="1.0"), timeout=60)
+    status, headers, payload = split_response(raw)
+    assert status == 200 and "transfer-encoding" not in headers
+    assert payload.startswith(b"data: {") and payload.endswith(b"data: [DONE]\n\n")
 
 
 # 8. Token-id prompts are validated like every other body.

@@ -1,0 +1,113 @@
+"""Client connection limits that uvicorn does not enforce on its own.
+
+uvicorn's h11 protocol (``uvicorn/protocols/http/h11_impl.py``, 0.3x-0.5x) times out a
+connection only while it is idle *between* requests (``timeout_keep_alive``). A client
+that opens a connection and sends nothing, or sends a request head one byte at a time
+(slowloris), or stops in the middle of a body, holds a socket and a file descriptor for
+as long as it likes. nginx bounds the same phases with ``client_header_timeout`` and
+``client_body_timeout`` (60 s each by default).
+
+:func:`guarded_protocol` returns an :class:`~uvicorn.protocols.http.h11_impl.H11Protocol`
+subclass with two more timers:
+
+* **head timeout** -- from a connection's first byte (or its opening) to the end of a
+  request head: at most ``head_timeout_s`` seconds in all. Between requests on a
+  keep-alive connection, uvicorn's own keep-alive timer applies until the next byte.
+* **body idle timeout** -- while a request body is being received, at most
+  ``body_idle_timeout_s`` seconds without a byte. A slow but steady upload is fine; a
+  stalled one is cut (the handler sees a disconnect, counted as 499).
+
+On either timeout the connection is closed without a response, as nginx does
+(it logs 408 and closes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+__all__ = ["guarded_protocol"]
+
+log = logging.getLogger(__name__)
+
+
+class _GuardedH11Protocol(H11Protocol):
+    head_timeout_s: float = 10.0
+    body_idle_timeout_s: float = 30.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._guard: asyncio.TimerHandle | None = None
+        self._guarding: object = None  # the h11 state the timer is for
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._rearm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._rearm()
+
+    def _disarm(self) -> None:
+        if self._guard is not None:
+            self._guard.cancel()
+        self._guard = None
+        self._guarding = None
+
+    def _rearm(self) -> None:
+        """Set the timer for the phase the client is in. A head keeps one deadline from
+        its first byte; a body's deadline moves with every byte."""
+        if self.transport.is_closing():
+            self._disarm()
+            return
+        phase = self.conn.their_state
+        if phase is h11.IDLE and (self.cycle is None or self.cycle.response_complete):
+            if self._guarding is h11.IDLE:
+                return
+            self._disarm()
+            self._guarding = h11.IDLE
+            self._guard = self.loop.call_later(self.head_timeout_s, self._expired, "head")
+        elif phase is h11.SEND_BODY:
+            self._disarm()
+            self._guarding = h11.SEND_BODY
+            self._guard = self.loop.call_later(self.body_idle_timeout_s, self._expired, "body")
+        else:
+            self._disarm()
+
+    def _expired(self, what: str) -> None:
+        self._guard = None
+        if self.transport.is_closing():
+            return
+        if what == "body" and self.flow.read_paused:
+            # The handler is not reading yet; the client is not the one stalling.
+            self._guard = self.loop.call_later(self.body_idle_timeout_s, self._expired, what)
+            return
+        if self.conn.their_state is not self._guarding:
+            self._guarding = None
+            return
+        self._guarding = None
+        limit = self.head_timeout_s if what == "head" else self.body_idle_timeout_s
+        log.info("closing a client connection: no complete request %s within %g s (%s)",
+                 what, limit, self.client)
+        self.transport.close()
+
+
+def guarded_protocol(head_timeout_s: float, body_idle_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol class with a head timeout and a body idle timeout.
+
+    :param head_timeout_s: the longest a client may take to send a request head, from
+        its first byte (or from connecting), seconds.
+    :param body_idle_timeout_s: the longest a client may pause while sending a request
+        body, seconds.
+    :returns: a class to pass as ``uvicorn.Config(http=...)``.
+    """
+    return type("GuardedH11Protocol", (_GuardedH11Protocol,), {
+        "head_timeout_s": head_timeout_s, "body_idle_timeout_s": body_idle_timeout_s})

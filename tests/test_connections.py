@@ -1,0 +1,191 @@
+"""The gateway on the wire, under uvicorn with the options of ``gateway.app.uvicorn_options``:
+oversized heads, request smuggling shapes, HTTP/1.0, ``Expect: 100-continue``, slowloris
+and stalled bodies, and the connection limit (issue 14, part 3).
+
+The upstream is the fake llama-server (tests/fakes.py). Each test checks both the answer
+and that nothing malformed reached the upstream.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any
+
+import pytest
+
+from gateway.app import MAX_HEAD_BYTES
+from gateway.middleware import MAX_HEADER_BYTES
+from tests.fakes import FakeLlamaServer
+from tests.served import exchange, read_all, request_bytes, served, split_response
+
+CHAT = "/v1/chat/completions"
+BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).encode()
+
+
+@pytest.fixture
+def fake() -> FakeLlamaServer:
+    return FakeLlamaServer()
+
+
+def settings(make_settings: Any, **server: Any) -> Any:
+    base = make_settings()
+    return base.model_copy(update={"server": base.server.model_copy(update=server)})
+
+
+def test_a_plain_request_works_on_the_wire(make_settings: Any, fake: FakeLlamaServer) -> None:
+    with served(make_settings(), fake.client()) as port:
+        status, headers, body = split_response(exchange(port, request_bytes(CHAT, BODY)))
+    assert status == 200 and json.loads(body)["object"] == "chat.completion"
+    assert len(fake.generations) == 1
+
+
+@pytest.mark.parametrize("size", [MAX_HEADER_BYTES + 1024, 16 * MAX_HEAD_BYTES])
+def test_an_oversized_head_is_refused_and_not_forwarded(
+        make_settings: Any, fake: FakeLlamaServer, size: int) -> None:
+    with served(make_settings(), fake.client()) as port:
+        raw = exchange(port, request_bytes(CHAT, BODY, extra=[("X-Pad", "a" * size)]))
+    status, headers, body = split_response(raw)
+    if size < MAX_HEAD_BYTES:  # the gateway's own limit: 431 in the OpenAI shape
+        assert status == 431 and json.loads(body)["error"]["type"] == "invalid_request_error"
+    else:  # h11's limit (it applies to a head still incomplete after a read): a plain
+        # 400, and the connection is closed
+        assert status == 400 and headers.get("connection") == "close"
+    assert fake.generations == []
+
+
+@pytest.mark.parametrize("framing", [
+    [("Content-Length", "5")],  # two different lengths
+    [("Transfer-Encoding", "gzip, chunked")],
+    [("Transfer-Encoding", "identity")],
+])
+def test_ambiguous_framing_is_refused_and_not_forwarded(
+        make_settings: Any, fake: FakeLlamaServer, framing: list[tuple[str, str]]) -> None:
+    with served(make_settings(), fake.client()) as port:
+        raw = exchange(port, request_bytes(CHAT, BODY, extra=framing))
+        after = split_response(exchange(port, request_bytes(CHAT, BODY)))[0]
+    status = split_response(raw)[0]
+    assert 400 <= status < 500 or status == 501, raw[:200]
+    assert len(fake.generations) == 1  # only the well-formed request after
+    assert after == 200
+
+
+def test_a_length_and_chunked_at_once_frame_by_chunked(
+        make_settings: Any, fake: FakeLlamaServer) -> None:
+    """CL.TE smuggling: the length covers a second request hidden after an empty chunked
+    body. Transfer-Encoding wins (RFC 9112 section 6.3), so the gateway reads an empty
+    body (400) and, the connection being closed after it, never serves the hidden one."""
+    hidden = request_bytes(CHAT, BODY)
+    body = b"0\r\n\r\n" + hidden
+    with served(make_settings(), fake.client()) as port:
+        raw = exchange(port, request_bytes(CHAT, body, extra=[("Transfer-Encoding", "chunked")]))
+    responses = raw.count(b"HTTP/1.1 ")
+    status, _, answer = split_response(raw)
+    assert status == 400 and json.loads(answer)["error"]["type"] == "invalid_request_error"
+    assert responses == 1 and fake.generations == []
+
+
+def test_a_chunked_body_is_read(make_settings: Any, fake: FakeLlamaServer) -> None:
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (BODY[:7], BODY[7:]))
+    with served(make_settings(), fake.client()) as port:
+        raw = exchange(port, request_bytes(
+            CHAT, chunked + b"0\r\n\r\n", content_length=False,
+            extra=[("Transfer-Encoding", "chunked")]))
+    status, _, body = split_response(raw)
+    assert status == 200 and json.loads(body)["choices"]
+    assert len(fake.generations) == 1
+
+
+def test_http_1_0_gets_a_whole_answer(make_settings: Any, fake: FakeLlamaServer) -> None:
+    with served(make_settings(), fake.client()) as port:
+        raw = exchange(port, request_bytes(CHAT, BODY, version="1.0"))
+    status, headers, body = split_response(raw)
+    assert raw.startswith(b"HTTP/1.1 200")  # h11 answers 1.1, framed for a 1.0 reader
+    assert "transfer-encoding" not in headers
+    assert json.loads(body)["object"] == "chat.completion"
+
+
+def test_expect_100_continue(make_settings: Any, fake: FakeLlamaServer) -> None:
+    with served(make_settings(), fake.client()) as port, \
+            socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        head = request_bytes(CHAT, b"", extra=[("Expect", "100-continue")])
+        head = head.replace(b"Content-Length: 0", b"Content-Length: %d" % len(BODY))
+        sock.sendall(head)
+        interim = sock.recv(4096)
+        assert interim.startswith(b"HTTP/1.1 100 Continue")
+        sock.sendall(BODY)
+        status, _, body = split_response(read_all(sock))
+    assert status == 200 and json.loads(body)["choices"]
+
+
+def test_slowloris_connections_are_closed_and_others_are_served(
+        make_settings: Any, fake: FakeLlamaServer) -> None:
+    """40 clients each send part of a request head and then a byte now and again; each
+    is closed once ``head_timeout_s`` has passed since its first byte, while a normal
+    request is served all along."""
+    with served(settings(make_settings, head_timeout_s=1.0), fake.client()) as port:
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(40)]
+        started = time.monotonic()
+        for sock in socks:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\n")
+        closed: set[int] = set()
+        while len(closed) < len(socks) and time.monotonic() - started < 8:
+            for i, sock in enumerate(socks):
+                if i in closed:
+                    continue
+                try:
+                    sock.sendall(b"X-a: b\r\n")  # a header line at a time, never the end
+                except OSError:
+                    closed.add(i)
+            assert split_response(exchange(port, request_bytes(CHAT, BODY)))[0] == 200
+            time.sleep(0.2)
+        waited = time.monotonic() - started
+        for sock in socks:
+            sock.close()
+    assert len(closed) == len(socks)
+    assert 1.0 <= waited < 8
+    assert len(fake.generations) >= 5  # the normal requests, one per round
+
+
+def test_a_silent_connection_is_closed(make_settings: Any, fake: FakeLlamaServer) -> None:
+    with served(settings(make_settings, head_timeout_s=0.5), fake.client()) as port, \
+            socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        started = time.monotonic()
+        assert read_all(sock) == b""  # closed without an answer
+        assert 0.4 <= time.monotonic() - started < 4
+
+
+def test_a_stalled_body_is_cut_and_a_slow_one_is_not(
+        make_settings: Any, fake: FakeLlamaServer) -> None:
+    with served(settings(make_settings, body_idle_timeout_s=0.6), fake.client()) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(request_bytes(CHAT, BODY[:10]).replace(
+                b"Content-Length: 10", b"Content-Length: %d" % len(BODY)))
+            started = time.monotonic()
+            assert read_all(sock) == b""
+            assert time.monotonic() - started < 4
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(request_bytes(CHAT, b"").replace(
+                b"Content-Length: 0", b"Content-Length: %d" % len(BODY)))
+            for i in range(0, len(BODY), 8):  # 0.3 s between pieces: slow, not stalled
+                sock.sendall(BODY[i:i + 8])
+                time.sleep(0.3)
+            status, _, body = split_response(read_all(sock))
+    assert status == 200 and json.loads(body)["choices"]
+    assert len(fake.generations) == 1
+
+
+def test_past_max_connections_a_request_gets_503(
+        make_settings: Any, fake: FakeLlamaServer) -> None:
+    with served(settings(make_settings, max_connections=4), fake.client()) as port:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        time.sleep(0.2)
+        refused = split_response(exchange(port, request_bytes(CHAT, BODY)))
+        for sock in idle:
+            sock.close()
+        time.sleep(0.2)
+        served_after = split_response(exchange(port, request_bytes(CHAT, BODY)))
+    assert refused[0] == 503 and refused[1].get("connection") == "close"
+    assert served_after[0] == 200
+    assert len(fake.generations) == 1
