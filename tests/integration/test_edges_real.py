@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -10,7 +11,7 @@ import pytest
 from gateway.dev.localbackend import LlamaServer
 from gateway.planner.probe import probe
 from tests.integration.conftest import GatewayThread
-from tests.test_edges import http10_post
+from tests.served import exchange, request_bytes, split_response
 
 pytestmark = [pytest.mark.llama]
 
@@ -35,8 +36,10 @@ def test_headers_llama_server_refuses_are_not_forwarded(default_server: LlamaSer
 
 def test_http_1_0_client_reads_a_stream(default_server: LlamaServer) -> None:
     with GatewayThread({"url": default_server.url}) as gw:
-        head, payload = http10_post(gw.port, CHAT, {**BODY, "stream": True})
-        assert b"transfer-encoding" not in head.lower()
+        raw = exchange(gw.port, request_bytes(
+            CHAT, json.dumps({**BODY, "stream": True}).encode(), version="1.0"), timeout=60)
+        status, headers, payload = split_response(raw)
+        assert status == 200 and "transfer-encoding" not in headers
         assert payload.rstrip().endswith(b"data: [DONE]")
 
 
