@@ -186,6 +186,29 @@ class Admission:
         self._unpinned = 0  # unpinned leases in flight: their slots are llama-server's pick
         # Free slot ids, least recently used first (never-used ones in index order).
         self._free: deque[int] = deque(range(layout.slots if layout else 0))
+        # Called after every change that may make room (a release, a new layout, a
+        # waiter leaving): the model queue of a fleet (gateway.fleet) listens.
+        self._listeners: list[Callable[[], None]] = []
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` whenever room may have been made on this backend, after
+        this admission's own queue has been served."""
+        self._listeners.append(listener)
+
+    def fits_now(self, charge: Charge) -> bool:
+        """True when ``charge`` would be granted now by :meth:`try_admit` (no one waits
+        here and it fits what is left). False while the layout is unknown."""
+        layout = self._layout
+        return (layout is not None and not self._queue
+                and capacity.fits_alone(layout, charge) and self._fits(layout, charge))
+
+    def headroom(self, charge: Charge) -> tuple[float, float]:
+        """What would be left after granting ``charge``, as fractions of the backend:
+        (free KV tokens / capacity tokens, free slots / slots). For routing scores."""
+        layout = self._require_layout()
+        tokens = layout.capacity_tokens - self._budget.reserved_tokens - charge.tokens
+        slots = layout.slots - self._budget.busy_slots - charge.slots
+        return (tokens / max(1, layout.capacity_tokens), slots / max(1, layout.slots))
 
     @property
     def layout(self) -> Layout | None:
@@ -550,6 +573,8 @@ class Admission:
                                 prefer=waiter.prefer)
             lease.predicted_wait_s = waiter.predicted
             waiter.future.set_result(lease)
+        for listener in self._listeners:
+            listener()
 
     # -- live accounting (the predictive policy) -----------------------------------------
 

@@ -89,14 +89,28 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
+        """Each model once: a backend with ``model`` configured is listed under that name
+        (its own entry renamed, for the metadata); one without, as it lists itself.
+        Backends of a model already listed are not asked; an unreachable one lists
+        nothing."""
         data: list[Any] = []
+        seen: set[str] = set()
         for backend in state.backends.values():
+            configured = backend.settings.model
+            if configured in seen:
+                continue
             try:
                 resp = await backend.client.get(backend.url("/v1/models"), timeout=backend.timeout,
-                                              headers=backend.settings.auth_headers)
-                data.extend(resp.json().get("data", []))
+                                                headers=backend.settings.auth_headers)
+                listed = [e for e in resp.json().get("data", []) if isinstance(e, dict)]
             except Exception:  # an unreachable backend lists nothing
                 continue
+            if configured is not None:
+                listed = [{**(listed[0] if listed else {"object": "model"}), "id": configured}]
+            for entry in listed:
+                if entry.get("id") not in seen:
+                    seen.add(entry.get("id"))
+                    data.append(entry)
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -164,6 +164,11 @@ class BackendSettings(_Strict):
     name: str = Field(min_length=1)
     url: str = "http://127.0.0.1:8080"
     kind: BackendKind = BackendKind.llama_cpp
+    # The model clients name to reach this backend; several backends with one model form
+    # a pool the gateway routes across (gateway/fleet.py). Unset: the id the backend
+    # reports in /v1/models. Aliases are further names of the same model.
+    model: str | None = Field(None, min_length=1)
+    aliases: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
     slots: int | None = Field(None, ge=1)
     ctx_per_slot: int | None = Field(None, ge=2)
     # llama.cpp only (Ollama's slots are always private, vLLM's pool always shared):
@@ -244,6 +249,24 @@ class BackendSettings(_Strict):
         return self
 
 
+class RoutingSettings(_Strict):
+    """How requests find a backend when several are configured (gateway/fleet.py)."""
+
+    # The model used for requests that name none, or one no backend serves. Unset: such
+    # requests go to the only model when all backends serve one, else get 404.
+    default_model: str | None = Field(None, min_length=1)
+    # Requests that share a conversation prefix go to the backend that served it last
+    # (its slots keep the prompt cache), while it has room.
+    affinity: bool = True
+    # A request whose backend fails before any byte reached the client (connection
+    # refused or timed out, or a 5xx answer) is sent to another backend of its model.
+    failover: bool = True
+    # A failed backend is skipped for this long, doubled on each further failure up to
+    # down_max_s, then tried by one request again (half-open), seconds.
+    down_initial_s: float = Field(1.0, gt=0)
+    down_max_s: float = Field(30.0, gt=0)
+
+
 class Settings(BaseSettings):
     """The whole gateway configuration. Frozen; build it with :func:`load_settings`."""
 
@@ -256,6 +279,7 @@ class Settings(BaseSettings):
 
     server: ServerSettings = ServerSettings()
     admission: AdmissionSettings = AdmissionSettings()
+    routing: RoutingSettings = RoutingSettings()
     backends: list[BackendSettings] = Field(
         default_factory=lambda: [BackendSettings(name="local")], min_length=1
     )
@@ -267,7 +291,32 @@ class Settings(BaseSettings):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"backend names must be unique; repeated: {', '.join(dupes)}")
+        owner: dict[str, str] = {}  # model name or alias -> the model it stands for
+        for backend in value:
+            if backend.model is None:
+                if backend.aliases:
+                    raise ValueError(f"backend {backend.name!r}: aliases need a model")
+                continue
+            for alias in (backend.model, *backend.aliases):
+                if alias in names and alias != backend.name:
+                    raise ValueError(f"{alias!r} names both a backend and a model of "
+                                     f"backend {backend.name!r}; rename one")
+                seen = owner.setdefault(alias, backend.model)
+                if seen != backend.model:
+                    raise ValueError(f"{alias!r} stands for two models, {seen!r} and "
+                                     f"{backend.model!r}")
         return value
+
+    @model_validator(mode="after")
+    def _default_model_known(self) -> Settings:
+        default = self.routing.default_model
+        if default is None or any(b.model is None for b in self.backends):
+            return self  # a discovered model id may match it
+        known = {n for b in self.backends for n in (b.name, b.model, *b.aliases)}
+        if default not in known:
+            raise ValueError(f"routing.default_model {default!r} is not a model, alias or "
+                             f"backend name configured ({', '.join(sorted(known))})")
+        return self
 
     @classmethod
     def settings_customise_sources(

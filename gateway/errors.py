@@ -122,8 +122,8 @@ class UnsupportedMediaType(ClientError):
 
 
 class ModelNotFound(ClientError):
-    """Raised when the backend serves no model of the requested name (HTTP 404), found
-    while counting, so the request is never queued."""
+    """Raised when no configured backend serves a model of the requested name, or the
+    backend itself says so while counting (HTTP 404); the request is never queued."""
 
     status_code = 404
     error_type = "not_found_error"

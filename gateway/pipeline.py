@@ -16,10 +16,12 @@ from gateway.config import STRICT_DEFAULT_MAX_TOKENS
 from gateway.errors import (
     BackendNotReady,
     ContextLengthExceeded,
+    GatewayError,
     InvalidRequest,
     PayloadTooLarge,
     ShuttingDown,
 )
+from gateway.fleet import Candidate
 from gateway.proxy import Exchange
 from gateway.resume import resumable
 from gateway.state import GatewayState
@@ -163,8 +165,14 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
     ``rerank``, ``infill`` or ``completion`` (llama-server's own), ``ollama_chat`` or
     ``ollama_generate`` (Ollama's native API).
 
+    The request is counted once, on the first usable backend of its model, and planned
+    against every usable backend of the model (:mod:`gateway.fleet`): the exchange
+    carries one :class:`~gateway.fleet.Candidate` per backend it fits.
+
     :raises GatewayError: the first step that refuses the request (4xx for the client's
-        mistakes, 503 when the backend is not ready or its queue is full).
+        mistakes, 404 for a model no backend serves, 503 when no backend of the model is
+        ready or its queue is full). When the request fits no backend, the refusal is
+        the one from the backend with the largest slot.
     """
     started = state.clock.now()
     request.state.route = route
@@ -182,18 +190,82 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         req = parse_body(route, raw)
     else:
         req = parse_route_body(route, raw)
-    backend = state.pick_backend(req.body.get("model"), "ollama" if native else None,
-                                 route=route)
-    request.state.backend = backend.name
-    require_ready(backend)
+    members = state.resolve(req.body.get("model"), "ollama" if native else None,
+                            route=route)
+    request.state.backend = members[0].name
+    backends = state.usable(members)
+    counter = backends[0]
+    request.state.backend = counter.name
+    counter.check_request(req)
+    queue = state.queue_for(members)
+    if queue is not None:
+        queue.check_room()
+    else:
+        counter.check_queue_room()  # a full queue answers before any counting
+    batch = max(1, len(req.prompts))
+    refusals: list[tuple[int, GatewayError]] = []
+    fitting = []
+    for backend in backends:  # what the body alone shows, before any counting
+        try:
+            _check_shape(backend, req, route, batch)
+            fitting.append(backend)
+        except GatewayError as exc:
+            refusals.append((_slot_of(backend), exc))
+    if not fitting:
+        raise max(refusals, key=lambda r: r[0])[1]
+    counter = fitting[0]
+    request.state.backend = counter.name
+    prompt_tokens, raw_estimate = await count_prompt(state, counter, req)
+    # Followed live only when every backend can follow it: one response class for all.
+    track = all(_trackable(backend, req, route, batch) for backend in fitting)
+    candidates = []
+    for backend in fitting:
+        try:
+            candidates.append(_plan(state, backend, req, route, prompt_tokens, batch,
+                                    track))
+        except GatewayError as exc:
+            refusals.append((_slot_of(backend), exc))
+    if not candidates:
+        raise max(refusals, key=lambda r: r[0])[1]
+    first = candidates[0]
+    charge = first.charge
+    extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]
+    if charge.defaulted:
+        state.metrics.default_max_tokens_applied.labels(first.backend.name).inc()
+    if charge.clamped:
+        state.metrics.max_tokens_clamped.labels(first.backend.name).inc()
+        extra.append((b"x-gateway-max-tokens-clamped", str(charge.max_tokens).encode()))
+    options = req.body.get("stream_options") or {}
+    admission = state.settings.admission
+    return Exchange(
+        backend=first.backend, route=route, body=first.body, charge=charge,
+        stream=req.stream, started=started, headers=list(request.headers.raw),
+        client_wants_usage=bool(options.get("include_usage")),
+        extra_headers=extra, tag=first.tag, api=req.api,
+        progress_s=admission.queue_progress_s if req.stream and req.api != "ollama"
+        and request.headers.get(
+            "x-queue-progress", "").strip().lower() in ("1", "true", "yes") else 0.0,
+        raw_estimate=raw_estimate, tracked=first.tracked,
+        candidates=candidates if queue is not None else [], queue=queue,
+    )
+
+
+def _slot_of(backend: Target) -> int:
+    layout = backend.layout
+    return layout.usable_per_slot if layout is not None else 0
+
+
+def _check_shape(backend: Target, req: ParsedRequest, route: str, batch: int) -> None:
+    """Refuse, from the body alone, what ``backend``'s layout can never hold.
+
+    :raises InvalidRequest: more completions than the backend has slots.
+    :raises ContextLengthExceeded: the prompt is surely longer than a slot.
+    """
     layout = backend.layout
     assert layout is not None
-    backend.check_request(req)
-    backend.check_queue_room()  # a full queue answers before any counting
-    batch = max(1, len(req.prompts))
     if req.queued_batch:  # the backend queues the items beyond its slots itself
         batch = min(batch, layout.slots)
-    if req.n * batch > layout.slots:  # known from the body alone: refused before counting
+    if req.n * batch > layout.slots:
         raise InvalidRequest(
             f"This request asks for {req.n * batch} completions (n × prompts), each of "
             f"which needs its own slot, but the backend has {layout.slots} slots.",
@@ -206,14 +278,28 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
             param="prompt" if req.prompts else "messages" if route in (
                 "chat", "messages", "count_tokens") else "input",
         )
-    prompt_tokens, raw_estimate = await count_prompt(state, backend, req)
+
+
+def _trackable(backend: Target, req: ParsedRequest, route: str, batch: int) -> bool:
+    """Followed live (and so charged a prediction) under the predictive policy: one
+    answer the backend can continue if it is preempted."""
+    return (backend.predictive and route in backend.dialect.resumable_routes
+            and req.n == 1 and batch == 1 and not req.queued_batch
+            and route not in backend.dialect.unpinned_routes
+            and resumable(route, req.body))
+
+
+def _plan(state: GatewayState, backend: Target, req: ParsedRequest, route: str,
+          prompt_tokens: int, batch: int, tracked: bool) -> Candidate:
+    """The charge and body of the request on ``backend``.
+
+    :raises ContextLengthExceeded: it can never fit one of the backend's slots.
+    """
+    layout = backend.layout
+    assert layout is not None
+    if req.queued_batch:
+        batch = min(batch, layout.slots)
     admission = state.settings.admission
-    # Followed live (and so charged a prediction) under the predictive policy: one
-    # answer the backend can continue if it is preempted.
-    tracked = (backend.predictive and route in backend.dialect.resumable_routes
-               and req.n == 1 and batch == 1 and not req.queued_batch
-               and route not in backend.dialect.unpinned_routes
-               and resumable(route, req.body))
     default_cap = admission.default_max_tokens
     if default_cap is None:  # tracked: the room left in the slot, as the server gives
         default_cap = layout.usable_per_slot if tracked else STRICT_DEFAULT_MAX_TOKENS
@@ -230,21 +316,5 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         and route not in backend.dialect.unpinned_routes)
     if tracked:
         charge = replace(charge, predicted=backend.predicted_output(charge.max_tokens))
-    extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]
-    if charge.defaulted:
-        state.metrics.default_max_tokens_applied.labels(backend.name).inc()
-    if charge.clamped:
-        state.metrics.max_tokens_clamped.labels(backend.name).inc()
-        extra.append((b"x-gateway-max-tokens-clamped", str(charge.max_tokens).encode()))
-    options = req.body.get("stream_options") or {}
     body, tag = backend.prepare(req, charge)
-    return Exchange(
-        backend=backend, route=route, body=body, charge=charge, stream=req.stream,
-        started=started, headers=list(request.headers.raw),
-        client_wants_usage=bool(options.get("include_usage")),
-        extra_headers=extra, tag=tag, api=req.api,
-        progress_s=admission.queue_progress_s if req.stream and req.api != "ollama"
-        and request.headers.get(
-            "x-queue-progress", "").strip().lower() in ("1", "true", "yes") else 0.0,
-        raw_estimate=raw_estimate, tracked=tracked,
-    )
+    return Candidate(backend, charge, body, tag, tracked)

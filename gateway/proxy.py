@@ -34,6 +34,7 @@ from gateway.errors import (
     reshape_upstream_error,
     sse_error_event,
 )
+from gateway.fleet import Candidate, ModelQueue
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import error_messages
 from gateway.relay import (
@@ -111,6 +112,40 @@ class Exchange:
     raw_estimate: int | None = None
     progress_s: float = 0.0  # SSE progress comments while queued, every this many s
     tracked: bool = False  # followed token by token, preemptible (gateway.tracked)
+    # With several backends for the model: the request as planned on each, and the
+    # model's queue, which picks one at admission (gateway.fleet). Empty and None for a
+    # lone backend, whose own admission is used.
+    candidates: list[Candidate] = field(default_factory=list)
+    queue: ModelQueue | None = None
+    affinity: str | None = None  # the backend that served this conversation's prefix
+
+    def try_admit(self) -> Lease | None:
+        """A lease now (on the best backend of the model), or ``None``."""
+        if self.queue is None:
+            return self.backend.try_admit(self.charge)
+        return self._bind(self.queue.try_admit(self.candidates, self.affinity))
+
+    async def admit(self) -> Lease:
+        """Wait for a lease in FIFO order (on whichever backend of the model frees room
+        first); raises as :meth:`gateway.admission.Admission.admit`."""
+        if self.queue is None:
+            return await self.backend.admit(self.charge)
+        return self._bind(await self.queue.admit(self.candidates, self.affinity))
+
+    def queue_progress(self) -> tuple[int, float | None] | None:
+        """While waiting: the place in the queue (1 = next) and predicted seconds."""
+        if self.queue is None:
+            return self.backend.queue_progress(self.charge)
+        position = self.queue.position(self.candidates)
+        return None if position is None else (position, None)
+
+    def _bind(self, got: tuple[Candidate, Lease] | None) -> Lease | None:
+        if got is None:
+            return None
+        candidate, lease = got
+        self.backend, self.charge, self.body = candidate.backend, candidate.charge, candidate.body
+        self.tag, self.tracked = candidate.tag, candidate.tracked
+        return lease
 
 
 class ProxyResponse(Response):
@@ -168,7 +203,9 @@ class ProxyResponse(Response):
         :raises ClientDisconnected: the client left while waiting.
         """
         x = self.x
-        admit = asyncio.ensure_future(x.backend.admit(x.charge, front=front, prefer=prefer))
+        admit = asyncio.ensure_future(
+            x.backend.admit(x.charge, front=front, prefer=prefer) if front or prefer
+            is not None else x.admit())
         await asyncio.sleep(0)  # admit refuses at once, or queues
         if admit.done():
             return admit.result()
@@ -184,7 +221,7 @@ class ProxyResponse(Response):
                     tick.cancel()
                 if admit.done():
                     return admit.result()
-                where = x.backend.queue_progress(x.charge)
+                where = x.queue_progress()
                 if where is not None and send.streaming:
                     eta = "" if where[1] is None else f" eta_s={where[1]:.0f}"
                     await send.raw(body_message(
@@ -203,11 +240,11 @@ class ProxyResponse(Response):
         if x.progress_s > 0:
             send = self._progress = Started(send, x.api)  # opens early: queue, prefill
         try:
-            lease = x.backend.try_admit(x.charge)
+            lease = x.try_admit()
             if lease is None and isinstance(send, Started):
                 lease = await self._wait_with_progress(watcher, send)
             elif lease is None:
-                lease = await watcher.race(x.backend.admit(x.charge))
+                lease = await watcher.race(x.admit())
         except ClientDisconnected:
             m.rejections.labels(name, "client_disconnected").inc()
             return None, send

@@ -10,7 +10,8 @@ import httpx
 
 from gateway.admission import AdmissionStats, Clock
 from gateway.config import Settings
-from gateway.errors import RouteNotFound, ShuttingDown
+from gateway.errors import BackendNotReady, ModelNotFound, RouteNotFound, ShuttingDown
+from gateway.fleet import ModelQueue, usable
 from gateway.metrics import GatewayMetrics
 from gateway.target import Target
 
@@ -28,6 +29,7 @@ class GatewayState:
     metrics: GatewayMetrics = field(init=False)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     draining: bool = False  # stopping: /ready is 503 and new requests are refused
+    _queues: dict[tuple[str, ...], ModelQueue] = field(default_factory=dict)
 
     async def drain(self) -> bool:
         """Stop taking requests and wait for those in hand: new ones get 503
@@ -42,13 +44,15 @@ class GatewayState:
         self.draining = True
         server = self.settings.server
         if server.drain_queued == "refuse":
-            for backend in self.backends.values():
-                backend.admission.refuse_waiting(ShuttingDown(
+            for waiting in (*(b.admission for b in self.backends.values()),
+                            *self._queues.values()):
+                waiting.refuse_waiting(ShuttingDown(
                     "The gateway is shutting down; retry after the Retry-After delay.",
                     retry_after_s=1.0))
         deadline = self.clock.now() + server.drain_timeout_s
         while self.clock.now() < deadline:
-            if not any(s.queued or s.inflight - s.abandoned_held for _, s, _r in self.stats()):
+            if not (any(s.queued or s.inflight - s.abandoned_held for _, s, _r in self.stats())
+                    or any(q.waiting for q in self._queues.values())):
                 return True
             await self.clock.sleep(0.1)
         return False
@@ -60,27 +64,97 @@ class GatewayState:
 
     def pick_backend(self, model: object, kind: str | None = None,
                      route: str | None = None) -> Target:
-        """The backend named like ``model``, else the first configured one (of ``kind``
-        and serving ``route``, when given).
+        """The first backend :meth:`resolve` gives that is usable now, else its first.
+
+        :raises RouteNotFound: as :meth:`resolve`.
+        :raises ModelNotFound: as :meth:`resolve`.
+        """
+        members = self.resolve(model, kind, route)
+        now = self.clock.now()
+        return next((b for b in members if usable(b, now)), members[0])
+
+    def resolve(self, model: object, kind: str | None = None,
+                route: str | None = None) -> list[Target]:
+        """The backends a request naming ``model`` may go to (of ``kind`` and serving
+        ``route``, when given), in configuration order: see :mod:`gateway.fleet`.
 
         :raises RouteNotFound: no backend of ``kind`` serving ``route`` is configured (404).
+        :raises ModelNotFound: no backend serves ``model``, there is no
+            ``routing.default_model``, and the backends serve more than one model (404).
         """
         def fits(backend: Target) -> bool:
             return ((kind is None or backend.kind == kind)
                     and (route is None or route in backend.dialect.route_paths))
 
-        named = self.backends.get(model) if isinstance(model, str) else None
-        if named is not None:
-            if not fits(named):
-                raise RouteNotFound(f"Backend {named.name!r} (kind {named.kind}) does not "
-                                    "serve this route.")
-            return named
-        for backend in self.backends.values():
-            if fits(backend):
-                return backend
-        if kind is not None:
-            raise RouteNotFound(f"This route needs a backend of kind {kind!r}; none is "
-                                "configured.")
-        kinds = sorted({b.kind for b in self.backends.values()})
-        raise RouteNotFound(f"No configured backend serves this route (backend kinds: "
-                            f"{', '.join(kinds)}).")
+        eligible = [b for b in self.backends.values() if fits(b)]
+        for name in (model, self.settings.routing.default_model):
+            if not isinstance(name, str):
+                continue
+            named = self.backends.get(name)
+            if named is not None:
+                if not fits(named):
+                    raise RouteNotFound(f"Backend {named.name!r} (kind {named.kind}) does "
+                                        "not serve this route.")
+                return [named]
+            pool = [b for b in eligible if name in b.model_names]
+            if pool:
+                return pool
+        if not eligible:
+            if kind is not None:
+                raise RouteNotFound(f"This route needs a backend of kind {kind!r}; none "
+                                    "is configured.")
+            kinds = sorted({b.kind for b in self.backends.values()})
+            raise RouteNotFound(f"No configured backend serves this route (backend kinds: "
+                                f"{', '.join(kinds)}).")
+        # Ollama loads whatever model a request names: one without a configured model
+        # takes the names no other backend serves.
+        open_ended = [b for b in eligible if b.kind == "ollama" and b.settings.model is None]
+        if open_ended:
+            return open_ended
+        models = sorted({b.model for b in eligible})
+        if len(models) == 1:
+            return eligible
+        raise ModelNotFound(
+            f"The model {model!r} is not served here. Models: {', '.join(models)} (see GET "
+            "/v1/models); routing.default_model names the one for requests that name none.",
+            param="model")
+
+    def usable(self, members: list[Target]) -> list[Target]:
+        """The members new requests may go to now (ready, up, not draining).
+
+        :raises BackendNotReady: none is (503, with the reason of the first).
+        """
+        now = self.clock.now()
+        found = [b for b in members if usable(b, now)]
+        if found:
+            return found
+        for backend in members:
+            if not backend.ready:
+                backend.request_rediscovery()
+        first = members[0]
+        if len(members) == 1 and not first.ready:
+            why = first.problem or "unreachable, loading, or its capacity is not known yet"
+            raise BackendNotReady(f"Backend {first.name!r} is not ready ({why}); retry "
+                                  "after the Retry-After delay.", retry_after_s=1.0)
+        states = "; ".join(
+            f"{b.name}: " + ("draining" if b.draining else
+                             f"down after a failure, for {b.down_until - now:.0f} s more"
+                             if b.ready else (b.problem or "not ready"))
+            for b in members)
+        retry = min((max(1.0, b.down_until - now) for b in members if b.ready), default=1.0)
+        raise BackendNotReady(f"No backend of this model can take a request now ({states});"
+                              " retry after the Retry-After delay.", retry_after_s=retry)
+
+    def queue_for(self, members: list[Target]) -> ModelQueue | None:
+        """The one queue shared by ``members`` when there are several, else ``None``
+        (a lone backend queues in its own admission)."""
+        if len(members) < 2:
+            return None
+        key = tuple(b.name for b in members)
+        queue = self._queues.get(key)
+        if queue is None:
+            admission = self.settings.admission
+            queue = self._queues[key] = ModelQueue(
+                members, max_queue=admission.max_queue,
+                max_wait_s=admission.max_queue_wait_s, clock=self.clock)
+        return queue

@@ -71,6 +71,12 @@ class Target:
         self._busy_at_check = False  # leases in flight at the last preemption check
         self._admitted_at_check = 0  # leases granted by then
         self._rediscovery: asyncio.Task[None] | None = None
+        # Health as routing sees it (gateway/fleet.py): after a failed request the
+        # backend is skipped until ``down_until``; the next request after that is the
+        # half-open probe, and a success brings it back.
+        self.failures = 0  # consecutive failed requests
+        self.down_until = 0.0  # clock time; 0: up
+        self.draining = False  # takes no new requests; those in flight finish
         # The predictive policy needs a server whose answers the gateway can cancel and
         # continue (llama-server); other kinds are charged as under strict.
         self._predictive = (admission_settings.policy is AdmissionPolicy.predictive
@@ -107,6 +113,48 @@ class Target:
     def route_url(self, route: str) -> str:
         """Absolute upstream URL of gateway route ``route`` (``chat``, ``completions``)."""
         return self.url(self.dialect.route_paths[route])
+
+    # -- names and health ---------------------------------------------------------------
+
+    @property
+    def model(self) -> str:
+        """The model clients name to reach this backend: ``backends[].model``, else the
+        id the backend reports, else (until it is known) the backend's name."""
+        if self.settings.model is not None:
+            return self.settings.model
+        if self.discovered is not None and self.discovered.model_id:
+            return self.discovered.model_id
+        return self.name
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        """Every name that reaches this backend's model: the model and its aliases."""
+        return frozenset((self.model, *self.settings.aliases))
+
+    @property
+    def up(self) -> bool:
+        """Not marked down by a recent failure (see :meth:`request_failed`)."""
+        return self.clock.now() >= self.down_until
+
+    def request_failed(self, initial_s: float, max_s: float) -> float:
+        """A request failed here before any byte reached its client (refused, timed
+        out, or a 5xx): skip this backend for ``initial_s`` seconds, doubled for each
+        failure in a row, at most ``max_s``. Returns the time it is down, seconds."""
+        self.failures += 1
+        down = min(max_s, initial_s * 2 ** (self.failures - 1))
+        self.down_until = self.clock.now() + down
+        return down
+
+    def probe_started(self, now: float) -> None:
+        """A request was sent here. After failures (half-open), it is the probe: others
+        skip this backend until it succeeds or fails, or for the connect timeout."""
+        if self.failures and now >= self.down_until:
+            self.down_until = now + self.settings.connect_timeout_s + 1.0
+
+    def request_served(self) -> None:
+        """A request got an answer from this backend: it is up."""
+        self.failures = 0
+        self.down_until = 0.0
 
     # -- state -------------------------------------------------------------------------
 

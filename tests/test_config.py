@@ -31,10 +31,15 @@ def test_example_config_loads_with_documented_defaults() -> None:
 
 
 def test_example_config_documents_every_key() -> None:
-    from gateway.config import AdmissionSettings, BackendSettings, ServerSettings
+    from gateway.config import (
+        AdmissionSettings,
+        BackendSettings,
+        RoutingSettings,
+        ServerSettings,
+    )
 
     text = (ROOT / "config.example.toml").read_text()
-    for model in (ServerSettings, AdmissionSettings, BackendSettings):
+    for model in (ServerSettings, AdmissionSettings, RoutingSettings, BackendSettings):
         for key in model.model_fields:
             assert f"{key} =" in text, key
 

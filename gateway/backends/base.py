@@ -58,6 +58,8 @@ class Discovered:
     :param block_size: tokens per KV block (vLLM's ``block_size``; 1 for cells).
     :param preemptions: the server's running count of preempted requests (vLLM
         ``vllm:num_preemptions_total``), when it shows one.
+    :param model_id: the id of the model it serves (the first in ``GET /v1/models``),
+        when known: the name clients use for it unless ``backends[].model`` is set.
     """
 
     slots: int
@@ -66,6 +68,7 @@ class Discovered:
     pool_tokens: int | None = None
     block_size: int = 1
     preemptions: int | None = None
+    model_id: str | None = None
 
 
 class SideCalls:

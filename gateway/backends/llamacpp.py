@@ -89,6 +89,7 @@ class LlamaCpp(ExactCount):
         self.settings = settings
         self.side = side
         self.n_vocab: int | None = None  # /v1/models meta.n_vocab, once read
+        self.model_id: str | None = None  # /v1/models id, once read
         self._input_tokens_route = True  # cleared when the build lacks it (404)
         self._rng = random.Random()
 
@@ -117,19 +118,26 @@ class LlamaCpp(ExactCount):
                 f"Backend {self.name!r} answered /props with HTTP {resp.status_code} "
                 "that is not llama-server's shape."
             ) from exc
-        if self.n_vocab is None:
-            self.n_vocab = await self._read_n_vocab()
-        return Discovered(slots=slots, ctx_per_slot=ctx, n_vocab=self.n_vocab)
+        if self.n_vocab is None or self.model_id is None:
+            await self._read_model()
+        return Discovered(slots=slots, ctx_per_slot=ctx, n_vocab=self.n_vocab,
+                          model_id=self.model_id)
 
-    async def _read_n_vocab(self) -> int | None:
-        """``meta.n_vocab`` of the model in ``GET /v1/models``, or ``None``."""
+    async def _read_model(self) -> None:
+        """``id`` and ``meta.n_vocab`` of the model in ``GET /v1/models``, where shown."""
         try:
             with map_upstream_errors(self.name):
                 resp = await self.side.get("/v1/models")
-            n_vocab = resp.json()["data"][0]["meta"]["n_vocab"]
+            model = resp.json()["data"][0]
         except (GatewayError, ValueError, KeyError, IndexError, TypeError):
-            return None
-        return n_vocab if isinstance(n_vocab, int) and n_vocab > 0 else None
+            return
+        if not isinstance(model, dict):
+            return
+        n_vocab = (model.get("meta") or {}).get("n_vocab")
+        if isinstance(n_vocab, int) and not isinstance(n_vocab, bool) and n_vocab > 0:
+            self.n_vocab = n_vocab
+        if isinstance(model.get("id"), str) and model["id"]:
+            self.model_id = model["id"]
 
     def _auth_problem(self, status: int) -> str:
         return auth_problem(self.name, status, self.settings.api_key is not None, "llama-server")

@@ -167,6 +167,7 @@ class Vllm(WithoutSlots, ExactCount):
         return Discovered(
             slots=self.settings.slots or self.default_slots, ctx_per_slot=self.max_model_len,
             pool_tokens=pool, block_size=block, preemptions=metrics.get("preemptions"),
+            model_id=_first_id(resp.json()["data"]),
         )
 
     async def _read_metrics(self) -> dict[str, int]:
@@ -280,3 +281,10 @@ class Vllm(WithoutSlots, ExactCount):
     def is_overflow_event(self, data: dict[str, Any]) -> bool:
         """False: vLLM preempts rather than failing when its blocks run out."""
         return False
+
+
+def _first_id(models: list[Any]) -> str | None:
+    """The ``id`` of the first model listed, when it is a non-empty string."""
+    first = models[0] if models and isinstance(models[0], dict) else {}
+    model_id = first.get("id")
+    return model_id if isinstance(model_id, str) and model_id else None

@@ -1,0 +1,228 @@
+"""Several backends behind one gateway: model names, one queue per model, routing by fit.
+
+**Names.** Each backend serves one model, named by ``backends[].model`` or else by the id
+the backend reports (``GET /v1/models``), plus its ``aliases``. A request's ``model``
+picks, in this order (:meth:`Fleet.resolve`):
+
+1. the backend of that *name*, alone (pinning one server, as before pools existed);
+2. every backend whose model or alias it is: the model's **pool**;
+3. otherwise ``routing.default_model``'s pool; without one, the only model when every
+   backend serves the same one (as a lone llama-server ignores the field); otherwise
+   404 ``model_not_found``.
+
+**Routing by fit.** A request is planned against each backend of its pool that is ready,
+up and not draining (its charge follows each layout: a prompt too long for one slot size
+may fit another's). It goes to a backend where that charge fits *now*; among several, to
+the one with the best score (:func:`score`). When none fits, it waits in the pool's one
+FIFO queue (:class:`ModelQueue`) and starts on whichever backend frees room first; the
+head of the queue is always served first, so nothing starves.
+
+**Health.** A backend a request failed on before any byte reached the client is marked
+down for a backoff (:meth:`gateway.target.Target.request_failed`); once the backoff has
+passed, one request probes it (half-open) and a success brings it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.admission import Clock, Lease
+from gateway.capacity import Charge
+from gateway.errors import QueueFull, QueueTimeout
+from gateway.target import Target
+
+__all__ = ["AFFINITY_BONUS", "Candidate", "ModelQueue", "score"]
+
+log = logging.getLogger(__name__)
+
+# Added to the score of the backend that served the conversation's prefix last: more than
+# the 2.0 the other terms can reach, so affinity wins whenever that backend fits.
+AFFINITY_BONUS = 3.0
+
+
+@dataclass
+class Candidate:
+    """A request planned for one backend of its pool.
+
+    :param backend: the backend.
+    :param charge: what it reserves there (its cap follows that backend's slot size).
+    :param body: the body to forward there.
+    :param tag: the ``(param, value)`` that identifies it upstream, or ``None``.
+    :param tracked: followed live under the predictive policy on this backend.
+    """
+
+    backend: Target
+    charge: Charge
+    body: dict[str, Any]
+    tag: tuple[str, int] | None = None
+    tracked: bool = False
+
+
+def score(candidate: Candidate, affinity: str | None = None) -> float:
+    """How good a backend is for a request that fits there now; higher is better.
+
+    The sum of the fractions of its KV capacity and of its slots left free after this
+    request (each 0-1), plus :data:`AFFINITY_BONUS` when it is the backend ``affinity``
+    names (the one that served this conversation's prefix last). Ties go to the backend
+    configured first.
+    """
+    tokens, slots = candidate.backend.admission.headroom(candidate.charge)
+    bonus = AFFINITY_BONUS if candidate.backend.name == affinity else 0.0
+    return tokens + slots + bonus
+
+
+@dataclass(eq=False)
+class _Waiter:
+    candidates: Sequence[Candidate]
+    future: asyncio.Future[tuple[Candidate, Lease]]
+    since: float
+    affinity: str | None = None
+
+
+@dataclass(eq=False)
+class ModelQueue:
+    """One FIFO queue for the backends of one model.
+
+    Each member's own admission queue is left to requests that must come back to that
+    backend (a preempted answer resuming where its prefix is cached); those go first, as
+    :meth:`gateway.admission.Admission.try_admit` refuses others while they wait.
+
+    :param members: the pool's backends; each calls :meth:`wake` when it frees room.
+    :param max_queue: most requests allowed to wait; 0 means never wait.
+    :param max_wait_s: longest wait, seconds.
+    :param clock: injected time source.
+    """
+
+    members: Sequence[Target]
+    max_queue: int
+    max_wait_s: float
+    clock: Clock
+    _queue: deque[_Waiter] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        for backend in self.members:
+            backend.admission.add_listener(self.wake)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting in this queue."""
+        return len(self._queue)
+
+    def refuse_waiting(self, exc: Exception) -> None:
+        """Fail every request waiting here with ``exc`` (the gateway is stopping)."""
+        while self._queue:
+            waiter = self._queue.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(exc)
+
+    def check_room(self) -> None:
+        """Raise at once when a new request could only queue and the queue is full.
+
+        :raises QueueFull: ``max_queue`` requests wait already (and at least one does).
+        """
+        if self._queue and len(self._queue) >= self.max_queue:
+            raise self._full()
+
+    def position(self, candidates: Sequence[Candidate]) -> int | None:
+        """1-based place in the queue of the request planned as ``candidates``."""
+        for i, waiter in enumerate(self._queue, 1):
+            if waiter.candidates is candidates:
+                return i
+        return None
+
+    def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None
+                  ) -> tuple[Candidate, Lease] | None:
+        """A lease now on the best backend where the request fits, or ``None``; refuses
+        while others wait (FIFO)."""
+        if self._queue:
+            return None
+        return self._grant(candidates, affinity)
+
+    async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None
+                    ) -> tuple[Candidate, Lease]:
+        """Wait, in FIFO order, for room on any backend of the pool.
+
+        :raises QueueFull: ``max_queue`` requests already wait (at once).
+        :raises QueueTimeout: the wait passed ``max_wait_s``.
+        """
+        got = self.try_admit(candidates, affinity)
+        if got is not None:
+            return got
+        if len(self._queue) >= self.max_queue:
+            raise self._full()
+        waiter = _Waiter(candidates, asyncio.get_running_loop().create_future(),
+                         self.clock.now(), affinity)
+        self._queue.append(waiter)
+        timer = asyncio.ensure_future(self.clock.sleep(self.max_wait_s))
+        try:
+            await asyncio.wait({waiter.future, timer}, return_when=asyncio.FIRST_COMPLETED)
+            if waiter.future.done():
+                candidate, lease = waiter.future.result()
+                lease.waited_s = self.clock.now() - waiter.since
+                return candidate, lease
+            raise QueueTimeout(
+                f"The request waited {self.max_wait_s:g} s in the queue without room on "
+                "any backend of its model; retry after the Retry-After delay.",
+                retry_after_s=self.retry_after_s())
+        except BaseException:
+            self._leave(waiter)
+            raise
+        finally:
+            timer.cancel()
+
+    def wake(self) -> None:
+        """Start waiters, head first, while the head fits somewhere."""
+        while self._queue:
+            head = self._queue[0]
+            if head.future.done():
+                self._queue.popleft()
+                continue
+            got = self._grant(head.candidates, head.affinity)
+            if got is None:
+                return
+            self._queue.popleft()
+            head.future.set_result(got)
+
+    def retry_after_s(self) -> float:
+        """The soonest any member expects room, seconds (1-60)."""
+        return min((b.retry_after_s() for b in self.members), default=1.0)
+
+    def _grant(self, candidates: Iterable[Candidate], affinity: str | None
+               ) -> tuple[Candidate, Lease] | None:
+        now = self.clock.now()
+        fitting = [c for c in candidates if usable(c.backend, now)
+                   and c.backend.admission.fits_now(c.charge)]
+        if not fitting:
+            return None
+        best = max(fitting, key=lambda c: score(c, affinity))  # first of equals wins
+        lease = best.backend.admission.try_admit(best.charge)
+        if lease is None:  # fits_now said yes; a race is impossible on one loop
+            return None
+        best.backend.probe_started(now)
+        return best, lease
+
+    def _leave(self, waiter: _Waiter) -> None:
+        fut = waiter.future
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            candidate, lease = fut.result()  # granted while it was leaving: give it back
+            candidate.backend.release(lease, served=False)
+            return
+        if waiter in self._queue:
+            self._queue.remove(waiter)
+        fut.cancel()
+        self.wake()  # the head may have been the blocker
+
+    def _full(self) -> QueueFull:
+        return QueueFull(
+            f"The queue for this model is full ({self.max_queue} waiting); retry after "
+            "the Retry-After delay.", retry_after_s=self.retry_after_s())
+
+
+def usable(backend: Target, now: float) -> bool:
+    """A backend new requests may go to: ready, not draining, and up (or due a probe)."""
+    return backend.ready and not backend.draining and now >= backend.down_until

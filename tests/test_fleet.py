@@ -1,0 +1,262 @@
+"""Several backends behind one gateway (gateway/fleet.py): model names and pools, routing
+by fit, one queue per model, and its no-starvation and no-overcommit properties.
+
+The upstreams are fake llama-servers (tests/fakes.py), one per host, behind one mock
+transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from gateway.admission import Lease
+from gateway.app import create_app
+from gateway.capacity import Charge, Layout
+from gateway.config import load_settings
+from gateway.fleet import Candidate, ModelQueue
+from gateway.target import Target
+from tests.fakes import FakeLlamaServer, ManualClock
+
+pytestmark = pytest.mark.anyio
+CHAT = "/v1/chat/completions"
+
+
+class Fleet:
+    """The gateway over several fake llama-servers, one per backend name."""
+
+    def __init__(self, fakes: dict[str, FakeLlamaServer], backends: list[dict[str, Any]],
+                 **sections: Any) -> None:
+        self.fakes = fakes
+
+        async def route(request: httpx.Request) -> httpx.Response:
+            return await fakes[request.url.host].handle(request)
+
+        entries = [{"url": f"http://{b['name']}:8080", **b} for b in backends]
+        self.settings = load_settings(admission={"disconnect_grace_s": 0.0,
+                                                 **sections.pop("admission", {})},
+                                      backends=entries, **sections)
+        self.app = create_app(self.settings, http_client=httpx.AsyncClient(
+            transport=httpx.MockTransport(route)), registry=CollectorRegistry(),
+            discover=False)
+        self.state = self.app.state.gateway
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app),
+                                        base_url="http://gateway")
+
+    async def discover(self) -> None:
+        for backend in self.state.backends.values():
+            await backend.discover()
+
+    async def chat(self, content: str = "hello there", **extra: Any) -> httpx.Response:
+        body = {"messages": [{"role": "user", "content": content}], **extra}
+        return await self.client.post(CHAT, json=body)
+
+    def served_by(self) -> dict[str, int]:
+        return {name: len(fake.generations) for name, fake in self.fakes.items()}
+
+
+@pytest.fixture
+async def make_fleet() -> AsyncIterator[Any]:
+    built: list[Fleet] = []
+
+    async def build(fakes: dict[str, FakeLlamaServer], backends: list[dict[str, Any]],
+                    **sections: Any) -> Fleet:
+        fleet = Fleet(fakes, backends, **sections)
+        await fleet.discover()
+        built.append(fleet)
+        return fleet
+
+    yield build
+    for fleet in built:
+        await fleet.client.aclose()
+
+
+async def test_a_pool_spreads_requests_by_fit(make_fleet: Any) -> None:
+    hold = asyncio.Event()
+    fakes = {"a": FakeLlamaServer(slots=1, hold=hold), "b": FakeLlamaServer(slots=1, hold=hold)}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
+    first = asyncio.ensure_future(fleet.chat(model="m", max_tokens=5))
+    second = asyncio.ensure_future(fleet.chat(model="m", max_tokens=5))
+    await asyncio.sleep(0.05)
+    assert fleet.served_by() == {"a": 1, "b": 1}  # one each: each had one free slot
+    hold.set()
+    assert (await first).status_code == 200 and (await second).status_code == 200
+
+
+async def test_the_emptier_backend_is_chosen(make_fleet: Any) -> None:
+    hold = asyncio.Event()
+    fakes = {"a": FakeLlamaServer(slots=4, hold=hold), "b": FakeLlamaServer(slots=4, hold=hold)}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
+    tasks = [asyncio.ensure_future(fleet.chat(model="m", max_tokens=100)) for _ in range(6)]
+    await asyncio.sleep(0.05)
+    assert fleet.served_by() == {"a": 3, "b": 3}  # each goes where most is left
+    hold.set()
+    assert all(r.status_code == 200 for r in await asyncio.gather(*tasks))
+
+
+async def test_one_queue_per_model_starts_on_whichever_frees_first(make_fleet: Any) -> None:
+    holds = {"a": asyncio.Event(), "b": asyncio.Event()}
+    fakes = {n: FakeLlamaServer(slots=1, hold=holds[n]) for n in holds}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
+    running = [asyncio.ensure_future(fleet.chat(model="m", max_tokens=5)) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    waiting = asyncio.ensure_future(fleet.chat(model="m", max_tokens=5))
+    await asyncio.sleep(0.05)
+    queue = next(iter(fleet.state._queues.values()))
+    assert queue.waiting == 1 and fleet.served_by() == {"a": 1, "b": 1}
+    holds["b"].set()  # b frees its slot first: the waiter starts there
+    r = await waiting
+    assert r.status_code == 200 and fleet.served_by() == {"a": 1, "b": 2}
+    holds["a"].set()
+    assert all(r.status_code == 200 for r in await asyncio.gather(*running))
+
+
+async def test_a_prompt_too_long_for_one_backend_goes_to_the_other(make_fleet: Any) -> None:
+    fakes = {"small": FakeLlamaServer(n_ctx=256), "big": FakeLlamaServer(n_ctx=4096)}
+    fleet = await make_fleet(fakes, [{"name": "small", "model": "m"},
+                                     {"name": "big", "model": "m"}])
+    r = await fleet.chat("word " * 400, model="m", max_tokens=50)
+    assert r.status_code == 200, r.text
+    assert fleet.served_by() == {"small": 0, "big": 1}
+    r = await fleet.chat("word " * 5000, model="m", max_tokens=50)  # fits neither
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "4096" in r.json()["error"]["message"]  # the refusal of the largest slot
+
+
+async def test_models_are_resolved_by_name_alias_and_default(make_fleet: Any) -> None:
+    fakes = {n: FakeLlamaServer() for n in ("a", "b", "c")}
+    fleet = await make_fleet(fakes, [
+        {"name": "a", "model": "llama", "aliases": ["llama-8b"]},
+        {"name": "b", "model": "llama"}, {"name": "c", "model": "qwen"}])
+    assert (await fleet.chat(model="qwen", max_tokens=3)).status_code == 200
+    assert fleet.served_by()["c"] == 1
+    assert (await fleet.chat(model="llama-8b", max_tokens=3)).status_code == 200
+    assert fleet.served_by()["c"] == 1 and fleet.served_by()["a"] == 1
+    assert (await fleet.chat(model="b", max_tokens=3)).status_code == 200  # a backend name
+    assert fleet.served_by()["b"] == 1
+    for body_model in ("gpt-4o", None):
+        extra = {} if body_model is None else {"model": body_model}
+        r = await fleet.chat(max_tokens=3, **extra)
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert error["code"] == "model_not_found" and "llama, qwen" in error["message"]
+    assert sum(fleet.served_by().values()) == 3  # nothing forwarded for those
+
+
+async def test_a_default_model_takes_unknown_names(make_fleet: Any) -> None:
+    fakes = {n: FakeLlamaServer() for n in ("a", "c")}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "llama"},
+                                     {"name": "c", "model": "qwen"}],
+                             routing={"default_model": "qwen"})
+    assert (await fleet.chat(model="gpt-4o", max_tokens=3)).status_code == 200
+    assert fleet.served_by() == {"a": 0, "c": 1}
+
+
+async def test_one_model_takes_any_name(make_fleet: Any) -> None:
+    """Backends without a configured model take the id they report ("fake.gguf" here):
+    one model in all, so any name reaches it, as a lone llama-server ignores the field."""
+    fakes = {n: FakeLlamaServer() for n in ("a", "b")}
+    fleet = await make_fleet(fakes, [{"name": "a"}, {"name": "b"}])
+    assert {b.model for b in fleet.state.backends.values()} == {"fake.gguf"}
+    assert (await fleet.chat(model="whatever", max_tokens=3)).status_code == 200
+
+
+@pytest.mark.parametrize(("backends", "routing", "message"), [
+    ([{"name": "a", "model": "m", "aliases": ["b"]}, {"name": "b"}], {}, "names both"),
+    ([{"name": "a", "model": "m", "aliases": ["x"]}, {"name": "b", "model": "n",
+                                                      "aliases": ["x"]}], {}, "two models"),
+    ([{"name": "a", "aliases": ["x"]}], {}, "aliases need a model"),
+    ([{"name": "a", "model": "m"}], {"default_model": "zz"}, "default_model"),
+])
+def test_ambiguous_names_are_refused_at_load(backends: list[dict[str, Any]],
+                                            routing: dict[str, Any], message: str) -> None:
+    from gateway.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_settings(backends=backends, routing=routing)
+
+
+# -- the model queue's properties ------------------------------------------------------
+
+
+def _target(name: str, layout: Layout, clock: ManualClock) -> Target:
+    from gateway.config import AdmissionSettings, BackendSettings
+
+    side = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(500)))
+    target = Target(BackendSettings(name=name, model="m"), AdmissionSettings(), side,
+                    clock=clock)
+    target.admission.set_layout(layout)
+    target.reachable = True
+    return target
+
+
+LAYOUTS = [Layout(2, 1024, pool_tokens=1024), Layout(1, 2048), Layout(4, 512)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 1500), st.integers(1, 600), st.booleans()),
+                min_size=1, max_size=25))
+def test_the_model_queue_never_overcommits_and_never_lets_a_later_request_pass(
+        ops: list[tuple[int, int, bool]]) -> None:
+    """Random arrivals (prompt, cap) over three backends of different layouts, each
+    followed or not by the release of the oldest lease in flight. At every step no
+    backend holds more than its capacity, and requests start in arrival order (FIFO
+    over the whole model, whichever backend they start on)."""
+
+    async def run() -> None:
+        clock = ManualClock()
+        members = [_target(f"b{i}", layout, clock) for i, layout in enumerate(LAYOUTS)]
+        queue = ModelQueue(members, max_queue=100, max_wait_s=1e9, clock=clock)
+        started: list[int] = []
+        leases: list[tuple[Target, Lease]] = []
+        tasks = []
+
+        async def request(i: int, prompt: int, cap: int) -> None:
+            candidates = [Candidate(t, Charge(prompt, cap), {}) for t in members
+                          if prompt + cap < t.layout.ctx_per_slot]
+            if not candidates:
+                return
+            candidate, lease = await queue.admit(candidates)
+            started.append(i)
+            leases.append((candidate.backend, lease))
+
+        for i, (prompt, cap, release) in enumerate(ops):
+            tasks.append(asyncio.ensure_future(request(i, prompt, cap)))
+            await asyncio.sleep(0)
+            if release and leases:
+                backend, lease = leases.pop(0)
+                backend.release(lease, served=True)
+                await asyncio.sleep(0)
+            for t in members:
+                stats = t.admission.stats()
+                assert stats.reserved_tokens <= stats.capacity_tokens
+                assert stats.busy_slots <= stats.slots
+        while leases or not all(task.done() for task in tasks):
+            if leases:
+                backend, lease = leases.pop(0)
+                backend.release(lease, served=True)
+            await asyncio.sleep(0)
+        fitting = [i for i, (p, c, _) in enumerate(ops)
+                   if any(p + c < layout.ctx_per_slot for layout in LAYOUTS)]
+        assert started == fitting  # all served, in arrival order
+        assert queue.waiting == 0
+
+    asyncio.run(run())
+
+
+async def test_models_lists_each_model_once(make_fleet: Any) -> None:
+    fakes = {n: FakeLlamaServer() for n in ("a", "b", "c")}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "llama"},
+                                     {"name": "b", "model": "llama"},
+                                     {"name": "c", "model": "qwen"}])
+    listed = (await fleet.client.get("/v1/models")).json()
+    assert sorted(m["id"] for m in listed["data"]) == ["llama", "qwen"]
+    assert json.dumps(listed)  # plain JSON
