@@ -123,6 +123,7 @@ class AdmissionStats:
     abandoned_held: int = 0  # filled in by the backend: held until /slots shows them ended
     preemptions: int = 0  # filled in by the backend: server preemptions it caused
     live_tokens: int = 0  # KV cells the leases in flight hold now, as observed
+    up: bool = True  # filled in by the backend: not marked down after a failure
 
 
 @dataclass

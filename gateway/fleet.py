@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,7 @@ class _Waiter:
     future: asyncio.Future[tuple[Candidate, Lease]]
     since: float
     affinity: str | None = None
+    reason: str = "queued"  # for gateway_route_decisions_total
 
 
 @dataclass(eq=False)
@@ -102,7 +103,14 @@ class ModelQueue:
     max_queue: int
     max_wait_s: float
     clock: Clock
+    model: str = ""
+    failover: bool = True  # routing.failover
+    down_initial_s: float = 1.0  # routing.down_initial_s
+    down_max_s: float = 30.0  # routing.down_max_s
+    # Called with (backend name, reason) for each request routed (metrics).
+    on_route: Callable[[str, str], None] | None = None
     _queue: deque[_Waiter] = field(default_factory=deque)
+    _timers: set[asyncio.TimerHandle] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         for backend in self.members:
@@ -143,21 +151,27 @@ class ModelQueue:
             return None
         return self._grant(candidates, affinity)
 
-    async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None
-                    ) -> tuple[Candidate, Lease]:
-        """Wait, in FIFO order, for room on any backend of the pool.
+    async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
+                    *, front: bool = False) -> tuple[Candidate, Lease]:
+        """Wait, in FIFO order, for room on any backend of the pool; with ``front``, at
+        the head of the queue (a request coming back after a backend failed it), where
+        neither the queue bound nor others waiting hold it back.
 
         :raises QueueFull: ``max_queue`` requests already wait (at once).
         :raises QueueTimeout: the wait passed ``max_wait_s``.
         """
-        got = self.try_admit(candidates, affinity)
+        got = self._grant(candidates, affinity, "failover") if front else \
+            self.try_admit(candidates, affinity)
         if got is not None:
             return got
-        if len(self._queue) >= self.max_queue:
+        if len(self._queue) >= self.max_queue and not front:
             raise self._full()
         waiter = _Waiter(candidates, asyncio.get_running_loop().create_future(),
-                         self.clock.now(), affinity)
-        self._queue.append(waiter)
+                         self.clock.now(), affinity, "failover" if front else "queued")
+        if front:
+            self._queue.appendleft(waiter)
+        else:
+            self._queue.append(waiter)
         timer = asyncio.ensure_future(self.clock.sleep(self.max_wait_s))
         try:
             await asyncio.wait({waiter.future, timer}, return_when=asyncio.FIRST_COMPLETED)
@@ -182,18 +196,30 @@ class ModelQueue:
             if head.future.done():
                 self._queue.popleft()
                 continue
-            got = self._grant(head.candidates, head.affinity)
+            got = self._grant(head.candidates, head.affinity, head.reason)
             if got is None:
                 return
             self._queue.popleft()
             head.future.set_result(got)
 
+    def wake_later(self, delay_s: float) -> None:
+        """Look at the queue again in ``delay_s`` seconds (when a backend marked down
+        may take requests again: nothing else would wake the waiters then)."""
+        loop = asyncio.get_running_loop()
+
+        def fire() -> None:
+            self._timers.discard(handle)
+            self.wake()
+
+        handle = loop.call_later(delay_s, fire)
+        self._timers.add(handle)
+
     def retry_after_s(self) -> float:
         """The soonest any member expects room, seconds (1-60)."""
         return min((b.retry_after_s() for b in self.members), default=1.0)
 
-    def _grant(self, candidates: Iterable[Candidate], affinity: str | None
-               ) -> tuple[Candidate, Lease] | None:
+    def _grant(self, candidates: Iterable[Candidate], affinity: str | None,
+               reason: str | None = None) -> tuple[Candidate, Lease] | None:
         now = self.clock.now()
         fitting = [c for c in candidates if usable(c.backend, now)
                    and c.backend.admission.fits_now(c.charge)]
@@ -204,6 +230,9 @@ class ModelQueue:
         if lease is None:  # fits_now said yes; a race is impossible on one loop
             return None
         best.backend.probe_started(now)
+        if self.on_route is not None:
+            self.on_route(best.backend.name, reason or (
+                "affinity" if best.backend.name == affinity else "fit"))
         return best, lease
 
     def _leave(self, waiter: _Waiter) -> None:

@@ -72,6 +72,14 @@ class _AdmissionCollector(Collector):
         for name, _stats, is_ready in rows:
             ready.add_metric([name], 1.0 if is_ready else 0.0)
         yield ready
+        up = GaugeMetricFamily(
+            "gateway_backend_up", "1 when the backend is ready and not marked down after "
+            "a failed request (it takes new requests unless draining).",
+            labels=["backend"],
+        )
+        for name, stats, is_ready in rows:
+            up.add_metric([name], 1.0 if is_ready and stats.up else 0.0)
+        yield up
         changes = CounterMetricFamily(
             "gateway_backend_layout_changes",
             "Times re-discovery found a different slot/KV layout on the backend.",
@@ -192,5 +200,19 @@ class GatewayMetrics:
             "carried over), restarted (nothing generated yet), failed (the client got an "
             "error instead), client_gone (the client left while it waited).",
             ["backend", "outcome"], registry=registry,
+        )
+        self.route_decisions = Counter(
+            "gateway_route_decisions",
+            "Requests routed within a model's pool of backends, by why that backend: fit "
+            "(the most room left of those it fits now), affinity (it served the "
+            "conversation's prefix last), queued (it freed room first for a waiting "
+            "request), failover (after another backend failed the request).",
+            ["model", "backend", "reason"], registry=registry,
+        )
+        self.failovers = Counter(
+            "gateway_failovers",
+            "Requests sent to another backend of their model after one failed before any "
+            "byte reached the client.",
+            ["model"], registry=registry,
         )
         registry.register(_AdmissionCollector(stats_source))

@@ -27,6 +27,7 @@ from gateway.resume import resumable
 from gateway.state import GatewayState
 from gateway.target import Target
 from gateway.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
+from gateway.upstream import never_reached
 from gateway.validation import (
     ParsedRequest,
     check_content_type,
@@ -213,9 +214,7 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
             refusals.append((_slot_of(backend), exc))
     if not fitting:
         raise max(refusals, key=lambda r: r[0])[1]
-    counter = fitting[0]
-    request.state.backend = counter.name
-    prompt_tokens, raw_estimate = await count_prompt(state, counter, req)
+    prompt_tokens, raw_estimate, fitting = await _count_on_one(state, request, req, fitting)
     # Followed live only when every backend can follow it: one response class for all.
     track = all(_trackable(backend, req, route, batch) for backend in fitting)
     candidates = []
@@ -248,6 +247,28 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         raw_estimate=raw_estimate, tracked=first.tracked,
         candidates=candidates if queue is not None else [], queue=queue,
     )
+
+
+async def _count_on_one(state: GatewayState, request: Request, req: ParsedRequest,
+                        backends: list[Target]) -> tuple[int, int | None, list[Target]]:
+    """Count the prompt on the first of ``backends`` that answers; one that cannot be
+    reached is marked down and left out. Returns the count, the raw estimate (see
+    :func:`count_prompt`) and the backends still in play.
+
+    :raises GatewayError: as :func:`count_prompt`, from the last backend tried.
+    """
+    routing = state.settings.routing
+    for i, counter in enumerate(backends):
+        request.state.backend = counter.name
+        try:
+            counted, raw = await count_prompt(state, counter, req)
+            return counted, raw, backends[i:]
+        except GatewayError as exc:
+            if not (routing.failover and never_reached(exc) and i + 1 < len(backends)):
+                raise
+            counter.request_failed(routing.down_initial_s, routing.down_max_s)
+            state.metrics.failovers.labels(counter.model).inc()
+    raise AssertionError("unreachable: the last backend's failure is raised")
 
 
 def _slot_of(backend: Target) -> int:

@@ -50,7 +50,7 @@ from gateway.relay import (
 from gateway.slotwatch import Ticket
 from gateway.sse import EventSplitter, EventTooLarge, event_data
 from gateway.target import Target
-from gateway.upstream import map_upstream_errors
+from gateway.upstream import map_upstream_errors, never_reached
 from gateway.watcher import DisconnectWatcher
 from gateway.wire import Seen, read_event
 
@@ -119,18 +119,27 @@ class Exchange:
     queue: ModelQueue | None = None
     affinity: str | None = None  # the backend that served this conversation's prefix
 
+    @property
+    def may_fail_over(self) -> bool:
+        """Another backend of the model could take this request if its backend fails."""
+        return self.queue is not None and self.queue.failover and len(self.candidates) > 1
+
     def try_admit(self) -> Lease | None:
         """A lease now (on the best backend of the model), or ``None``."""
         if self.queue is None:
             return self.backend.try_admit(self.charge)
         return self._bind(self.queue.try_admit(self.candidates, self.affinity))
 
-    async def admit(self) -> Lease:
+    async def admit(self, *, front: bool = False) -> Lease:
         """Wait for a lease in FIFO order (on whichever backend of the model frees room
-        first); raises as :meth:`gateway.admission.Admission.admit`."""
+        first; with ``front``, ahead of the others); raises as
+        :meth:`gateway.admission.Admission.admit`."""
         if self.queue is None:
-            return await self.backend.admit(self.charge)
-        return self._bind(await self.queue.admit(self.candidates, self.affinity))
+            return await self.backend.admit(self.charge, front=front)
+        got = await self.queue.admit(self.candidates, self.affinity, front=front)
+        lease = self._bind(got)
+        assert lease is not None
+        return lease
 
     def queue_progress(self) -> tuple[int, float | None] | None:
         """While waiting: the place in the queue (1 = next) and predicted seconds."""
@@ -166,6 +175,7 @@ class ProxyResponse(Response):
         self._pending: asyncio.Task[httpx.Response] | None = None  # send left open
         self._progress: Started | None = None  # the send that may open the stream early
         self._again = False  # send the request once more (an overflow failed it whole)
+        self._failed: GatewayError | None = None  # failed before any byte: fail over
         self._restarts = 0
         self.background = None
 
@@ -287,6 +297,9 @@ class ProxyResponse(Response):
         lease, send = await self._obtain(watcher, send)
         while lease is not None:
             await self._hold(watcher, send, lease)
+            if self._failed is not None:
+                lease = await self._fail_over(watcher, send)
+                continue
             if not self._again:
                 return
             # The backend overflowed and failed this whole answer before any of it was
@@ -303,6 +316,42 @@ class ProxyResponse(Response):
                 await self._send_error(send, exc)
                 return
             m.resumes.labels(name, "restarted").inc()
+
+    def _fails_over(self, exc: GatewayError) -> bool:
+        """The backend failed the request before answering (``exc``): in a pool, mark it
+        down; and keep ``exc`` to try another backend instead of answering it, when the
+        request has one and nothing has reached the client yet."""
+        x, progress = self.x, self._progress
+        if x.queue is None:
+            return False
+        down = x.backend.request_failed(x.queue.down_initial_s, x.queue.down_max_s)
+        x.queue.wake_later(down)
+        if not x.may_fail_over or (progress is not None and not progress.can_open):
+            return False
+        log.warning("backend %s failed a %s request before answering (%s); down for "
+                    "%.0f s, trying another backend of %s", x.backend.name, x.route, exc,
+                    down, x.queue.model)
+        self._failed = exc
+        return True
+
+    async def _fail_over(self, watcher: DisconnectWatcher, send: Send) -> Lease | None:
+        """The backend failed the request before any byte reached the client (it is
+        marked down): admit the request on another backend of its model, ahead of the
+        queue; or answer the refusal."""
+        x, m = self.x, self.metrics
+        self._failed = None
+        assert x.queue is not None
+        failed = x.backend
+        x.candidates = [c for c in x.candidates if c.backend is not failed]
+        m.failovers.labels(x.queue.model).inc()
+        try:
+            return await watcher.race(x.admit(front=True))
+        except ClientDisconnected:
+            x.status = 499
+        except GatewayError as refused:
+            m.rejections.labels(failed.name, refused.rejection_reason or "other").inc()
+            await self._send_error(send, refused)
+        return None
 
     async def _hold(self, watcher: DisconnectWatcher, send: Send, lease: Lease) -> None:
         """Forward and relay on ``lease``, and give it back whatever happens."""
@@ -415,8 +464,11 @@ class ProxyResponse(Response):
             kind = self._broke(exc)
             m.upstream_errors.labels(name, kind).inc()
             x.backend.upstream_failed(kind)
-            await self._send_error(send, exc)
+            if not (never_reached(exc) and self._fails_over(exc)):
+                await self._send_error(send, exc)
             return
+        if resp.status_code < 500:
+            x.backend.request_served()
         # llama-server sends a stream's headers with its first result and a whole answer
         # all at once: either way the task has started, or ended.
         self._launched = True
@@ -466,6 +518,9 @@ class ProxyResponse(Response):
                         and self._restarts < MAX_OVERFLOW_RESTARTS):
                     self._restarts += 1
                     self._again = True  # nothing was sent: try the whole request again
+                    return
+                if (resp.status_code >= 500 and kind != "context_overflow"
+                        and self._fails_over(exc)):
                     return
                 await self._send_error(send, exc)
                 return

@@ -153,8 +153,14 @@ class GatewayState:
         key = tuple(b.name for b in members)
         queue = self._queues.get(key)
         if queue is None:
-            admission = self.settings.admission
+            admission, routing = self.settings.admission, self.settings.routing
+            model = members[0].model
+            decisions = self.metrics.route_decisions
             queue = self._queues[key] = ModelQueue(
                 members, max_queue=admission.max_queue,
-                max_wait_s=admission.max_queue_wait_s, clock=self.clock)
+                max_wait_s=admission.max_queue_wait_s, clock=self.clock, model=model,
+                failover=routing.failover, down_initial_s=routing.down_initial_s,
+                down_max_s=routing.down_max_s,
+                on_route=lambda backend, reason: decisions.labels(
+                    model, backend, reason).inc())
         return queue

@@ -188,7 +188,7 @@ class Target:
     def stats(self) -> AdmissionStats:
         """Queue, reservation and slot-watch figures, for metrics."""
         return replace(self.admission.stats(), abandoned_held=self.slot_watch.waiting,
-                       preemptions=self.preemptions_seen)
+                       preemptions=self.preemptions_seen, up=self.up)
 
     # -- admission ---------------------------------------------------------------------
 

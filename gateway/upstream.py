@@ -150,6 +150,23 @@ def upstream_error_kind(exc: BaseException) -> str:
     return "other"
 
 
+def never_reached(exc: BaseException) -> bool:
+    """True when ``exc`` (a gateway error or a transport error, through its causes)
+    means the request never reached the backend: the connection was refused or timed
+    out while connecting. Such a request can be sent to another backend as it is."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (httpx.ConnectError, httpx.ConnectTimeout,
+                             aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
+            if isinstance(seen, httpx.ConnectTimeout) and isinstance(
+                    seen.__cause__, aiohttp.ClientError):
+                seen = seen.__cause__  # httpx-aiohttp's label for any connection error
+                continue
+            return True
+        seen = seen.__cause__
+    return False
+
+
 @contextmanager
 def map_upstream_errors(backend: str) -> Iterator[None]:
     """Translate httpx transport errors raised inside the block into gateway errors.

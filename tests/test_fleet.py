@@ -36,9 +36,13 @@ class Fleet:
     def __init__(self, fakes: dict[str, FakeLlamaServer], backends: list[dict[str, Any]],
                  **sections: Any) -> None:
         self.fakes = fakes
+        self.refused: set[str] = set()  # backends whose generation calls are refused
 
         async def route(request: httpx.Request) -> httpx.Response:
-            return await fakes[request.url.host].handle(request)
+            host = request.url.host
+            if host in self.refused and request.url.path in (CHAT, "/v1/completions"):
+                raise httpx.ConnectError("connection refused", request=request)
+            return await fakes[host].handle(request)
 
         entries = [{"url": f"http://{b['name']}:8080", **b} for b in backends]
         self.settings = load_settings(admission={"disconnect_grace_s": 0.0,
@@ -260,3 +264,91 @@ async def test_models_lists_each_model_once(make_fleet: Any) -> None:
     listed = (await fleet.client.get("/v1/models")).json()
     assert sorted(m["id"] for m in listed["data"]) == ["llama", "qwen"]
     assert json.dumps(listed)  # plain JSON
+
+
+# -- failover and health ---------------------------------------------------------------
+
+
+async def test_a_refused_connection_fails_over_and_marks_the_backend_down(
+        make_fleet: Any) -> None:
+    fakes = {"a": FakeLlamaServer(), "b": FakeLlamaServer()}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
+    fleet.refused.add("a")
+    r = await fleet.chat(model="m", max_tokens=3)
+    assert r.status_code == 200, r.text
+    assert fleet.served_by() == {"a": 0, "b": 1}
+    a = fleet.state.backends["a"]
+    assert a.failures == 1 and not a.up
+    metrics = fleet.state.metrics.registry
+    assert metrics.get_sample_value("gateway_failovers_total", {"model": "m"}) == 1
+    assert metrics.get_sample_value("gateway_backend_up", {"backend": "a"}) == 0
+    assert metrics.get_sample_value("gateway_route_decisions_total", {
+        "model": "m", "backend": "b", "reason": "failover"}) == 1
+    # While a is down, requests go to b without trying a.
+    tried = len(fakes["a"].requests)
+    assert (await fleet.chat(model="m", max_tokens=3)).status_code == 200
+    assert len(fakes["a"].requests) == tried
+    assert fleet.state.backends["a"].admission.stats().inflight == 0  # released
+
+
+async def test_a_backend_that_cannot_count_is_passed_over(make_fleet: Any) -> None:
+    fakes = {"a": FakeLlamaServer(), "b": FakeLlamaServer()}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
+    fakes["a"].mode = "connect"  # refuses everything, the count first
+    r = await fleet.chat(model="m", max_tokens=3)
+    assert r.status_code == 200, r.text
+    assert fleet.served_by() == {"a": 0, "b": 1}
+    assert not fleet.state.backends["a"].up
+
+
+@pytest.mark.parametrize("mode", ["boom", "loading"])
+async def test_a_5xx_before_any_byte_fails_over(make_fleet: Any, mode: str) -> None:
+    fakes = {"a": FakeLlamaServer(), "b": FakeLlamaServer()}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
+    fakes["a"].mode = mode
+    for stream in (False, True):
+        fleet.state.backends["a"].request_served()  # up again
+        r = await fleet.chat(model="m", max_tokens=3, stream=stream)
+        assert r.status_code == 200, r.text
+        if stream:
+            assert r.text.rstrip().endswith("data: [DONE]")
+    assert fleet.served_by()["b"] == 2
+
+
+async def test_nothing_is_retried_once_a_byte_has_gone_out(make_fleet: Any) -> None:
+    fakes = {"a": FakeLlamaServer(mode="midstream"), "b": FakeLlamaServer()}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
+    r = await fleet.chat(model="m", max_tokens=5, stream=True)
+    assert r.status_code == 200
+    assert '"error"' in r.text  # the stream ends with an error event, not a second answer
+    assert fleet.served_by()["b"] == 0
+
+
+async def test_when_every_backend_fails_the_client_gets_the_failure(make_fleet: Any) -> None:
+    fakes = {"a": FakeLlamaServer(), "b": FakeLlamaServer()}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
+    fleet.refused.update(("a", "b"))
+    r = await fleet.chat(model="m", max_tokens=3)
+    assert r.status_code == 502 and "cannot be reached" in r.json()["error"]["message"]
+    r = await fleet.chat(model="m", max_tokens=3)  # both down now: 503 at once
+    assert r.status_code == 503 and "down after a failure" in r.json()["error"]["message"]
+    assert int(r.headers["retry-after"]) >= 1
+    for backend in fleet.state.backends.values():
+        assert backend.admission.stats().inflight == 0
+
+
+async def test_a_down_backend_is_probed_once_its_backoff_has_passed(make_fleet: Any) -> None:
+    clock = ManualClock()
+    fakes = {"a": FakeLlamaServer(), "b": FakeLlamaServer()}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}],
+                             routing={"down_initial_s": 5.0})
+    fleet.refused.add("a")
+    a = fleet.state.backends["a"]
+    a.clock = clock  # the backend's health runs on a clock the test moves
+    fleet.state.clock = clock
+    assert (await fleet.chat(model="m", max_tokens=3)).status_code == 200
+    assert a.failures == 1 and a.down_until == clock.now() + 5.0
+    clock.advance(5.0)
+    fleet.refused.clear()
+    assert (await fleet.chat(model="m", max_tokens=3)).status_code == 200  # the probe
+    assert a.failures == 0 and a.up and fleet.served_by()["a"] == 1
