@@ -26,7 +26,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    serve(create_app(settings), settings, host=server.host, port=server.port)
+    serve(create_app(settings), settings, host=server.host, port=server.port,
+          config_path=args.config)
     return 0
 
 

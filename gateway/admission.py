@@ -196,6 +196,11 @@ class Admission:
         this admission's own queue has been served."""
         self._listeners.append(listener)
 
+    def notify(self) -> None:
+        """Serve this queue and call the listeners, as after a release (when something
+        outside the budget changed: a backend drained or undrained)."""
+        self._wake()
+
     def fits_now(self, charge: Charge) -> bool:
         """True when ``charge`` would be granted now by :meth:`try_admit` (no one waits
         here and it fits what is left). False while the layout is unknown."""

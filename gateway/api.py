@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 from typing import Any
 
@@ -10,11 +11,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.errors import RouteNotFound
+from gateway.errors import RouteNotFound, Unauthorized
+from gateway.fleet import usable
 from gateway.pipeline import count_prompt, prepare_exchange, read_body, require_ready
 from gateway.proxy import ProxyResponse
 from gateway.routes import FORWARDED
-from gateway.state import GatewayState
+from gateway.state import GatewayState, reload_config
+from gateway.target import Target
 from gateway.tracked import TrackedResponse
 from gateway.upstream import map_upstream_errors
 from gateway.validation import check_content_type, parse_route_body
@@ -119,19 +122,85 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.get("/ready")
     async def ready() -> Response:
+        """200 while every model has a backend that can take a request (ready, up and
+        not draining) and the gateway is not draining; 503 otherwise. Load balancers
+        read the status; the body shows each backend."""
         rows = {}
         for name, b in state.backends.items():
             stats, layout = b.stats(), b.layout
             rows[name] = {
-                "ready": b.ready, "kind": b.kind, "slots": stats.slots,
+                "ready": b.ready, "kind": b.kind, "model": b.model, "slots": stats.slots,
                 "ctx_per_slot": stats.ctx_per_slot, "capacity_tokens": stats.capacity_tokens,
                 "kv_unified": layout.unified if layout else b.settings.unified,
             }
-        ok = any(b.ready for b in state.backends.values()) and not state.draining
+            if not b.up:
+                rows[name]["down"] = True
+            if b.draining:
+                rows[name]["draining"] = True
+        now = state.clock.now()
+        models = state.models()
+        serving = {m: any(usable(b, now) for b in members) for m, members in models.items()}
+        ok = all(serving.values()) and not state.draining
         body: dict[str, Any] = {"ready": ok, "backends": rows}
+        if len(models) > 1 or not ok:
+            body["models"] = serving
         if state.draining:
             body["draining"] = True
         return JSONResponse(body, 200 if ok else 503)
+
+    def admin(request: Request) -> None:
+        """Let the call through only with ``Authorization: Bearer <server.admin_key>``;
+        without a configured key the admin routes do not exist (404)."""
+        key = state.settings.server.admin_key
+        if key is None:
+            raise RouteNotFound(f"{request.method} {request.url.path}: Not Found (the "
+                                "admin routes exist when server.admin_key is set).")
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), key.get_secret_value().encode()):
+            raise Unauthorized("The admin routes need Authorization: Bearer <admin_key>.")
+
+    def backend_view(b: Target) -> dict[str, Any]:
+        stats, now = b.stats(), state.clock.now()
+        return {
+            "name": b.name, "model": b.model, "aliases": list(b.settings.aliases),
+            "kind": b.kind, "url": b.settings.url, "ready": b.ready, "up": b.up,
+            "draining": b.draining, "failures": b.failures,
+            "down_for_s": round(max(0.0, b.down_until - now), 3),
+            "problem": b.problem, "slots": stats.slots, "ctx_per_slot": stats.ctx_per_slot,
+            "capacity_tokens": stats.capacity_tokens,
+            "reserved_tokens": stats.reserved_tokens, "inflight": stats.inflight,
+            "queued": stats.queued,
+        }
+
+    @app.get("/admin/backends")
+    async def admin_backends(request: Request) -> Response:
+        admin(request)
+        return JSONResponse({
+            "backends": [backend_view(b) for b in state.backends.values()],
+            "retiring": [backend_view(b) for b in state.retiring],
+            "models": {m: [b.name for b in bs] for m, bs in state.models().items()},
+        })
+
+    async def set_draining(request: Request, name: str, draining: bool) -> Response:
+        admin(request)
+        backend = state.backends.get(name)
+        if backend is None:
+            raise RouteNotFound(f"No backend named {name!r}; see GET /admin/backends.")
+        backend.set_draining(draining)
+        return JSONResponse(backend_view(backend))
+
+    @app.post("/admin/backends/{name}/drain")
+    async def drain(request: Request, name: str) -> Response:
+        return await set_draining(request, name, True)
+
+    @app.post("/admin/backends/{name}/undrain")
+    async def undrain(request: Request, name: str) -> Response:
+        return await set_draining(request, name, False)
+
+    @app.post("/admin/reload")
+    async def reload(request: Request) -> Response:
+        admin(request)
+        return JSONResponse({"reloaded": reload_config(state)})
 
     @app.get("/metrics")
     async def metrics() -> Response:

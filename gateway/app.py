@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from gateway.admission import Clock, MonotonicClock
 from gateway.api import register_routes
 from gateway.backends import SIDE_CONNECTIONS
-from gateway.config import Settings
+from gateway.config import AdmissionSettings, BackendSettings, Settings
 from gateway.connection import guarded_protocol
 from gateway.errors import GatewayError, render, shape_of
 from gateway.metrics import GatewayMetrics
@@ -81,35 +81,37 @@ def create_app(
     :param discover: run background capacity discovery during the app's lifespan.
     """
     owns_client = http_client is None
-    gen_clients = {b.name: http_client or build_client(keepalive_expiry_s=b.keepalive_expiry_s)
-                   for b in settings.backends}
-    side_clients = {b.name: http_client or build_client(
-        max_connections=SIDE_CONNECTIONS, keepalive_expiry_s=b.keepalive_expiry_s)
-        for b in settings.backends}
-    client = http_client or next(iter(gen_clients.values()))
     clock = clock or MonotonicClock()
-    backends = {
-        b.name: Target(b, settings.admission, side_clients[b.name], clock,
-                       client=gen_clients[b.name])
-        for b in settings.backends
-    }
+
+    def make_target(entry: BackendSettings, admission: AdmissionSettings) -> Target:
+        gen = http_client or build_client(keepalive_expiry_s=entry.keepalive_expiry_s)
+        side = http_client or build_client(max_connections=SIDE_CONNECTIONS,
+                                           keepalive_expiry_s=entry.keepalive_expiry_s)
+        target = Target(entry, admission, side, clock, client=gen)
+        if owns_client:
+            target.owned_clients = [gen, side]
+        return target
+
+    backends = {b.name: make_target(b, settings.admission) for b in settings.backends}
+    client = http_client or next(iter(backends.values())).client
     state = GatewayState(settings, client, clock, backends)
+    state.make_target = make_target
     state.metrics = GatewayMetrics(registry or CollectorRegistry(), state.stats)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if discover:
-            state.tasks = [asyncio.create_task(b.run_discovery()) for b in backends.values()]
+        state.discovering = discover
+        for backend in backends.values():
+            state.start_discovery(backend)
         try:
             yield
         finally:
-            for task in state.tasks:
+            for task in (*state.tasks, *state._retirements):
                 task.cancel()
-            await asyncio.gather(*state.tasks, return_exceptions=True)
-            for backend in backends.values():
+            await asyncio.gather(*state.tasks, *state._retirements, return_exceptions=True)
+            for backend in (*state.backends.values(), *state.retiring):
                 await backend.close()
-            if owns_client:
-                for owned in (*gen_clients.values(), *side_clients.values()):
+                for owned in backend.owned_clients:
                     await owned.aclose()
 
     app = FastAPI(

@@ -103,6 +103,9 @@ class ServerSettings(_Strict):
     # while sending a body (seconds); and how many client connections are open at once.
     # Past max_connections a new request gets uvicorn's plain 503 and its connection is
     # closed: a bound on sockets and file descriptors, far above max_queue on purpose.
+    # The bearer key of the /admin routes (backends view, drain, reload); unset: those
+    # routes do not exist.
+    admin_key: SecretStr | None = None
     head_timeout_s: float = Field(10.0, gt=0)
     body_idle_timeout_s: float = Field(30.0, gt=0)
     max_connections: int = Field(1000, ge=1)

@@ -40,6 +40,8 @@ __all__ = [
     "GatewayError",
     "InvalidRequest",
     "ModelNotFound",
+    "ReloadRefused",
+    "Unauthorized",
     "Overloaded",
     "PayloadTooLarge",
     "QueueFull",
@@ -178,6 +180,23 @@ class Overloaded(ServiceError):
     def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class Unauthorized(ClientError):
+    """Raised when an admin route is called without the right ``server.admin_key``."""
+
+    status_code = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+    rejection_reason = None
+
+
+class ReloadRefused(ClientError):
+    """Raised when a configuration reload is refused; the running one stays."""
+
+    status_code = 409
+    code = "reload_refused"
+    rejection_reason = None
 
 
 class QueueFull(Overloaded):

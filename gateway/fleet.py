@@ -25,8 +25,10 @@ passed, one request probes it (half-open) and a success brings it back.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +38,14 @@ from gateway.capacity import Charge
 from gateway.errors import QueueFull, QueueTimeout
 from gateway.target import Target
 
-__all__ = ["AFFINITY_BONUS", "Candidate", "ModelQueue", "score"]
+__all__ = ["AFFINITY_BONUS", "Candidate", "ModelQueue", "affinity_key", "score"]
 
 log = logging.getLogger(__name__)
+
+# Conversations remembered per model for prefix affinity.
+AFFINITY_ENTRIES = 4096
+# How much of a completion prompt identifies its conversation, characters.
+AFFINITY_PROMPT_CHARS = 2048
 
 # Added to the score of the backend that served the conversation's prefix last: more than
 # the 2.0 the other terms can reach, so affinity wins whenever that backend fits.
@@ -111,6 +118,22 @@ class ModelQueue:
     on_route: Callable[[str, str], None] | None = None
     _queue: deque[_Waiter] = field(default_factory=deque)
     _timers: set[asyncio.TimerHandle] = field(default_factory=set)
+    # Conversation prefix key -> the backend that served it last, least recent first.
+    _affinity: OrderedDict[str, str] = field(default_factory=OrderedDict)
+
+    def affinity_for(self, key: str | None) -> str | None:
+        """The backend that served the conversation prefix ``key`` last, if any."""
+        return None if key is None else self._affinity.get(key)
+
+    def remember(self, key: str | None, backend: str) -> None:
+        """Note that ``backend`` now serves the conversation prefix ``key`` (the most
+        recent :data:`AFFINITY_ENTRIES` keys are kept)."""
+        if key is None:
+            return
+        self._affinity[key] = backend
+        self._affinity.move_to_end(key)
+        while len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
 
     def __post_init__(self) -> None:
         for backend in self.members:
@@ -255,3 +278,31 @@ class ModelQueue:
 def usable(backend: Target, now: float) -> bool:
     """A backend new requests may go to: ready, not draining, and up (or due a probe)."""
     return backend.ready and not backend.draining and now >= backend.down_until
+
+
+def affinity_key(body: dict[str, Any]) -> str | None:
+    """A key for the conversation a request continues, or ``None`` when it has none.
+
+    Chat-shaped bodies: the messages up to and including the first user message (the
+    system prompt and the opening question), which every later turn repeats. Prompt
+    bodies: the first :data:`AFFINITY_PROMPT_CHARS` characters of the prompt. llama-server
+    keeps each slot's last prompt (``cache_prompt``), so a later turn sent to the same
+    backend reuses that prefix instead of computing it again.
+    """
+    messages = body.get("messages") or body.get("input")
+    if isinstance(messages, list) and messages:
+        head = []
+        for message in messages:
+            head.append(message)
+            if isinstance(message, dict) and message.get("role") == "user":
+                break
+        seed: Any = [body.get("system"), head]
+    elif isinstance(body.get("prompt"), str):
+        seed = body["prompt"][:AFFINITY_PROMPT_CHARS]
+    else:
+        return None
+    try:
+        text = json.dumps(seed, sort_keys=True, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return None
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()

@@ -21,7 +21,7 @@ from gateway.errors import (
     PayloadTooLarge,
     ShuttingDown,
 )
-from gateway.fleet import Candidate
+from gateway.fleet import Candidate, affinity_key
 from gateway.proxy import Exchange
 from gateway.resume import resumable
 from gateway.state import GatewayState
@@ -236,6 +236,8 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         extra.append((b"x-gateway-max-tokens-clamped", str(charge.max_tokens).encode()))
     options = req.body.get("stream_options") or {}
     admission = state.settings.admission
+    key = (affinity_key(req.body) if queue is not None and state.settings.routing.affinity
+           else None)
     return Exchange(
         backend=first.backend, route=route, body=first.body, charge=charge,
         stream=req.stream, started=started, headers=list(request.headers.raw),
@@ -246,6 +248,7 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
             "x-queue-progress", "").strip().lower() in ("1", "true", "yes") else 0.0,
         raw_estimate=raw_estimate, tracked=first.tracked,
         candidates=candidates if queue is not None else [], queue=queue,
+        affinity_key=key, affinity=queue.affinity_for(key) if queue is not None else None,
     )
 
 

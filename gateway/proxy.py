@@ -118,6 +118,7 @@ class Exchange:
     candidates: list[Candidate] = field(default_factory=list)
     queue: ModelQueue | None = None
     affinity: str | None = None  # the backend that served this conversation's prefix
+    affinity_key: str | None = None  # the conversation's key (gateway.fleet.affinity_key)
 
     @property
     def may_fail_over(self) -> bool:
@@ -152,6 +153,8 @@ class Exchange:
         if got is None:
             return None
         candidate, lease = got
+        if self.queue is not None:
+            self.queue.remember(self.affinity_key, candidate.backend.name)
         self.backend, self.charge, self.body = candidate.backend, candidate.charge, candidate.body
         self.tag, self.tracked = candidate.tag, candidate.tracked
         return lease

@@ -9,13 +9,17 @@ unless ``server.drain_queued = "refuse"``, get ``server.drain_timeout_s`` to fin
 Then uvicorn's own shutdown runs, which cuts what is left (each request's lease is
 released in its ``finally``). A second signal skips the rest of the drain. The process
 exits 0, without re-raising the signal as uvicorn otherwise does.
+
+SIGHUP reloads the configuration file without a restart (:func:`reload_config`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
+import signal
 from collections.abc import Generator
 from contextlib import contextmanager
 from types import FrameType
@@ -25,6 +29,8 @@ import uvicorn
 
 from gateway.app import uvicorn_options
 from gateway.config import Settings
+from gateway.errors import GatewayError
+from gateway.state import reload_config
 
 __all__ = ["DrainingServer", "serve"]
 
@@ -45,7 +51,17 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            self._loop.add_signal_handler(signal.SIGHUP, self._reload)
         await super().serve(sockets)
+
+    def _reload(self) -> None:
+        """SIGHUP: read the configuration file again (see :func:`reload_config`)."""
+        state = self.config.app.state.gateway  # type: ignore[attr-defined]
+        try:
+            reload_config(state)
+        except GatewayError as exc:
+            log.error("SIGHUP: %s", exc.message)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """First signal: start the drain. Later ones: stop now (uvicorn's behaviour)."""
@@ -76,12 +92,15 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(app: Any, settings: Settings, *, host: str | None = None,
-          port: int | None = None) -> None:
+          port: int | None = None, config_path: str | None = None) -> None:
     """Serve ``app`` (built by :func:`gateway.app.create_app`) until a signal drains it.
+    SIGHUP (and ``POST /admin/reload``) reads ``config_path`` again.
 
     :param host: overrides ``server.host``.
     :param port: overrides ``server.port``.
+    :param config_path: the TOML file the settings came from, if any.
     """
+    app.state.gateway.config_path = config_path
     server = settings.server
     _raise_fd_limit(2 * server.max_connections + 256)
     config = uvicorn.Config(

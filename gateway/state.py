@@ -3,19 +3,34 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import httpx
 
 from gateway.admission import AdmissionStats, Clock
-from gateway.config import Settings
-from gateway.errors import BackendNotReady, ModelNotFound, RouteNotFound, ShuttingDown
+from gateway.config import (
+    AdmissionSettings,
+    BackendSettings,
+    ConfigError,
+    Settings,
+    load_settings,
+)
+from gateway.errors import (
+    BackendNotReady,
+    ModelNotFound,
+    ReloadRefused,
+    RouteNotFound,
+    ShuttingDown,
+)
 from gateway.fleet import ModelQueue, usable
 from gateway.metrics import GatewayMetrics
 from gateway.target import Target
 
-__all__ = ["GatewayState"]
+__all__ = ["GatewayState", "reload_config"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,7 +44,99 @@ class GatewayState:
     metrics: GatewayMetrics = field(init=False)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     draining: bool = False  # stopping: /ready is 503 and new requests are refused
+    # Builds a backend from its settings (gateway.app.create_app); used by reload.
+    make_target: Callable[[BackendSettings, AdmissionSettings], Target] | None = None
+    config_path: str | None = None  # the TOML file a reload reads
+    discovering: bool = False  # each backend runs its discovery loop
+    retiring: list[Target] = field(default_factory=list)  # removed, finishing requests
     _queues: dict[tuple[str, ...], ModelQueue] = field(default_factory=dict)
+    _discovery: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    _retirements: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def start_discovery(self, backend: Target) -> None:
+        """Run ``backend``'s discovery loop in the background (when discovery is on)."""
+        if self.discovering:
+            task = asyncio.create_task(backend.run_discovery())
+            self._discovery[id(backend)] = task
+            self.tasks.append(task)
+
+    def reload(self, new: Settings) -> list[str]:
+        """Apply ``new`` settings without a restart: backends added start taking
+        requests once discovered; backends removed or changed stop taking new ones,
+        finish what they hold (leases taken under the old layout stay theirs), and are
+        then closed; a changed backend's new version takes its place at once. Unchanged
+        backends keep their state (queue, leases, health).
+
+        :returns: one line per change.
+        :raises ReloadRefused: ``[server]`` or ``[admission]`` changed (they take effect
+            only at a restart); nothing is applied.
+        """
+        running = self.settings.server
+        listen = {"host": running.host, "port": running.port}  # may come from the CLI
+        if (new.server.model_copy(update=listen) != running
+                or new.admission != self.settings.admission):
+            section = "admission" if new.admission != self.settings.admission else "server"
+            raise ReloadRefused(f"[{section}] differs from the running configuration; it "
+                                "takes effect only at a restart. Nothing was reloaded.")
+        new = new.model_copy(update={"server": running})
+        assert self.make_target is not None
+        changes: list[str] = []
+        fresh: dict[str, Target] = {}
+        for entry in new.backends:
+            old = self.backends.get(entry.name)
+            if old is not None and old.settings == entry:
+                fresh[entry.name] = old
+                continue
+            if old is not None:
+                self._retire(old)
+            changes.append(f"{'changed' if old else 'added'} backend {entry.name}")
+            fresh[entry.name] = self.make_target(entry, new.admission)
+            self.start_discovery(fresh[entry.name])
+        for name, old in self.backends.items():
+            if name not in fresh:
+                self._retire(old)
+                changes.append(f"removed backend {name}")
+        if new.routing != self.settings.routing:
+            changes.append("routing settings")
+        kept = set(map(id, fresh.values()))
+        self._queues = {key: queue for key, queue in self._queues.items()
+                        if all(id(b) in kept for b in queue.members)}
+        for queue in self._queues.values():
+            queue.failover = new.routing.failover
+            queue.down_initial_s = new.routing.down_initial_s
+            queue.down_max_s = new.routing.down_max_s
+        self.backends, self.settings = fresh, new
+        return changes
+
+    def _retire(self, backend: Target) -> None:
+        backend.set_draining(True)
+        self.retiring.append(backend)
+
+        async def when_idle() -> None:
+            while True:
+                stats = backend.stats()
+                if not (stats.inflight or stats.queued):
+                    break
+                await self.clock.sleep(0.5)
+            task = self._discovery.pop(id(backend), None)
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await backend.close()
+            for client in backend.owned_clients:
+                await client.aclose()
+            self.retiring.remove(backend)
+
+        task = asyncio.ensure_future(when_idle())
+        self._retirements.add(task)
+        task.add_done_callback(self._retirements.discard)
+
+    def models(self) -> dict[str, list[Target]]:
+        """The backends of each model name, in configuration order."""
+        found: dict[str, list[Target]] = {}
+        for backend in self.backends.values():
+            found.setdefault(backend.model, []).append(backend)
+        return found
 
     async def drain(self) -> bool:
         """Stop taking requests and wait for those in hand: new ones get 503
@@ -164,3 +271,25 @@ class GatewayState:
                 on_route=lambda backend, reason: decisions.labels(
                     model, backend, reason).inc())
         return queue
+
+
+def reload_config(state: GatewayState) -> list[str]:
+    """Read the configuration file again and apply it (:meth:`GatewayState.reload`):
+    the ``/admin/reload`` route and SIGHUP.
+
+    :returns: one line per change.
+    :raises ReloadRefused: the gateway was started without a file, the file is not a
+        valid configuration (the reason is given), or it changes what needs a restart;
+        the running configuration stays.
+    """
+    if state.config_path is None:
+        raise ReloadRefused("The gateway was started without a configuration file; "
+                            "there is nothing to reload.")
+    try:
+        new = load_settings(state.config_path)
+    except ConfigError as exc:
+        raise ReloadRefused(f"The configuration was not reloaded: {exc}") from None
+    changes = state.reload(new)
+    log.info("configuration reloaded from %s: %s", state.config_path,
+             "; ".join(changes) or "no change")
+    return changes

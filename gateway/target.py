@@ -77,6 +77,7 @@ class Target:
         self.failures = 0  # consecutive failed requests
         self.down_until = 0.0  # clock time; 0: up
         self.draining = False  # takes no new requests; those in flight finish
+        self.owned_clients: list[httpx.AsyncClient] = []  # closed when it is retired
         # The predictive policy needs a server whose answers the gateway can cancel and
         # continue (llama-server); other kinds are charged as under strict.
         self._predictive = (admission_settings.policy is AdmissionPolicy.predictive
@@ -144,6 +145,12 @@ class Target:
         down = min(max_s, initial_s * 2 ** (self.failures - 1))
         self.down_until = self.clock.now() + down
         return down
+
+    def set_draining(self, draining: bool) -> None:
+        """Stop (or start again) giving this backend new requests; those it holds
+        finish either way."""
+        self.draining = draining
+        self.admission.notify()  # a model queue may start its waiters elsewhere, or here
 
     def probe_started(self, now: float) -> None:
         """A request was sent here. After failures (half-open), it is the probe: others

@@ -99,7 +99,8 @@ async def test_the_emptier_backend_is_chosen(make_fleet: Any) -> None:
     hold = asyncio.Event()
     fakes = {"a": FakeLlamaServer(slots=4, hold=hold), "b": FakeLlamaServer(slots=4, hold=hold)}
     fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
-    tasks = [asyncio.ensure_future(fleet.chat(model="m", max_tokens=100)) for _ in range(6)]
+    tasks = [asyncio.ensure_future(fleet.chat(f"question {i}", model="m", max_tokens=100))
+             for i in range(6)]  # six conversations
     await asyncio.sleep(0.05)
     assert fleet.served_by() == {"a": 3, "b": 3}  # each goes where most is left
     hold.set()
@@ -350,5 +351,145 @@ async def test_a_down_backend_is_probed_once_its_backoff_has_passed(make_fleet: 
     assert a.failures == 1 and a.down_until == clock.now() + 5.0
     clock.advance(5.0)
     fleet.refused.clear()
-    assert (await fleet.chat(model="m", max_tokens=3)).status_code == 200  # the probe
+    r = await fleet.chat("another conversation", model="m", max_tokens=3)
+    assert r.status_code == 200  # the probe
     assert a.failures == 0 and a.up and fleet.served_by()["a"] == 1
+
+
+# -- prefix affinity -------------------------------------------------------------------
+
+
+def test_turns_of_one_conversation_share_a_key() -> None:
+    from gateway.fleet import affinity_key
+
+    system = {"role": "system", "content": "You are terse."}
+    turn1 = {"messages": [system, {"role": "user", "content": "Name a river."}]}
+    turn2 = {"messages": [*turn1["messages"], {"role": "assistant", "content": "Nile."},
+                          {"role": "user", "content": "Another."}]}
+    other = {"messages": [system, {"role": "user", "content": "Name a lake."}]}
+    assert affinity_key(turn1) == affinity_key(turn2) != affinity_key(other)
+    assert affinity_key({"prompt": "x" * 5000}) == affinity_key({"prompt": "x" * 4000})
+    assert affinity_key({"prompt": [1, 2, 3]}) is None
+
+
+async def test_a_conversation_goes_back_to_its_backend_while_it_has_room(
+        make_fleet: Any) -> None:
+    fakes = {"a": FakeLlamaServer(), "b": FakeLlamaServer()}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
+    history = [{"role": "user", "content": "Tell me a story."}]
+    r = await fleet.client.post(CHAT, json={"model": "m", "messages": history,
+                                            "max_tokens": 3})
+    assert r.status_code == 200 and fleet.served_by() == {"a": 1, "b": 0}  # a tie: first
+    queue = next(iter(fleet.state._queues.values()))
+    from gateway.fleet import affinity_key
+
+    queue.remember(affinity_key({"messages": history}), "b")  # as if b had served it
+    history += [{"role": "assistant", "content": "Once"}, {"role": "user", "content": "More"}]
+    r = await fleet.client.post(CHAT, json={"model": "m", "messages": history,
+                                            "max_tokens": 3})
+    assert r.status_code == 200 and fleet.served_by() == {"a": 1, "b": 1}
+    registry = fleet.state.metrics.registry
+    assert registry.get_sample_value("gateway_route_decisions_total", {
+        "model": "m", "backend": "b", "reason": "affinity"}) == 1
+
+
+async def test_affinity_yields_to_fit() -> None:
+    clock = ManualClock()
+    members = [_target("a", Layout(1, 2048), clock), _target("b", Layout(1, 2048), clock)]
+    queue = ModelQueue(members, max_queue=4, max_wait_s=60, clock=clock)
+    busy = members[1].admission.try_admit(Charge(10, 10))  # b's only slot is taken
+    assert busy is not None
+    got = queue.try_admit([Candidate(t, Charge(10, 10), {}) for t in members], affinity="b")
+    assert got is not None and got[0].backend.name == "a"
+
+
+# -- readiness, draining and reload ---------------------------------------------------
+
+ADMIN = {"Authorization": "Bearer sesame"}
+
+
+async def test_ready_needs_a_usable_backend_for_every_model(make_fleet: Any) -> None:
+    fakes = {n: FakeLlamaServer() for n in ("a", "b", "c")}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "llama"},
+                                     {"name": "b", "model": "llama"},
+                                     {"name": "c", "model": "qwen"}])
+    assert (await fleet.client.get("/ready")).status_code == 200
+    fleet.state.backends["a"].request_failed(30, 30)  # llama still has b
+    assert (await fleet.client.get("/ready")).status_code == 200
+    fleet.state.backends["c"].request_failed(30, 30)  # qwen has none left
+    r = await fleet.client.get("/ready")
+    assert r.status_code == 503 and r.json()["models"] == {"llama": True, "qwen": False}
+    assert r.json()["backends"]["c"]["down"] is True
+
+
+async def test_admin_routes_need_the_key(make_fleet: Any) -> None:
+    fleet = await make_fleet({"a": FakeLlamaServer()}, [{"name": "a"}])
+    assert (await fleet.client.get("/admin/backends")).status_code == 404  # no key set
+    keyed = await make_fleet({"a": FakeLlamaServer()}, [{"name": "a"}],
+                             server={"admin_key": "sesame"})
+    r = await keyed.client.get("/admin/backends")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = await keyed.client.get("/admin/backends", headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401
+    r = await keyed.client.get("/admin/backends", headers=ADMIN)
+    assert r.status_code == 200 and r.json()["backends"][0]["name"] == "a"
+
+
+async def test_a_drained_backend_finishes_its_requests_and_takes_no_new_ones(
+        make_fleet: Any) -> None:
+    holds = {"a": asyncio.Event(), "b": asyncio.Event()}
+    fakes = {n: FakeLlamaServer(hold=holds[n]) for n in holds}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}],
+                             server={"admin_key": "sesame"})
+    on_a = asyncio.ensure_future(fleet.chat("first", model="m", max_tokens=3))
+    await asyncio.sleep(0.05)
+    assert fleet.served_by() == {"a": 1, "b": 0}
+    r = await fleet.client.post("/admin/backends/a/drain", headers=ADMIN)
+    assert r.status_code == 200 and r.json()["draining"] is True
+    holds["b"].set()
+    for i in range(3):
+        assert (await fleet.chat(f"next {i}", model="m", max_tokens=3)).status_code == 200
+    assert fleet.served_by() == {"a": 1, "b": 3}
+    holds["a"].set()
+    assert (await on_a).status_code == 200  # the request in flight finished
+    await fleet.client.post("/admin/backends/a/undrain", headers=ADMIN)
+    assert (await fleet.chat("after", model="m", max_tokens=3)).status_code == 200
+    assert fleet.served_by()["a"] == 2  # a tie again: the first backend
+
+
+async def test_reload_adds_and_removes_backends_without_dropping_requests(
+        make_fleet: Any, tmp_path: Any) -> None:
+    from gateway.state import reload_config
+
+    holds = {"a": asyncio.Event()}
+    fakes = {"a": FakeLlamaServer(hold=holds["a"]), "b": FakeLlamaServer()}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}],
+                             server={"admin_key": "sesame"})
+    in_flight = asyncio.ensure_future(fleet.chat("long", model="m", max_tokens=3))
+    await asyncio.sleep(0.05)
+    old_a = fleet.state.backends["a"]
+    config = tmp_path / "gateway.toml"
+    config.write_text('[server]\nadmin_key = "sesame"\n[admission]\ndisconnect_grace_s = 0.0\n'
+                      '[[backends]]\nname = "b"\nurl = "http://b:8080"\nmodel = "m"\n')
+    fleet.state.config_path = str(config)
+    assert reload_config(fleet.state) == ["added backend b", "removed backend a"]
+    assert old_a.draining and old_a in fleet.state.retiring
+    await fleet.state.backends["b"].discover()  # discovery is off in these tests
+    assert (await fleet.chat("new", model="m", max_tokens=3)).status_code == 200
+    assert fleet.served_by() == {"a": 1, "b": 1}
+    holds["a"].set()
+    assert (await in_flight).status_code == 200  # the old backend finished it
+    for _ in range(50):
+        if not fleet.state.retiring:
+            break
+        await asyncio.sleep(0.05)
+    assert fleet.state.retiring == []  # closed once idle
+    # An invalid file, or one changing what needs a restart, is refused; nothing changes.
+    config.write_text("[[backends]]\nname = 'b'\nslotz = 3\n")
+    r = await fleet.client.post("/admin/reload", headers=ADMIN)
+    assert r.status_code == 409 and "slotz" in r.json()["error"]["message"]
+    config.write_text('[server]\nadmin_key = "sesame"\n[admission]\nmax_queue = 3\n'
+                      '[[backends]]\nname = "b"\nurl = "http://b:8080"\nmodel = "m"\n')
+    r = await fleet.client.post("/admin/reload", headers=ADMIN)
+    assert r.status_code == 409 and "[admission]" in r.json()["error"]["message"]
+    assert list(fleet.state.backends) == ["b"]

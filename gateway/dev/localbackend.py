@@ -313,7 +313,7 @@ def _run(args: argparse.Namespace) -> int:
     with server.running():
         _say(f"llama-server ready; starting the gateway on "
              f"http://{settings.server.host}:{settings.server.port}")
-        serve(create_app(settings), settings)
+        serve(create_app(settings), settings, config_path=args.config)
     return 0
 
 
