@@ -612,10 +612,18 @@ class ProxyResponse(Response):
         x, m, name = self.x, self.metrics, self.x.backend.name
         x.status = resp.status_code
         headers = _NDJSON_HEADERS if ndjson else _SSE_HEADERS
-        await send({
-            "type": "http.response.start", "status": resp.status_code,
-            "headers": headers + x.extra_headers,
-        })
+        start = {"type": "http.response.start", "status": resp.status_code,
+                 "headers": headers + x.extra_headers}
+        opened = False  # the 200 goes out with the first event, so that a backend dying
+        # before it can still be failed over (nothing has reached the client)
+
+        async def emit(data: bytes) -> None:
+            nonlocal opened
+            if not opened:
+                opened = True
+                await send(start)
+            await send(body_message(data))
+
         splitter = EventSplitter(lines=ndjson)
         inspect = self._inspect_line if ndjson else self._inspect_event
         def final(exc: GatewayError) -> bytes:
@@ -627,24 +635,31 @@ class ProxyResponse(Response):
                     for raw in splitter.feed(chunk):
                         relayed = inspect(raw, state)
                         if relayed is not None:
-                            await send(body_message(relayed))
+                            await emit(relayed)
                     if state.done and not state.errored:
                         # The last event is relayed: the answer is whole. A client that
                         # closes now (the OpenAI SDK does, at [DONE]) has not left early.
                         break
         except EventTooLarge as too_large:
             m.upstream_errors.labels(name, "stream_aborted").inc()
-            await send(body_message(final(UpstreamError(
-                f"Backend {name!r} sent an event too large to relay: {too_large}."))))
+            await emit(final(UpstreamError(
+                f"Backend {name!r} sent an event too large to relay: {too_large}.")))
         except GatewayError as exc:
             m.upstream_errors.labels(name, self._broke(exc)).inc()
-            await send(body_message(final(exc)))
+            if not opened and self._fails_over(exc):
+                return
+            await emit(final(exc))
         else:
             self._done = True
             if not state.done and not state.errored:
                 m.upstream_errors.labels(name, "stream_aborted").inc()
                 exc2 = UpstreamError(f"Backend {name!r} closed the stream before it finished.")
-                await send(body_message(final(exc2)))
+                if not opened and self._fails_over(exc2):
+                    return
+                await emit(final(exc2))
+        if not opened:
+            opened = True
+            await send(start)
         usage = state.usage
         if (isinstance(usage, dict) and state.final_chunks > 1
                 and x.backend.dialect.usage_covers_one_choice):

@@ -38,14 +38,16 @@ def default_server(llama_parts: tuple[Any, Any]) -> Iterator[LlamaServer]:
 class GatewayThread:
     """The real gateway (uvicorn) on a free loopback port, in a background thread."""
 
-    def __init__(self, backend: dict[str, Any], admission: dict[str, Any] | None = None,
-                 ready_timeout: float = 30):
+    def __init__(self, backend: dict[str, Any] | list[dict[str, Any]],
+                 admission: dict[str, Any] | None = None, ready_timeout: float = 30,
+                 **sections: Any):
         self.ready_timeout = ready_timeout
         # Requests here queue behind real generations; on a busy 2-core machine that can
         # take minutes, so the queue wait is generous unless a test sets its own.
         self.settings = load_settings(
             admission={"max_queue_wait_s": 600, **(admission or {})},
-            backends=[{"name": "local", **backend}],
+            backends=backend if isinstance(backend, list) else [{"name": "local", **backend}],
+            **sections,
         )
         self.port = free_port()
         config = uvicorn.Config(
