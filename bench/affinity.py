@@ -53,8 +53,9 @@ async def turn(client: httpx.AsyncClient, url: str, messages: list[dict[str, Any
     """One streamed turn: (TTFT seconds, llama-server's timings, answer text)."""
     started = time.monotonic()
     first, timings, text = None, {}, []
+    # llama-server puts its timings in the usage chunk, sent when asked for.
     body = {"model": "gemma", "messages": messages, "max_tokens": 24, "temperature": 0,
-            "stream": True}
+            "stream": True, "stream_options": {"include_usage": True}}
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():

@@ -200,7 +200,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
     @app.post("/admin/reload")
     async def reload(request: Request) -> Response:
         admin(request)
-        return JSONResponse({"reloaded": reload_config(state)})
+        return JSONResponse({"reloaded": await reload_config(state)})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -48,6 +48,7 @@ class DrainingServer(uvicorn.Server):
         self._drain: asyncio.Task[None] | None = None
         self._draining = False  # the first signal came
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._reloads: set[asyncio.Task[None]] = set()
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -58,10 +59,15 @@ class DrainingServer(uvicorn.Server):
     def _reload(self) -> None:
         """SIGHUP: read the configuration file again (see :func:`reload_config`)."""
         state = self.config.app.state.gateway  # type: ignore[attr-defined]
-        try:
-            reload_config(state)
-        except GatewayError as exc:
-            log.error("SIGHUP: %s", exc.message)
+
+        async def reload() -> None:
+            try:
+                await reload_config(state)
+            except GatewayError as exc:
+                log.error("SIGHUP: %s", exc.message)
+
+        self._reloads.add(task := asyncio.ensure_future(reload()))
+        task.add_done_callback(self._reloads.discard)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """First signal: start the drain. Later ones: stop now (uvicorn's behaviour)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from gateway.config import (
 )
 from gateway.errors import (
     BackendNotReady,
+    GatewayError,
     ModelNotFound,
     ReloadRefused,
     RouteNotFound,
@@ -60,12 +62,14 @@ class GatewayState:
             self._discovery[id(backend)] = task
             self.tasks.append(task)
 
-    def reload(self, new: Settings) -> list[str]:
+    async def reload(self, new: Settings, *, first_look_s: float = 5.0) -> list[str]:
         """Apply ``new`` settings without a restart: backends added start taking
         requests once discovered; backends removed or changed stop taking new ones,
         finish what they hold (leases taken under the old layout stay theirs), and are
-        then closed; a changed backend's new version takes its place at once. Unchanged
-        backends keep their state (queue, leases, health).
+        then closed; a changed backend's new version takes its place. New versions are
+        discovered first (for up to ``first_look_s`` seconds), so that the swap leaves no
+        moment without a ready backend. Unchanged backends keep their state (queue,
+        leases, health).
 
         :returns: one line per change.
         :raises ReloadRefused: ``[server]`` or ``[admission]`` changed (they take effect
@@ -82,16 +86,25 @@ class GatewayState:
         assert self.make_target is not None
         changes: list[str] = []
         fresh: dict[str, Target] = {}
+        built: list[Target] = []
         for entry in new.backends:
             old = self.backends.get(entry.name)
             if old is not None and old.settings == entry:
                 fresh[entry.name] = old
                 continue
-            if old is not None:
-                self._retire(old)
             changes.append(f"{'changed' if old else 'added'} backend {entry.name}")
             fresh[entry.name] = self.make_target(entry, new.admission)
-            self.start_discovery(fresh[entry.name])
+            built.append(fresh[entry.name])
+        if self.discovering and built:
+            looks = [asyncio.ensure_future(_first_look(b)) for b in built]
+            await asyncio.wait(looks, timeout=first_look_s)
+            for look in looks:
+                look.cancel()
+        for target in built:
+            old = self.backends.get(target.name)
+            if old is not None:
+                self._retire(old)
+            self.start_discovery(target)
         for name, old in self.backends.items():
             if name not in fresh:
                 self._retire(old)
@@ -273,7 +286,13 @@ class GatewayState:
         return queue
 
 
-def reload_config(state: GatewayState) -> list[str]:
+async def _first_look(backend: Target) -> None:
+    """Discover ``backend`` once; a failure is left to its discovery loop."""
+    with contextlib.suppress(GatewayError):
+        await backend.discover()
+
+
+async def reload_config(state: GatewayState) -> list[str]:
     """Read the configuration file again and apply it (:meth:`GatewayState.reload`):
     the ``/admin/reload`` route and SIGHUP.
 
@@ -289,7 +308,7 @@ def reload_config(state: GatewayState) -> list[str]:
         new = load_settings(state.config_path)
     except ConfigError as exc:
         raise ReloadRefused(f"The configuration was not reloaded: {exc}") from None
-    changes = state.reload(new)
+    changes = await state.reload(new)
     log.info("configuration reloaded from %s: %s", state.config_path,
              "; ".join(changes) or "no change")
     return changes

@@ -472,7 +472,7 @@ async def test_reload_adds_and_removes_backends_without_dropping_requests(
     config.write_text('[server]\nadmin_key = "sesame"\n[admission]\ndisconnect_grace_s = 0.0\n'
                       '[[backends]]\nname = "b"\nurl = "http://b:8080"\nmodel = "m"\n')
     fleet.state.config_path = str(config)
-    assert reload_config(fleet.state) == ["added backend b", "removed backend a"]
+    assert await reload_config(fleet.state) == ["added backend b", "removed backend a"]
     assert old_a.draining and old_a in fleet.state.retiring
     await fleet.state.backends["b"].discover()  # discovery is off in these tests
     assert (await fleet.chat("new", model="m", max_tokens=3)).status_code == 200

@@ -19,8 +19,10 @@ their cap generated, per second):
   over 2-5 s, and 2% send a malformed body.
 
 The faults, at fractions of the duration: at 25% llama-server is killed (SIGKILL) and
-started again with another ``-c``/``-np``; at 55% it is frozen (SIGSTOP) for 10 s; at
-80% it is killed again and started with the first layout.
+started again with another ``-c``/``-np``; at 40% the gateway's configuration is
+reloaded with the backend changed (its old version finishes what it holds); at 55%
+llama-server is frozen (SIGSTOP) for 10 s; at 80% it is killed again and started with
+the first layout.
 
 The figures: requests by outcome; upstream 500s (an HTTP 500, or an error event about
 the context, that a client saw, and the gateway's own count of backend 5xx); requests
@@ -77,6 +79,7 @@ MALFORMED: list[bytes] = [
     b'\xff\xfe{"messages": []}',
     b'{"prompt": "hi", "max_tokens": -5}',
 ]
+ADMIN_KEY = "soak-admin"
 GAUGES = ("gateway_queue_depth", "gateway_inflight_requests", "gateway_kv_reserved_tokens",
           "gateway_abandoned_reservations")
 
@@ -214,13 +217,15 @@ class _Gateway:
     def __init__(self, backend_url: str, opts: SoakOptions, workdir: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = workdir / "gateway.toml"
+        self.config = workdir / "gateway.toml"
         default = ("" if opts.default_max_tokens is None
                    else f"default_max_tokens = {opts.default_max_tokens}\n")
-        config.write_text(
-            f'[server]\nport = {self.port}\nlog_level = "warning"\n'
-            f'[admission]\npolicy = "{opts.policy}"\n{default}'
-            f'[[backends]]\nname = "local"\nurl = "{backend_url}"\n')
+        self.text = (f'[server]\nport = {self.port}\nlog_level = "warning"\n'
+                     f'admin_key = "{ADMIN_KEY}"\n'
+                     f'[admission]\npolicy = "{opts.policy}"\n{default}'
+                     f'[[backends]]\nname = "local"\nurl = "{backend_url}"\n')
+        self.config.write_text(self.text)
+        config = self.config
         self.log_path = workdir / "gateway.log"
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
@@ -237,6 +242,15 @@ class _Gateway:
                     return
             time.sleep(0.2)
         raise RuntimeError(f"the gateway was not ready in {timeout_s:g} s")
+
+    def reload(self, extra: str) -> list[str]:
+        """Append ``extra`` to the backend's settings and reload (``/admin/reload``);
+        returns the changes the gateway reports."""
+        self.config.write_text(self.text + extra)
+        resp = httpx.post(self.url + "/admin/reload", timeout=30,
+                          headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        resp.raise_for_status()
+        return list(resp.json()["reloaded"])
 
     def rss_and_fds(self) -> tuple[int, int]:
         status = Path(f"/proc/{self.proc.pid}/status").read_text()
@@ -535,7 +549,15 @@ def run_soak(opts: SoakOptions, say: Any = print) -> Report:
             time.sleep(10)
             backend.signal(signal.SIGCONT)
 
-        faults = [(0.25, kill(LAYOUTS[1])), (0.55, freeze), (0.80, kill(LAYOUTS[0]))]
+        def reload() -> None:
+            # A changed backend: the old one finishes its requests, the new one takes
+            # new ones (gateway.state.GatewayState.reload).
+            changes = gateway.reload("discovery_interval_s = 10.0\n")
+            report.faults.append("config reload (" + "; ".join(changes) + ")")
+            say(report.faults[-1])
+
+        faults = [(0.25, kill(LAYOUTS[1])), (0.40, reload), (0.55, freeze),
+                  (0.80, kill(LAYOUTS[0]))]
         asyncio.run(_load(gateway.url, opts, report, faults if opts.faults else []))
         say("load stopped; waiting for the gateway to return to 0")
         stopped = time.monotonic()

@@ -63,3 +63,48 @@ def test_sigterm_lets_a_stream_finish_refuses_new_work_and_exits_0(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sighup_reloads_the_config_file(default_server: LlamaServer, tmp_path: Path) -> None:
+    """SIGHUP to ``gateway serve`` reads its file again: a model name added is served
+    at once; then an invalid file is refused and the running configuration stays."""
+    port = free_port()
+    config = tmp_path / "gateway.toml"
+    head = f'[server]\nport = {port}\n[[backends]]\nname = "local"\nurl = "{default_server.url}"\n'
+    config.write_text(head + 'model = "gemma"\n[[backends]]\nname = "spare"\n'
+                      'url = "http://127.0.0.1:9"\nmodel = "other"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config",
+                             str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    chat = {"model": "gemma-3", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3}
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        # Two models, and "gemma-3" names neither: 404.
+        assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=60
+                          ).status_code == 404
+        config.write_text(head + 'model = "gemma"\naliases = ["gemma-3"]\n')
+        proc.send_signal(signal.SIGHUP)
+        for _ in range(100):
+            r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+            if r.status_code != 404:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200, r.text
+        config.write_text(head + "slotz = 3\n")
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=60
+                          ).status_code == 200  # still the last good configuration
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=30)[0].decode(errors="replace")
+    assert "SIGHUP" in out and "slotz" in out  # the refusal is logged with its reason
