@@ -356,6 +356,16 @@ def parse_body(route: str, raw: bytes) -> ParsedRequest:
     )
 
 
+def _ollama_images(value: Any, param: str) -> int:
+    """How many images ``images`` has; it must be absent, null or an array of base64
+    strings (``api.ImageData``), as Ollama decodes it."""
+    if value is None:
+        return 0
+    if not isinstance(value, list) or not all(isinstance(i, str) for i in value):
+        raise InvalidRequest(f"{param} must be an array of base64 strings.", param=param)
+    return len(value)
+
+
 def _ollama_messages(body: dict[str, Any]) -> None:
     messages = body.get("messages")
     if messages is None:
@@ -370,6 +380,7 @@ def _ollama_messages(body: dict[str, Any]) -> None:
         if content is not None and not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content must be a string.",
                                  param=f"messages[{i}].content")
+        _ollama_images(message.get("images"), f"messages[{i}].images")
 
 
 def parse_ollama_body(route: str, raw: bytes) -> ParsedRequest:
@@ -392,7 +403,8 @@ def parse_ollama_body(route: str, raw: bytes) -> ParsedRequest:
     if options is not None and not isinstance(options, dict):
         raise InvalidRequest("options must be an object.", param="options")
     options = options or {}
-    for key, kind in (("stream", bool), ("truncate", bool), ("raw", bool)):
+    for key, kind in (("stream", bool), ("truncate", bool), ("raw", bool),
+                      ("stream_options", dict)):  # not Ollama's, but the pipeline reads it
         if body.get(key) is not None and not isinstance(body[key], kind):
             raise InvalidRequest(f"{key} has the wrong type: {body[key]!r}.", param=key)
     _check_sampling(options, "chat")
@@ -402,20 +414,20 @@ def parse_ollama_body(route: str, raw: bytes) -> ParsedRequest:
     context_tokens = 0
     if route == "chat":
         _ollama_messages(body)
-        images = sum(len(m.get("images") or []) for m in body.get("messages") or []
-                     if isinstance(m.get("images"), list))
+        images = sum(len(m.get("images") or []) for m in body.get("messages") or [])
     else:
-        texts = [body.get(k, "") for k in ("system", "template", "prompt", "suffix")]
-        if not all(isinstance(t, str) for t in texts):
+        given = [body.get(k) for k in ("system", "template", "prompt", "suffix")]
+        if not all(t is None or isinstance(t, str) for t in given):  # null: unset, as in Go
             raise InvalidRequest("prompt, system, template and suffix must be strings.",
                                  param="prompt")
+        texts = [t or "" for t in given]
         context = body.get("context")
         if context is not None:
             if not isinstance(context, list) or _token_ids(context) is None and context:
                 raise InvalidRequest("context must be an array of token ids.",
                                      param="context")
             context_tokens = len(context)
-        images = len(body["images"]) if isinstance(body.get("images"), list) else 0
+        images = _ollama_images(body.get("images"), "images")
         prompts = ("\n".join(t for t in texts if t) or " ",)
     context_tokens += images * IMAGE_TOKENS
     return ParsedRequest(
@@ -478,7 +490,8 @@ def _object(raw: bytes) -> dict[str, Any]:
     body = _decode(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("The body must be a JSON object.")
-    for key, kind in (("model", str), ("stream", bool)):
+    # stream_options is read on every route (pipeline.prepare_exchange).
+    for key, kind in (("model", str), ("stream", bool), ("stream_options", dict)):
         if body.get(key) is not None and not isinstance(body[key], kind):
             raise InvalidRequest(f"{key} has the wrong type: {body[key]!r}.", param=key)
     return body
@@ -497,14 +510,19 @@ def _anthropic_messages(body: dict[str, Any]) -> None:
         content = message.get("content")
         if isinstance(content, list):
             if not all(isinstance(b, dict) and isinstance(b.get("type"), str)
+                       and (b["type"] != "text" or isinstance(b.get("text"), str))
                        for b in content):
                 raise InvalidRequest(f"messages[{i}].content blocks must be objects with a "
-                                     "string type.", param=f"messages.{i}.content")
+                                     "string type (and a text block a string text).",
+                                     param=f"messages.{i}.content")
         elif not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content must be a string or an array of "
                                  "content blocks.", param=f"messages.{i}.content")
     system = body.get("system")
-    if system is not None and not isinstance(system, (str, list)):
+    if system is not None and not isinstance(system, str) and not (
+            isinstance(system, list) and all(
+                isinstance(b, dict) and b.get("type") == "text"
+                and isinstance(b.get("text"), str) for b in system)):
         raise InvalidRequest("system must be a string or an array of text blocks.",
                              param="system")
 
