@@ -196,6 +196,11 @@ class Admission:
         this admission's own queue has been served."""
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        """Stop calling ``listener`` (a model queue no longer in use)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
     def notify(self) -> None:
         """Serve this queue and call the listeners, as after a release (when something
         outside the budget changed: a backend drained or undrained)."""

@@ -155,8 +155,10 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         if key is None:
             raise RouteNotFound(f"{request.method} {request.url.path}: Not Found (the "
                                 "admin routes exist when server.admin_key is set).")
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), key.get_secret_value().encode()):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        expected = key.get_secret_value().strip().encode()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 expected):
             raise Unauthorized("The admin routes need Authorization: Bearer <admin_key>.")
 
     def backend_view(b: Target) -> dict[str, Any]:

@@ -106,6 +106,13 @@ class ServerSettings(_Strict):
     # The bearer key of the /admin routes (backends view, drain, reload); unset: those
     # routes do not exist.
     admin_key: SecretStr | None = None
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key_not_blank(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("must not be empty (leave it unset to have no admin routes)")
+        return value
     head_timeout_s: float = Field(10.0, gt=0)
     body_idle_timeout_s: float = Field(30.0, gt=0)
     max_connections: int = Field(1000, ge=1)

@@ -56,6 +56,11 @@ class _GuardedH11Protocol(H11Protocol):
         super().data_received(data)
         self._rearm()
 
+    def on_response_complete(self) -> None:
+        # A pipelined request already buffered starts here, not in data_received.
+        super().on_response_complete()
+        self._rearm()
+
     def _disarm(self) -> None:
         if self._guard is not None:
             self._guard.cancel()

@@ -14,8 +14,9 @@ picks, in this order (:meth:`Fleet.resolve`):
 up and not draining (its charge follows each layout: a prompt too long for one slot size
 may fit another's). It goes to a backend where that charge fits *now*; among several, to
 the one with the best score (:func:`score`). When none fits, it waits in the pool's one
-FIFO queue (:class:`ModelQueue`) and starts on whichever backend frees room first; the
-head of the queue is always served first, so nothing starves.
+FIFO queue (:class:`ModelQueue`) and starts on whichever backend frees room first. A
+backend an earlier waiter could use is never given to a later one, so nothing starves;
+a later waiter may start on a backend no earlier one can use.
 
 **Health.** A backend a request failed on before any byte reached the client is marked
 down for a backoff (:meth:`gateway.target.Target.request_failed`); once the backoff has
@@ -116,6 +117,7 @@ class ModelQueue:
     down_max_s: float = 30.0  # routing.down_max_s
     # Called with (backend name, reason) for each request routed (metrics).
     on_route: Callable[[str, str], None] | None = None
+    retired: bool = False  # replaced by a reload; serves only those waiting here
     _queue: deque[_Waiter] = field(default_factory=deque)
     _timers: set[asyncio.TimerHandle] = field(default_factory=set)
     # Conversation prefix key -> the backend that served it last, least recent first.
@@ -144,6 +146,13 @@ class ModelQueue:
         """Requests waiting in this queue."""
         return len(self._queue)
 
+    def retire(self) -> None:
+        """A reload replaced this queue: new requests go to another. The requests
+        waiting here stay, and start on the backends of theirs still taking requests;
+        once none waits, the queue stops listening to its backends."""
+        self.retired = True
+        self.wake()
+
     def refuse_waiting(self, exc: Exception) -> None:
         """Fail every request waiting here with ``exc`` (the gateway is stopping)."""
         while self._queue:
@@ -168,11 +177,10 @@ class ModelQueue:
 
     def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None
                   ) -> tuple[Candidate, Lease] | None:
-        """A lease now on the best backend where the request fits, or ``None``; refuses
-        while others wait (FIFO)."""
-        if self._queue:
-            return None
-        return self._grant(candidates, affinity)
+        """A lease now on the best backend where the request fits, or ``None``. A
+        backend that a request already waiting could use is not given to it (FIFO)."""
+        blocked = self._blocked(len(self._queue))
+        return self._grant([c for c in candidates if id(c.backend) not in blocked], affinity)
 
     async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
                     *, front: bool = False) -> tuple[Candidate, Lease]:
@@ -213,17 +221,33 @@ class ModelQueue:
             timer.cancel()
 
     def wake(self) -> None:
-        """Start waiters, head first, while the head fits somewhere."""
-        while self._queue:
-            head = self._queue[0]
-            if head.future.done():
-                self._queue.popleft()
+        """Start waiters in FIFO order. A waiter that fits nowhere yet keeps every
+        backend it could use from the waiters behind it, which may still start on
+        backends it cannot use: nothing starves, and no backend idles behind a head that
+        waits for another one."""
+        if self.retired and not self._queue:
+            for backend in self.members:
+                backend.admission.remove_listener(self.wake)
+            return
+        blocked: set[int] = set()
+        for waiter in list(self._queue):
+            if waiter.future.done():
+                self._queue.remove(waiter)
                 continue
-            got = self._grant(head.candidates, head.affinity, head.reason)
+            allowed = [c for c in waiter.candidates if id(c.backend) not in blocked]
+            got = self._grant(allowed, waiter.affinity, waiter.reason) if allowed else None
             if got is None:
-                return
-            self._queue.popleft()
-            head.future.set_result(got)
+                blocked.update(id(c.backend) for c in waiter.candidates)
+                if len(blocked) >= len(self.members):
+                    return
+                continue
+            self._queue.remove(waiter)
+            waiter.future.set_result(got)
+
+    def _blocked(self, ahead: int) -> set[int]:
+        """The backends (ids) the first ``ahead`` waiters could use."""
+        return {id(c.backend) for waiter in list(self._queue)[:ahead]
+                for c in waiter.candidates if not waiter.future.done()}
 
     def wake_later(self, delay_s: float) -> None:
         """Look at the queue again in ``delay_s`` seconds (when a backend marked down

@@ -21,7 +21,7 @@ from gateway.errors import (
     PayloadTooLarge,
     ShuttingDown,
 )
-from gateway.fleet import Candidate, affinity_key
+from gateway.fleet import Candidate, ModelQueue, affinity_key
 from gateway.proxy import Exchange
 from gateway.resume import resumable
 from gateway.state import GatewayState
@@ -214,7 +214,8 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
             refusals.append((_slot_of(backend), exc))
     if not fitting:
         raise max(refusals, key=lambda r: r[0])[1]
-    prompt_tokens, raw_estimate, fitting = await _count_on_one(state, request, req, fitting)
+    prompt_tokens, raw_estimate, fitting = await _count_on_one(state, request, req, fitting,
+                                                               queue)
     # Followed live only when every backend can follow it: one response class for all.
     track = all(_trackable(backend, req, route, batch) for backend in fitting)
     candidates = []
@@ -253,10 +254,11 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
 
 
 async def _count_on_one(state: GatewayState, request: Request, req: ParsedRequest,
-                        backends: list[Target]) -> tuple[int, int | None, list[Target]]:
+                        backends: list[Target], queue: ModelQueue | None
+                        ) -> tuple[int, int | None, list[Target]]:
     """Count the prompt on the first of ``backends`` that answers; one that cannot be
-    reached is marked down and left out. Returns the count, the raw estimate (see
-    :func:`count_prompt`) and the backends still in play.
+    reached, or is loading its model, is marked down and left out. Returns the count,
+    the raw estimate (see :func:`count_prompt`) and the backends still in play.
 
     :raises GatewayError: as :func:`count_prompt`, from the last backend tried.
     """
@@ -267,9 +269,12 @@ async def _count_on_one(state: GatewayState, request: Request, req: ParsedReques
             counted, raw = await count_prompt(state, counter, req)
             return counted, raw, backends[i:]
         except GatewayError as exc:
-            if not (routing.failover and never_reached(exc) and i + 1 < len(backends)):
+            passed_over = never_reached(exc) or isinstance(exc, BackendNotReady)
+            if not (routing.failover and passed_over and i + 1 < len(backends)):
                 raise
-            counter.request_failed(routing.down_initial_s, routing.down_max_s)
+            down = counter.request_failed(routing.down_initial_s, routing.down_max_s)
+            if queue is not None:
+                queue.wake_later(down)
             state.metrics.failovers.labels(counter.model).inc()
     raise AssertionError("unreachable: the last backend's failure is raised")
 

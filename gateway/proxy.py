@@ -186,14 +186,16 @@ class ProxyResponse(Response):
         watcher = DisconnectWatcher(receive)
         watcher.start()
         x = self.x
-        name = x.backend.name
         try:
             await self._admit_and_forward(watcher, send)
         finally:
             await watcher.stop()
-            # gateway.middleware counts the request with this status (499: client left).
-            scope.setdefault("state", {})["final_status"] = x.status or 499
-            self.metrics.duration.labels(name).observe(self.clock.now() - x.started)
+            # gateway.middleware counts the request with this status (499: client left),
+            # under the backend that took it (in a pool, known once admitted).
+            state = scope.setdefault("state", {})
+            state["final_status"] = x.status or 499
+            state["backend"] = x.backend.name
+            self.metrics.duration.labels(x.backend.name).observe(self.clock.now() - x.started)
 
     async def _send_error(self, send: Send, exc: GatewayError) -> None:
         start, body = error_messages(exc, self.x.api)
@@ -265,6 +267,7 @@ class ProxyResponse(Response):
             m.rejections.labels(name, exc.rejection_reason or "other").inc()
             await self._send_error(send, exc)
             return None, send
+        name = x.backend.name  # the backend the lease is on
         m.queue_wait.labels(name).observe(lease.waited_s)
         x.extra_headers.append((b"x-queue-wait-ms", str(round(lease.waited_s * 1000)).encode()))
         if lease.predicted_wait_s is not None:
@@ -296,7 +299,7 @@ class ProxyResponse(Response):
                 pass  # the client has gone; the caller notices
 
     async def _admit_and_forward(self, watcher: DisconnectWatcher, send: Send) -> None:
-        x, m, name = self.x, self.metrics, self.x.backend.name
+        x, m = self.x, self.metrics
         lease, send = await self._obtain(watcher, send)
         while lease is not None:
             await self._hold(watcher, send, lease)
@@ -305,6 +308,7 @@ class ProxyResponse(Response):
                 continue
             if not self._again:
                 return
+            name = x.backend.name
             # The backend overflowed and failed this whole answer before any of it was
             # sent (predictive policy): the same request again, at the head of the queue.
             m.preemptions.labels(name, "overflow").inc()
@@ -470,8 +474,6 @@ class ProxyResponse(Response):
             if not (never_reached(exc) and self._fails_over(exc)):
                 await self._send_error(send, exc)
             return
-        if resp.status_code < 500:
-            x.backend.request_served()
         # llama-server sends a stream's headers with its first result and a whole answer
         # all at once: either way the task has started, or ended.
         self._launched = True
@@ -479,8 +481,11 @@ class ProxyResponse(Response):
         try:
             ctype = resp.headers.get("content-type", "")
             ndjson = ctype.startswith("application/x-ndjson")
-            if x.stream and resp.status_code < 400 and (
-                    ctype.startswith("text/event-stream") or ndjson):
+            streaming = x.stream and resp.status_code < 400 and (
+                ctype.startswith("text/event-stream") or ndjson)
+            if resp.status_code < 500 and not streaming:
+                x.backend.request_served()  # a stream: once its first event comes
+            if streaming:
                 await watcher.race(self._relay_stream(send, resp, ndjson=ndjson))
             else:
                 await self._relay_whole(watcher, send, resp)
@@ -621,8 +626,19 @@ class ProxyResponse(Response):
             nonlocal opened
             if not opened:
                 opened = True
+                x.backend.request_served()
                 await send(start)
             await send(body_message(data))
+
+        async def failed(exc: GatewayError) -> bool:
+            """Before the first event: fail over, or answer ``exc`` with its own status
+            (nothing has reached the client, so it need not be a 200 and an event)."""
+            if opened:
+                return False
+            x.status = 0
+            if not self._fails_over(exc):
+                await self._send_error(send, exc)
+            return True
 
         splitter = EventSplitter(lines=ndjson)
         inspect = self._inspect_line if ndjson else self._inspect_event
@@ -646,7 +662,7 @@ class ProxyResponse(Response):
                 f"Backend {name!r} sent an event too large to relay: {too_large}.")))
         except GatewayError as exc:
             m.upstream_errors.labels(name, self._broke(exc)).inc()
-            if not opened and self._fails_over(exc):
+            if await failed(exc):
                 return
             await emit(final(exc))
         else:
@@ -654,7 +670,7 @@ class ProxyResponse(Response):
             if not state.done and not state.errored:
                 m.upstream_errors.labels(name, "stream_aborted").inc()
                 exc2 = UpstreamError(f"Backend {name!r} closed the stream before it finished.")
-                if not opened and self._fails_over(exc2):
+                if await failed(exc2):
                     return
                 await emit(final(exc2))
         if not opened:

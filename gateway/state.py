@@ -52,6 +52,7 @@ class GatewayState:
     discovering: bool = False  # each backend runs its discovery loop
     retiring: list[Target] = field(default_factory=list)  # removed, finishing requests
     _queues: dict[tuple[str, ...], ModelQueue] = field(default_factory=dict)
+    _old_queues: list[ModelQueue] = field(default_factory=list)  # retired, still serving
     _discovery: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     _retirements: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -92,6 +93,12 @@ class GatewayState:
             if old is not None and old.settings == entry:
                 fresh[entry.name] = old
                 continue
+            if old is not None and old.same_server(entry):
+                # The same server: keep its budget (what it holds now) and queue.
+                old.reconfigure(entry)
+                fresh[entry.name] = old
+                changes.append(f"changed backend {entry.name}")
+                continue
             changes.append(f"{'changed' if old else 'added'} backend {entry.name}")
             fresh[entry.name] = self.make_target(entry, new.admission)
             built.append(fresh[entry.name])
@@ -112,8 +119,16 @@ class GatewayState:
         if new.routing != self.settings.routing:
             changes.append("routing settings")
         kept = set(map(id, fresh.values()))
-        self._queues = {key: queue for key, queue in self._queues.items()
-                        if all(id(b) in kept for b in queue.members)}
+        names = tuple(fresh)
+        self._old_queues = [q for q in self._old_queues if q.waiting]
+        for key, queue in list(self._queues.items()):
+            if (all(id(b) in kept for b in queue.members) and set(key) <= set(names)
+                    and {b.model for b in queue.members} == {queue.model}):
+                continue
+            del self._queues[key]  # its members changed: new requests get a new queue
+            queue.retire()
+            if queue.waiting:
+                self._old_queues.append(queue)
         for queue in self._queues.values():
             queue.failover = new.routing.failover
             queue.down_initial_s = new.routing.down_initial_s
@@ -145,10 +160,21 @@ class GatewayState:
         task.add_done_callback(self._retirements.discard)
 
     def models(self) -> dict[str, list[Target]]:
-        """The backends of each model name, in configuration order."""
+        """The backends of each model name, in configuration order. Backends whose
+        model is not known yet join the only model there is, or stand alone (by their
+        name) while several are known."""
         found: dict[str, list[Target]] = {}
+        unknown = []
         for backend in self.backends.values():
-            found.setdefault(backend.model, []).append(backend)
+            if backend.model_known:
+                found.setdefault(backend.model, []).append(backend)
+            else:
+                unknown.append(backend)
+        if len(found) == 1:
+            next(iter(found.values())).extend(unknown)
+        else:
+            for backend in unknown:
+                found.setdefault(backend.model, []).append(backend)
         return found
 
     async def drain(self) -> bool:
@@ -165,14 +191,14 @@ class GatewayState:
         server = self.settings.server
         if server.drain_queued == "refuse":
             for waiting in (*(b.admission for b in self.backends.values()),
-                            *self._queues.values()):
+                            *self._queues.values(), *self._old_queues):
                 waiting.refuse_waiting(ShuttingDown(
                     "The gateway is shutting down; retry after the Retry-After delay.",
                     retry_after_s=1.0))
         deadline = self.clock.now() + server.drain_timeout_s
         while self.clock.now() < deadline:
             if not (any(s.queued or s.inflight - s.abandoned_held for _, s, _r in self.stats())
-                    or any(q.waiting for q in self._queues.values())):
+                    or any(q.waiting for q in (*self._queues.values(), *self._old_queues))):
                 return True
             await self.clock.sleep(0.1)
         return False
@@ -216,8 +242,13 @@ class GatewayState:
                     raise RouteNotFound(f"Backend {named.name!r} (kind {named.kind}) does "
                                         "not serve this route.")
                 return [named]
-            pool = [b for b in eligible if name in b.model_names]
-            if pool:
+            # An alias stands for its model, on every backend of that model.
+            stands_for = {b.model for b in self.backends.values() if name in b.model_names}
+            if stands_for:
+                pool = [b for b in eligible if b.model in stands_for]
+                if not pool:
+                    raise RouteNotFound(f"No backend of model {_shown(name)} serves this "
+                                        "route.")
                 return pool
         if not eligible:
             if kind is not None:
@@ -231,13 +262,15 @@ class GatewayState:
         open_ended = [b for b in eligible if b.kind == "ollama" and b.settings.model is None]
         if open_ended:
             return open_ended
-        models = sorted({b.model for b in eligible})
-        if len(models) == 1:
+        # A backend whose model is not known yet (not discovered, none configured) is
+        # not counted as a model of its own.
+        models = sorted({b.model for b in eligible if b.model_known})
+        if len(models) <= 1:
             return eligible
         raise ModelNotFound(
-            f"The model {model!r} is not served here. Models: {', '.join(models)} (see GET "
-            "/v1/models); routing.default_model names the one for requests that name none.",
-            param="model")
+            f"The model {_shown(model)} is not served here. Models: {', '.join(models)} "
+            "(see GET /v1/models); routing.default_model names the one for requests that "
+            "name none.", param="model")
 
     def usable(self, members: list[Target]) -> list[Target]:
         """The members new requests may go to now (ready, up, not draining).
@@ -284,6 +317,12 @@ class GatewayState:
                 on_route=lambda backend, reason: decisions.labels(
                     model, backend, reason).inc())
         return queue
+
+
+def _shown(name: object) -> str:
+    """A client-given name for an error message, cut to 80 characters."""
+    text = repr(name)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 async def _first_look(backend: Target) -> None:

@@ -128,6 +128,12 @@ class Target:
         return self.name
 
     @property
+    def model_known(self) -> bool:
+        """The model is configured, or the backend has reported it."""
+        return self.settings.model is not None or bool(
+            self.discovered is not None and self.discovered.model_id)
+
+    @property
     def model_names(self) -> frozenset[str]:
         """Every name that reaches this backend's model: the model and its aliases."""
         return frozenset((self.model, *self.settings.aliases))
@@ -145,6 +151,26 @@ class Target:
         down = min(max_s, initial_s * 2 ** (self.failures - 1))
         self.down_until = self.clock.now() + down
         return down
+
+    def same_server(self, entry: BackendSettings) -> bool:
+        """``entry`` describes the server this backend talks to (same URL and kind, and
+        connection settings this backend's clients were built with): a reload can apply
+        it in place (:meth:`reconfigure`)."""
+        old = self.settings
+        return (entry.url, entry.kind, entry.keepalive_expiry_s) == (
+            old.url, old.kind, old.keepalive_expiry_s)
+
+    def reconfigure(self, entry: BackendSettings) -> None:
+        """Take ``entry`` (a reload; :meth:`same_server` is true) without losing the
+        reservations, queue, slot map and health of the server: names, timeouts, key and
+        layout settings apply from now on, the layout at the next discovery (asked for
+        now)."""
+        self.settings = entry
+        self.dialect.settings = entry  # type: ignore[misc]
+        side = getattr(self.dialect, "side", None)
+        if isinstance(side, SideCalls):
+            side.configure(entry)
+        self.request_rediscovery()
 
     def set_draining(self, draining: bool) -> None:
         """Stop (or start again) giving this backend new requests; those it holds

@@ -283,9 +283,14 @@ class TrackedResponse(ProxyResponse):
             kind = self._broke(exc)
             m.upstream_errors.labels(name, kind).inc()
             x.backend.upstream_failed(kind)
+            if x.queue is not None:  # in a pool: marked down (no failover once followed)
+                x.queue.wake_later(x.backend.request_failed(x.queue.down_initial_s,
+                                                            x.queue.down_max_s))
             await client.error(exc)
             return None
         self._launched = True
+        if resp.status_code < 500:
+            x.backend.request_served()  # a probe that succeeds brings the backend back
         try:
             if resp.status_code >= 400 or not resp.headers.get(
                     "content-type", "").startswith("text/event-stream"):

@@ -189,3 +189,21 @@ def test_past_max_connections_a_request_gets_503(
     assert refused[0] == 503 and refused[1].get("connection") == "close"
     assert served_after[0] == 200
     assert len(fake.generations) == 1
+
+
+def test_a_pipelined_request_with_a_stalled_body_is_cut(
+        make_settings: Any, fake: FakeLlamaServer) -> None:
+    """The second request of a pipeline starts when the first answer ends, not when
+    bytes arrive: its body timer must start then too."""
+    s = settings(make_settings, head_timeout_s=1.0, body_idle_timeout_s=1.0,
+                 keepalive_timeout_s=30)
+    with served(s, fake.client()) as port, \
+            socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        second = request_bytes(CHAT, BODY, extra=[("Connection", "keep-alive")])
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: g\r\n\r\n"
+                     + second[: second.index(b"\r\n\r\n") + 4 + 5])  # 5 body bytes
+        started = time.monotonic()
+        raw = read_all(sock)
+        waited = time.monotonic() - started
+    assert raw.count(b"HTTP/1.1 200") == 1  # the health check; then the cut
+    assert waited < 5

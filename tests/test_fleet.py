@@ -213,14 +213,17 @@ def test_the_model_queue_never_overcommits_and_never_lets_a_later_request_pass(
         ops: list[tuple[int, int, bool]]) -> None:
     """Random arrivals (prompt, cap) over three backends of different layouts, each
     followed or not by the release of the oldest lease in flight. At every step no
-    backend holds more than its capacity, and requests start in arrival order (FIFO
-    over the whole model, whichever backend they start on)."""
+    backend holds more than its capacity; every request starts in the end; and none
+    starts before an earlier one on a backend the earlier one could use (FIFO over the
+    whole model, per backend)."""
 
     async def run() -> None:
         clock = ManualClock()
         members = [_target(f"b{i}", layout, clock) for i, layout in enumerate(LAYOUTS)]
         queue = ModelQueue(members, max_queue=100, max_wait_s=1e9, clock=clock)
         started: list[int] = []
+        usable_by: dict[int, set[str]] = {}
+        took: dict[int, str] = {}
         leases: list[tuple[Target, Lease]] = []
         tasks = []
 
@@ -229,8 +232,10 @@ def test_the_model_queue_never_overcommits_and_never_lets_a_later_request_pass(
                           if prompt + cap < t.layout.ctx_per_slot]
             if not candidates:
                 return
+            usable_by[i] = {c.backend.name for c in candidates}
             candidate, lease = await queue.admit(candidates)
             started.append(i)
+            took[i] = candidate.backend.name
             leases.append((candidate.backend, lease))
 
         for i, (prompt, cap, release) in enumerate(ops):
@@ -251,7 +256,12 @@ def test_the_model_queue_never_overcommits_and_never_lets_a_later_request_pass(
             await asyncio.sleep(0)
         fitting = [i for i, (p, c, _) in enumerate(ops)
                    if any(p + c < layout.ctx_per_slot for layout in LAYOUTS)]
-        assert started == fitting  # all served, in arrival order
+        assert sorted(started) == fitting  # all served
+        # No request started ahead of an earlier one on a backend the earlier could use.
+        for later_pos, j in enumerate(started):
+            for i in started[later_pos + 1:]:
+                if i < j:
+                    assert took[j] not in usable_by[i], (i, j, took, usable_by)
         assert queue.waiting == 0
 
     asyncio.run(run())
@@ -493,3 +503,155 @@ async def test_reload_adds_and_removes_backends_without_dropping_requests(
     r = await fleet.client.post("/admin/reload", headers=ADMIN)
     assert r.status_code == 409 and "[admission]" in r.json()["error"]["message"]
     assert list(fleet.state.backends) == ["b"]
+
+
+# -- regressions from an adversarial pass ----------------------------------------------
+
+
+def test_an_empty_admin_key_is_refused_at_load() -> None:
+    from gateway.config import ConfigError
+
+    with pytest.raises(ConfigError, match="admin_key"):
+        load_settings(server={"admin_key": " "})
+
+
+async def test_an_alias_reaches_every_backend_of_its_model(make_fleet: Any) -> None:
+    hold = asyncio.Event()
+    fakes = {"gpu0": FakeLlamaServer(slots=1, hold=hold), "gpu1": FakeLlamaServer(slots=1)}
+    fleet = await make_fleet(fakes, [  # the README's example
+        {"name": "gpu0", "model": "gemma", "aliases": ["gemma-3"]},
+        {"name": "gpu1", "model": "gemma"}],
+        admission={"max_queue_wait_s": 0.5, "reject_predicted_timeouts": False})
+    busy = asyncio.ensure_future(fleet.chat("busy", model="gemma-3", max_tokens=3))
+    await asyncio.sleep(0.05)
+    r = await fleet.chat("second", model="gemma-3", max_tokens=3)
+    hold.set()
+    await busy
+    assert r.status_code == 200 and fleet.served_by() == {"gpu0": 1, "gpu1": 1}  # 503, gpu1 idle
+
+
+async def test_one_unreachable_backend_does_not_404_every_request(make_fleet: Any) -> None:
+    fakes = {"a": FakeLlamaServer(), "b": FakeLlamaServer(mode="connect")}
+    fleet = Fleet(fakes, [{"name": "a"}, {"name": "b"}])  # no model set: both serve fake.gguf
+    await fleet.state.backends["a"].discover()  # b is down at start: its "model" is "b"
+    r = await fleet.chat(model="gpt-4o", max_tokens=3)
+    ready = await fleet.client.get("/ready")
+    await fleet.client.aclose()
+    assert r.status_code == 200, r.text  # 404 model_not_found "Models: b, fake.gguf"
+    assert ready.status_code == 200  # 503 {"fake.gguf": true, "b": false}
+
+
+async def test_a_reload_does_not_double_book_a_changed_backend(make_fleet: Any,
+                                                                tmp_path: Any) -> None:
+    from gateway.state import reload_config
+
+    hold = asyncio.Event()
+    fakes = {"a": FakeLlamaServer(slots=1, hold=hold)}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}])
+    first = asyncio.ensure_future(fleet.chat("first", model="m", max_tokens=3))
+    await asyncio.sleep(0.05)
+    config = tmp_path / "g.toml"  # same server; only an alias is added
+    config.write_text('[admission]\ndisconnect_grace_s = 0.0\n[[backends]]\nname = "a"\n'
+                      'url = "http://a:8080"\nmodel = "m"\naliases = ["m2"]\n')
+    fleet.state.config_path = str(config)
+    await reload_config(fleet.state)
+    await fleet.state.backends["a"].discover()
+    second = asyncio.ensure_future(fleet.chat("second", model="m", max_tokens=3))
+    await asyncio.sleep(0.05)
+    hold.set()
+    await asyncio.gather(first, second)
+    assert fakes["a"].peak == 1  # 2: both sent with id_slot 0 to a 1-slot server
+
+
+async def test_a_loading_counter_does_not_fail_the_pool(make_fleet: Any) -> None:
+    fakes = {"a": FakeLlamaServer(), "b": FakeLlamaServer()}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
+    real = fakes["a"].handle
+
+    async def loading(request: httpx.Request) -> httpx.Response:  # llama-server reloading
+        if request.url.path == "/props":
+            return await real(request)
+        return httpx.Response(503, json={"error": {"code": 503, "message": "Loading model",
+                                                   "type": "unavailable_error"}})
+    fakes["a"].handle = loading
+    r = await fleet.chat(model="m", max_tokens=3)
+    assert r.status_code == 200, r.text  # 503 "Backend 'a' is loading." every time; b idle
+
+
+async def test_a_known_model_is_not_served_by_another(make_fleet: Any) -> None:
+    fakes = {"big": FakeLlamaServer(), "v": FakeLlamaServer()}
+    fleet = Fleet(fakes, [{"name": "big", "model": "llama"},
+                          {"name": "v", "model": "qwen", "kind": "vllm"}])
+    await fleet.state.backends["big"].discover()
+    r = await fleet.client.post("/infill", json={"model": "qwen", "input_prefix": "def f(",
+                                                 "input_suffix": ")", "max_tokens": 2})
+    await fleet.client.aclose()
+    assert not any(q.url.path == "/infill" for q in fakes["big"].requests)  # sent to llama
+
+
+async def test_a_failed_over_request_does_not_idle_the_pool(make_fleet: Any) -> None:
+    hold = asyncio.Event()
+    fakes = {"a": FakeLlamaServer(slots=1), "b": FakeLlamaServer(slots=1, hold=hold)}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}],
+                             routing={"down_initial_s": 0.1, "down_max_s": 0.1})
+    busy = asyncio.ensure_future(fleet.chat("busy on b", model="b", max_tokens=3))
+    await asyncio.sleep(0.05)
+    fakes["a"].mode = "boom"  # one 500 from a: the request waits at the head for b only
+    failed_over = asyncio.ensure_future(fleet.chat("fails on a", model="m", max_tokens=3))
+    await asyncio.sleep(0.05)
+    fakes["a"].mode = "ok"
+    await asyncio.sleep(0.15)  # a is up again and idle
+    after = asyncio.ensure_future(fleet.chat("next", model="m", max_tokens=3))
+    await asyncio.sleep(0.2)
+    done = after.done()
+    hold.set()
+    await asyncio.gather(busy, failed_over, after)
+    assert done  # waits behind the head until b frees room (or max_queue_wait_s)
+
+
+async def test_metrics_name_the_backend_that_served(make_fleet: Any) -> None:
+    hold = asyncio.Event()
+    fakes = {"a": FakeLlamaServer(slots=1, hold=hold), "b": FakeLlamaServer(slots=1)}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
+    busy = asyncio.ensure_future(fleet.chat("busy", model="a", max_tokens=3))
+    await asyncio.sleep(0.05)
+    assert (await fleet.chat("other", model="m", max_tokens=3)).status_code == 200
+    hold.set()
+    await busy
+    reg = fleet.state.metrics.registry
+    assert fleet.served_by() == {"a": 1, "b": 1}
+    assert reg.get_sample_value("gateway_requests_total",
+                                {"backend": "b", "route": "chat", "code": "200"}) == 1  # None
+    assert reg.get_sample_value("gateway_request_duration_seconds_count",
+                                {"backend": "b"}) == 1  # None; a has 2
+
+
+async def test_a_reload_keeps_the_model_queue_of_the_same_servers(
+        make_fleet: Any, tmp_path: Any) -> None:
+    from gateway.state import reload_config
+
+    hold = asyncio.Event()
+    fakes = {"a": FakeLlamaServer(slots=1, hold=hold), "b": FakeLlamaServer(slots=1, hold=hold)}
+    adm = {"max_queue_wait_s": 5.0, "reject_predicted_timeouts": False}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}],
+                             admission=adm)
+    busy = [asyncio.ensure_future(fleet.chat(f"busy {i}", model="m", max_tokens=3))
+            for i in range(2)]
+    await asyncio.sleep(0.05)
+    waiting = asyncio.ensure_future(fleet.chat("queued", model="m", max_tokens=3))
+    await asyncio.sleep(0.05)
+    config = tmp_path / "g.toml"
+    config.write_text('[admission]\ndisconnect_grace_s = 0.0\nmax_queue_wait_s = 5.0\n'
+                      'reject_predicted_timeouts = false\n' + "".join(
+                          f'[[backends]]\nname = "{n}"\nurl = "http://{n}:8080"\nmodel = "m"\n'
+                          'read_timeout_s = 100\n' for n in "ab"))
+    fleet.state.config_path = str(config)
+    assert await reload_config(fleet.state) == ["changed backend a", "changed backend b"]
+    assert fleet.state.backends["a"].settings.read_timeout_s == 100
+    late = asyncio.ensure_future(fleet.chat("late", model="m", max_tokens=3))
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and not late.done()  # both wait: the servers are still full
+    hold.set()
+    results = await asyncio.gather(waiting, late, *busy)
+    assert [r.status_code for r in results] == [200] * 4
+    assert fakes["a"].peak == 1 and fakes["b"].peak == 1  # never double-booked

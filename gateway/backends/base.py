@@ -83,8 +83,12 @@ class SideCalls:
     """
 
     def __init__(self, settings: BackendSettings, client: httpx.AsyncClient) -> None:
-        self.settings = settings
         self.client = client
+        self.configure(settings)
+
+    def configure(self, settings: BackendSettings) -> None:
+        """Use ``settings`` (the backend's entry, at start or after a reload)."""
+        self.settings = settings
         self.timeout = httpx.Timeout(min(30.0, settings.read_timeout_s),
                                      connect=settings.connect_timeout_s)
 
