@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from typing import Any
@@ -22,7 +23,9 @@ from gateway.tracked import TrackedResponse
 from gateway.upstream import map_upstream_errors
 from gateway.validation import check_content_type, parse_route_body
 
-__all__ = ["register_routes"]
+__all__ = ["MODELS_TIMEOUT_S", "register_routes"]
+
+MODELS_TIMEOUT_S = 5.0  # GET /v1/models waits this long for each backend's list
 
 
 def register_routes(app: FastAPI, state: GatewayState) -> None:
@@ -94,23 +97,28 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
     async def models() -> Response:
         """Each model once: a backend with ``model`` configured is listed under that name
         (its own entry renamed, for the metadata); one without, as it lists itself.
-        Backends of a model already listed are not asked; an unreachable one lists
-        nothing."""
-        data: list[Any] = []
-        seen: set[str] = set()
-        for backend in state.backends.values():
-            configured = backend.settings.model
-            if configured in seen:
-                continue
+        Backends are asked at once, each for at most :data:`MODELS_TIMEOUT_S`; one that
+        does not answer lists nothing."""
+        async def listed(backend: Target) -> list[dict[str, Any]]:
             try:
-                resp = await backend.client.get(backend.url("/v1/models"), timeout=backend.timeout,
-                                                headers=backend.settings.auth_headers)
-                listed = [e for e in resp.json().get("data", []) if isinstance(e, dict)]
-            except Exception:  # an unreachable backend lists nothing
-                continue
+                resp = await backend.client.get(
+                    backend.url("/v1/models"), headers=backend.settings.auth_headers,
+                    timeout=min(MODELS_TIMEOUT_S, backend.settings.read_timeout_s))
+                return [e for e in resp.json().get("data", []) if isinstance(e, dict)]
+            except Exception:  # an unreachable or odd backend lists nothing
+                return []
+
+        backends = list(state.backends.values())
+        answers = await asyncio.gather(*(listed(b) for b in backends))
+        data: list[Any] = []
+        seen: set[Any] = set()
+        for backend, entries in zip(backends, answers, strict=True):
+            configured = backend.settings.model
             if configured is not None:
-                listed = [{**(listed[0] if listed else {"object": "model"}), "id": configured}]
-            for entry in listed:
+                if configured in seen or not entries:
+                    continue
+                entries = [{**entries[0], "id": configured}]
+            for entry in entries:
                 if entry.get("id") not in seen:
                     seen.add(entry.get("id"))
                     data.append(entry)
