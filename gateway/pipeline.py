@@ -8,6 +8,7 @@ here waits for capacity (that is the :class:`~gateway.proxy.ProxyResponse`'s job
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from starlette.requests import Request
 
@@ -346,4 +347,15 @@ def _plan(state: GatewayState, backend: Target, req: ParsedRequest, route: str,
     if tracked:
         charge = replace(charge, predicted=backend.predicted_output(charge.max_tokens))
     body, tag = backend.prepare(req, charge)
-    return Candidate(backend, charge, body, tag, tracked)
+    return Candidate(backend, charge, _upstream_model(backend, body), tag, tracked)
+
+
+def _upstream_model(backend: Target, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with ``model`` set to the id the backend serves, when the client named
+    the model by the gateway's name or an alias of it: vLLM answers 404 to a name it
+    does not serve. Other names (a LoRA adapter's, say) pass unchanged."""
+    served = backend.discovered.model_id if backend.discovered is not None else None
+    asked = body.get("model")
+    if served and isinstance(asked, str) and asked != served and asked in backend.model_names:
+        return {**body, "model": served}
+    return body

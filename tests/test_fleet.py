@@ -655,3 +655,14 @@ async def test_a_reload_keeps_the_model_queue_of_the_same_servers(
     results = await asyncio.gather(waiting, late, *busy)
     assert [r.status_code for r in results] == [200] * 4
     assert fakes["a"].peak == 1 and fakes["b"].peak == 1  # never double-booked
+
+
+async def test_a_model_named_by_the_gateway_reaches_the_backend_by_its_own_id(
+        make_fleet: Any) -> None:
+    """vLLM answers 404 to a model name it does not serve: a client using the gateway's
+    name (or an alias) has it replaced by the id the backend reports."""
+    fakes = {"a": FakeLlamaServer()}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "gemma", "aliases": ["g3"]}])
+    for name in ("gemma", "g3"):
+        assert (await fleet.chat(model=name, max_tokens=3)).status_code == 200
+    assert [g.get("model") for g in fakes["a"].generations] == ["fake.gguf", "fake.gguf"]
