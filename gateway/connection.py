@@ -57,9 +57,11 @@ class _GuardedH11Protocol(H11Protocol):
         self._rearm()
 
     def on_response_complete(self) -> None:
-        # A pipelined request already buffered starts here, not in data_received.
+        # A pipelined request already buffered starts here, not in data_received. With
+        # nothing buffered the connection is idle: uvicorn's keep-alive timer applies.
         super().on_response_complete()
-        self._rearm()
+        if self.conn.their_state is not h11.IDLE or self.conn.trailing_data[0]:
+            self._rearm()
 
     def _disarm(self) -> None:
         if self._guard is not None:

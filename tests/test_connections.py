@@ -207,3 +207,15 @@ def test_a_pipelined_request_with_a_stalled_body_is_cut(
         waited = time.monotonic() - started
     assert raw.count(b"HTTP/1.1 200") == 1  # the health check; then the cut
     assert waited < 5
+
+
+def test_an_idle_keep_alive_connection_outlives_the_head_timeout(
+        make_settings: Any, fake: FakeLlamaServer) -> None:
+    s = settings(make_settings, head_timeout_s=0.5, keepalive_timeout_s=30)
+    with served(s, fake.client()) as port, \
+            socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: g\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(1.5)  # idle between requests: the keep-alive timeout applies, not this
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
+        assert read_all(sock).startswith(b"HTTP/1.1 200")

@@ -586,6 +586,7 @@ async def test_a_known_model_is_not_served_by_another(make_fleet: Any) -> None:
     r = await fleet.client.post("/infill", json={"model": "qwen", "input_prefix": "def f(",
                                                  "input_suffix": ")", "max_tokens": 2})
     await fleet.client.aclose()
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     assert not any(q.url.path == "/infill" for q in fakes["big"].requests)  # sent to llama
 
 
