@@ -51,6 +51,7 @@ class GatewayState:
     config_path: str | None = None  # the TOML file a reload reads
     discovering: bool = False  # each backend runs its discovery loop
     retiring: list[Target] = field(default_factory=list)  # removed, finishing requests
+    reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _queues: dict[tuple[str, ...], ModelQueue] = field(default_factory=dict)
     _old_queues: list[ModelQueue] = field(default_factory=list)  # retired, still serving
     _discovery: dict[int, asyncio.Task[None]] = field(default_factory=dict)
@@ -340,6 +341,11 @@ async def reload_config(state: GatewayState) -> list[str]:
         valid configuration (the reason is given), or it changes what needs a restart;
         the running configuration stays.
     """
+    async with state.reload_lock:  # one at a time: the last file read is applied last
+        return await _reload_config(state)
+
+
+async def _reload_config(state: GatewayState) -> list[str]:
     if state.config_path is None:
         raise ReloadRefused("The gateway was started without a configuration file; "
                             "there is nothing to reload.")
