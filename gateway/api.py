@@ -35,7 +35,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         exchange = await prepare_exchange(state, request, route)
         kind = TrackedResponse if exchange.tracked else ProxyResponse
         return kind(exchange, client=exchange.backend.client, metrics=state.metrics,
-                    clock=state.clock)
+                    clock=state.clock, cut=state.cut)
 
     @app.post("/api/chat")
     async def ollama_chat(request: Request) -> Response:

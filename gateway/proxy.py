@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from gateway.capacity import Charge
 from gateway.errors import (
     ClientDisconnected,
     GatewayError,
+    ShuttingDown,
     UpstreamError,
     ndjson_error_line,
     reshape_upstream_error,
@@ -165,12 +167,15 @@ class ProxyResponse(Response):
 
     def __init__(
         self, exchange: Exchange, *, client: httpx.AsyncClient, metrics: GatewayMetrics,
-        clock: Clock,
+        clock: Clock, cut: asyncio.Event | None = None,
     ) -> None:
         self.x = exchange
         self.client = client
         self.metrics = metrics
         self.clock = clock
+        self.cut = cut  # set when the gateway's drain runs out of time
+        # Once a relayed stream has sent its 200: how to write its final error event.
+        self._stream_final: Callable[[GatewayError], bytes] | None = None
         self._lease: Lease | None = None
         self._sent = False  # the generation request went upstream
         self._done = False  # ... and the backend is known to have finished with it
@@ -183,7 +188,7 @@ class ProxyResponse(Response):
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watcher = DisconnectWatcher(receive)
+        watcher = DisconnectWatcher(receive, self.cut)
         watcher.start()
         x = self.x
         try:
@@ -377,9 +382,28 @@ class ProxyResponse(Response):
         except ClientDisconnected:
             x.status = 499  # nginx's "client closed request", even if a 200 had started
             log.info("client left %s request on backend %s; upstream closed", x.route, name)
+        except ShuttingDown as cut:
+            await self._cut_off(send, cut)
         finally:
             self._give_back(lease, held_since, served=200 <= x.status < 400,
                             stream=x.stream)
+
+    async def _cut_off(self, send: Send, exc: ShuttingDown) -> None:
+        """The drain ran out of time with this request in hand (its upstream request is
+        closed by now): end a started stream with a final error event, or answer 503."""
+        x = self.x
+        log.info("drain timeout: cut a %s request on backend %s", x.route, x.backend.name)
+        try:
+            if self._stream_final is not None:
+                await send(body_message(self._stream_final(exc)))
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            elif self._progress is not None and self._progress.streaming:
+                await send(body_message(sse_error_event(exc, x.api)))
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                await self._send_error(send, exc)
+        except OSError:
+            pass  # the client is gone too
 
     def _start_attempt(self, lease: Lease) -> float:
         """Forget the last attempt's upstream state and hold ``lease``; returns the clock
@@ -627,6 +651,7 @@ class ProxyResponse(Response):
             if not opened:
                 opened = True
                 x.backend.request_served()
+                self._stream_final = final
                 await send(start)
             await send(body_message(data))
 

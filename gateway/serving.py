@@ -70,12 +70,22 @@ class DrainingServer(uvicorn.Server):
         task.add_done_callback(self._reloads.discard)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """First signal: start the drain. Later ones: stop now (uvicorn's behaviour)."""
-        if not self._draining and not self.should_exit and self._loop is not None:
+        """First signal: start the drain. A second one: cut what is in hand now (streams
+        get their final error event), then stop."""
+        if self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        if not self._draining and not self.should_exit:
             self._draining = True
             self._loop.call_soon_threadsafe(self._start_drain)
             return
-        super().handle_exit(sig, frame)
+        self._loop.call_soon_threadsafe(self._cut_now)
+
+    def _cut_now(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.cancel()  # its finally cuts and stops
+        else:
+            self.should_exit = True
 
     def _start_drain(self) -> None:
         self._drain = asyncio.ensure_future(self._drain_then_exit())
@@ -88,6 +98,7 @@ class DrainingServer(uvicorn.Server):
             finished = await state.drain()
             log.info("drain %s", "complete" if finished else "timed out; cutting the rest")
         finally:
+            await _cut(state)
             self.should_exit = True
 
     @contextmanager
@@ -113,6 +124,16 @@ def serve(app: Any, settings: Settings, *, host: str | None = None,
         app, host=host or server.host, port=port if port is not None else server.port,
         log_level=server.log_level, loop="uvloop", **uvicorn_options(settings))
     DrainingServer(config).run()
+
+
+async def _cut(state: Any, grace_s: float = 2.0) -> None:
+    """Cut the requests still in hand (:attr:`GatewayState.cut`) and give them up to
+    ``grace_s`` seconds to send their final error events and release their leases."""
+    state.cut.set()
+    for _ in range(round(grace_s / 0.05)):
+        if not any(s.inflight - s.abandoned_held for _, s, _r in state.stats()):
+            return
+        await asyncio.sleep(0.05)
 
 
 def _raise_fd_limit(wanted: int) -> None:

@@ -52,6 +52,9 @@ class GatewayState:
     discovering: bool = False  # each backend runs its discovery loop
     retiring: list[Target] = field(default_factory=list)  # removed, finishing requests
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Set when a drain runs out of time: requests in hand are cut, each stream with a
+    # final error event (gateway.proxy.ProxyResponse._cut_off).
+    cut: asyncio.Event = field(default_factory=asyncio.Event)
     _queues: dict[tuple[str, ...], ModelQueue] = field(default_factory=dict)
     _old_queues: list[ModelQueue] = field(default_factory=list)  # retired, still serving
     _discovery: dict[int, asyncio.Task[None]] = field(default_factory=dict)

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from starlette.types import Receive
 
-from gateway.errors import ClientDisconnected
+from gateway.errors import ClientDisconnected, ShuttingDown
 
 __all__ = ["DisconnectWatcher"]
 
@@ -27,10 +27,11 @@ class DisconnectWatcher:
     The request body must already have been read.
     """
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, cut: asyncio.Event | None = None) -> None:
         self._receive = receive
         self.disconnected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._cut = cut  # set when a drain runs out of time: work in hand is cut
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._watch())
@@ -52,24 +53,39 @@ class DisconnectWatcher:
 
     async def race(self, work: Awaitable[T], *, cancel: bool = True) -> T:
         """Await ``work``; raise :class:`ClientDisconnected` if the client goes away
-        first (the watcher task itself is the other side of the race).
+        first (the watcher task itself is the other side of the race), or
+        :class:`~gateway.errors.ShuttingDown` if the gateway's drain runs out of time.
 
         :param cancel: cancel ``work`` when the client leaves. With ``False`` it goes on
             (pass a task you keep, to hand it on).
         """
         task = asyncio.ensure_future(work)
         watcher = self._task
+        cut = asyncio.ensure_future(self._cut.wait()) if self._cut is not None else None
         try:
             if watcher is None or self.disconnected.is_set():
                 raise ClientDisconnected()
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if self._cut is not None and self._cut.is_set():
+                raise _cut_off()
+            await asyncio.wait({task, watcher, *([cut] if cut else [])},
+                               return_when=asyncio.FIRST_COMPLETED)
             if task.done():
                 return task.result()
-            raise ClientDisconnected()
+            if self.disconnected.is_set():
+                raise ClientDisconnected()
+            raise _cut_off()
         finally:
+            if cut is not None:
+                cut.cancel()
             if cancel and not task.done():
                 task.cancel()
                 try:
                     await task
                 except (asyncio.CancelledError, Exception):
                     pass
+
+
+def _cut_off() -> ShuttingDown:
+    return ShuttingDown("The gateway is shutting down and its drain timeout has passed: "
+                        "this request was cut. Retry it, on another instance or after the "
+                        "restart.", retry_after_s=1.0)

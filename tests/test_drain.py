@@ -55,3 +55,25 @@ async def test_a_drain_can_refuse_the_queue_and_gives_up_after_its_timeout(
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
     fake.hold.set()
     assert (await inflight).status_code == 200
+
+
+async def test_a_drain_that_runs_out_of_time_ends_each_stream_with_an_error_event(
+        harness_factory: Any, fake: Any) -> None:
+    from gateway.serving import _cut
+
+    h = await harness_factory({"max_queue_wait_s": 60.0})
+    settings = h.state.settings
+    h.state.settings = settings.model_copy(update={"server": settings.server.model_copy(
+        update={"drain_timeout_s": 0.3})})
+    fake.tokens, fake.token_delay = 1000, 0.05  # a long answer, a token every 50 ms
+    stream = asyncio.ensure_future(h.chat("long", max_tokens=1000, stream=True))
+    whole = asyncio.ensure_future(h.chat("long too", max_tokens=1000))
+    await asyncio.sleep(0.3)
+    assert await h.state.drain() is False
+    await _cut(h.state)
+    r = await asyncio.wait_for(stream, 5)
+    events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert len(events) > 2 and '"shutting_down"' in events[-1]  # tokens, then the cut
+    r = await asyncio.wait_for(whole, 5)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    assert h.backend.stats().inflight - h.backend.stats().abandoned_held == 0
