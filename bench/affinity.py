@@ -12,7 +12,7 @@ Printed per mode: TTFT p50/p95 (first streamed token, seconds) of the later turn
 llama-server's own ``timings``: prompt tokens computed (``prompt_n``) and taken from the
 cache (``cache_n``), summed over the later turns; then the ratios.
 
-Usage: python bench/affinity.py [--conversations 8] [--turns 4]
+Usage: .venv/bin/python bench/affinity.py [--conversations 8] [--turns 4]
 """
 
 from __future__ import annotations

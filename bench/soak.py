@@ -1,7 +1,7 @@
 """The soak: minutes of overload and faults against a real llama-server; see
 gateway/dev/soak.py for what it runs and prints.
 
-Usage: python bench/soak.py [--duration 300] [--rate R] [--policy strict|predictive]
+Usage: .venv/bin/python bench/soak.py [--duration 300] [--rate R] [--policy strict|predictive]
 """
 
 from __future__ import annotations

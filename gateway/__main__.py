@@ -26,6 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per upstream call
     serve(create_app(settings), settings, host=server.host, port=server.port,
           config_path=args.config)
     return 0

@@ -117,7 +117,11 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
             if configured is not None:
                 if configured in seen or not entries:
                     continue
-                entries = [{**entries[0], "id": configured}]
+                entry = {k: v for k, v in entries[0].items() if k != "aliases"}
+                entry["id"] = configured  # the backend's own id and aliases do not route
+                if backend.settings.aliases:
+                    entry["aliases"] = list(backend.settings.aliases)
+                entries = [entry]
             for entry in entries:
                 if entry.get("id") not in seen:
                     seen.add(entry.get("id"))

@@ -301,6 +301,15 @@ class Settings(BaseSettings):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"backend names must be unique; repeated: {', '.join(dupes)}")
+        servers: dict[str, str] = {}  # url -> backend, for kinds serving one model
+        for backend in value:
+            if backend.kind is BackendKind.ollama:
+                continue  # one Ollama serves many models, each with its own slots
+            other = servers.setdefault(backend.url, backend.name)
+            if other != backend.name:
+                raise ValueError(f"backends {other!r} and {backend.name!r} share the url "
+                                 f"{backend.url}: each would count that server's whole KV "
+                                 "pool as its own; list it once")
         owner: dict[str, str] = {}  # model name or alias -> the model it stands for
         for backend in value:
             if backend.model is None:

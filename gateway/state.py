@@ -87,6 +87,7 @@ class GatewayState:
             section = "admission" if new.admission != self.settings.admission else "server"
             raise ReloadRefused(f"[{section}] differs from the running configuration; it "
                                 "takes effect only at a restart. Nothing was reloaded.")
+        moved = [k for k in ("host", "port") if getattr(new.server, k) != listen[k]]
         new = new.model_copy(update={"server": running})
         assert self.make_target is not None
         changes: list[str] = []
@@ -122,6 +123,9 @@ class GatewayState:
                 changes.append(f"removed backend {name}")
         if new.routing != self.settings.routing:
             changes.append("routing settings")
+        if moved:
+            changes.append(f"not applied: server.{' and server.'.join(moved)} (the listening "
+                           "address changes only at a restart)")
         kept = set(map(id, fresh.values()))
         names = tuple(fresh)
         self._old_queues = [q for q in self._old_queues if q.waiting]
@@ -271,10 +275,12 @@ class GatewayState:
         models = sorted({b.model for b in eligible if b.model_known})
         if len(models) <= 1:
             return eligible
+        asked = ("This request names no model" if model is None
+                 else f"The model {_shown(model)} is not served here")
         raise ModelNotFound(
-            f"The model {_shown(model)} is not served here. Models: {', '.join(models)} "
-            "(see GET /v1/models); routing.default_model names the one for requests that "
-            "name none.", param="model")
+            f"{asked}. Models: {', '.join(models)} (see GET /v1/models); "
+            "routing.default_model names the one for requests that name none.",
+            param="model")
 
     def usable(self, members: list[Target]) -> list[Target]:
         """The members new requests may go to now (ready, up, not draining).

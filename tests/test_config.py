@@ -105,7 +105,7 @@ def test_check_config_prints_the_effective_kv_unified(
     import json
 
     path = write(tmp_path, "[[backends]]\nname = 'a'\n[[backends]]\nname = 'v'\n"
-                           "kind = 'vllm'\n")
+                           "kind = 'vllm'\nurl = 'http://127.0.0.1:8001'\n")
     assert main(["check-config", str(path)]) == 0
     llama, vllm = json.loads(capsys.readouterr().out)["backends"]
     assert llama["kv_unified"] is True and "kv_unified" not in vllm

@@ -153,6 +153,7 @@ async def test_models_are_resolved_by_name_alias_and_default(make_fleet: Any) ->
         assert r.status_code == 404, r.text
         error = r.json()["error"]
         assert error["code"] == "model_not_found" and "llama, qwen" in error["message"]
+        assert ("names no model" in error["message"]) == (body_model is None)
     assert sum(fleet.served_by().values()) == 3  # nothing forwarded for those
 
 
@@ -175,9 +176,11 @@ async def test_one_model_takes_any_name(make_fleet: Any) -> None:
 
 
 @pytest.mark.parametrize(("backends", "routing", "message"), [
-    ([{"name": "a", "model": "m", "aliases": ["b"]}, {"name": "b"}], {}, "names both"),
-    ([{"name": "a", "model": "m", "aliases": ["x"]}, {"name": "b", "model": "n",
-                                                      "aliases": ["x"]}], {}, "two models"),
+    ([{"name": "a", "model": "m", "aliases": ["b"]}, {"name": "b", "url": "http://b:1"}],
+     {}, "names both"),
+    ([{"name": "a", "model": "m", "aliases": ["x"]},
+      {"name": "b", "url": "http://b:1", "model": "n", "aliases": ["x"]}], {}, "two models"),
+    ([{"name": "a"}, {"name": "b"}], {}, "share the url"),
     ([{"name": "a", "aliases": ["x"]}], {}, "aliases need a model"),
     ([{"name": "a", "model": "m"}], {"default_model": "zz"}, "default_model"),
 ])
@@ -274,6 +277,7 @@ async def test_models_lists_each_model_once(make_fleet: Any) -> None:
                                      {"name": "c", "model": "qwen"}])
     listed = (await fleet.client.get("/v1/models")).json()
     assert sorted(m["id"] for m in listed["data"]) == ["llama", "qwen"]
+    assert all("aliases" not in m for m in listed["data"])  # not the backends' own
     assert json.dumps(listed)  # plain JSON
 
 

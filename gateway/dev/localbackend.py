@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import logging
 import os
 import shutil
 import signal
@@ -301,6 +302,9 @@ def _run(args: argparse.Namespace) -> int:
     from gateway.serving import serve
 
     settings = load_settings(args.config)
+    logging.basicConfig(level=settings.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per upstream call
     backend = settings.backends[0]
     port = int(backend.url.rsplit(":", 1)[1])
     extra = args.llama_args or ["-c", "2048"]

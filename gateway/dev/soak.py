@@ -30,7 +30,7 @@ hung (no end by their deadline); the gateway's queue, leases and KV reservation 
 the load stops (and how long they took to reach 0); its RSS and open descriptors after
 the calibration and at the end; TTFT p50/p95/p99 of the streams served.
 
-Usage: ``python bench/soak.py [--duration 300] [--rate R] [--policy strict]``.
+Usage: ``.venv/bin/python bench/soak.py [--duration 300] [--rate R] [--policy strict]``.
 """
 
 from __future__ import annotations
