@@ -134,7 +134,11 @@ class Report:
     sent: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     upstream_500_seen: int = 0  # by clients: HTTP 500 or an error event about the context
-    upstream_5xx_counted: float = 0.0  # the gateway's gateway_upstream_errors_total
+    # The gateway's gateway_upstream_errors_total: the KV overflows ("Context size has
+    # been exceeded."), and other 5xx answers (llama-server's 503 while it loads its
+    # model after a restart is one; expected here, as the backend is restarted).
+    overflows_counted: float = 0.0
+    upstream_5xx_counted: float = 0.0
     hung: int = 0
     hung_details: list[str] = field(default_factory=list)
     malformed_accepted: int = 0
@@ -166,8 +170,9 @@ class Report:
                "faults: " + ("; ".join(self.faults) or "none"), "outcomes:"]
         out += [f"  {name:<40} {n}" for name, n in sorted(self.outcomes.items())]
         out += [
-            f"upstream 500s seen by clients: {self.upstream_500_seen}; "
-            f"backend 5xx counted by the gateway: {self.upstream_5xx_counted:g}",
+            f"upstream 500s seen by clients: {self.upstream_500_seen}; KV overflows counted "
+            f"by the gateway: {self.overflows_counted:g}; other backend 5xx (503 while "
+            f"loading after a restart, ...): {self.upstream_5xx_counted:g}",
             f"hung requests: {self.hung}",
             *(f"  {detail}" for detail in self.hung_details),
             f"malformed bodies answered other than 4xx: {self.malformed_accepted}",
@@ -190,8 +195,8 @@ class Report:
 def problems(report: Report, *, max_rss_growth: float = 0.10) -> list[str]:
     """What in ``report`` breaks the gateway's promises (empty when nothing does)."""
     found = []
-    if report.upstream_500_seen or report.upstream_5xx_counted:
-        found.append("upstream 500s")
+    if report.upstream_500_seen or report.overflows_counted:
+        found.append("upstream 500s (KV overflow)")
     if report.hung:
         found.append(f"{report.hung} hung requests")
     if report.zero_after_s is None:
@@ -493,12 +498,13 @@ def _gauges(url: str) -> dict[str, float]:
     return values
 
 
-def _upstream_5xx(url: str) -> float:
+def _upstream_errors(url: str, kind: str) -> float:
+    """The gateway's count of backend failures of ``kind`` (all backends)."""
     text = httpx.get(url + "/metrics", timeout=10).text
     return sum(sample.value for family in text_string_to_metric_families(text)
                for sample in family.samples
                if sample.name == "gateway_upstream_errors_total"
-               and sample.labels.get("kind") in ("status_5xx", "context_overflow"))
+               and sample.labels.get("kind") == kind)
 
 
 @contextlib.contextmanager
@@ -533,7 +539,7 @@ def run_soak(opts: SoakOptions, say: Any = print) -> Report:
             report.offered_rate = opts.rate
         say(f"offered load {report.offered_rate:.2f} req/s for {opts.duration_s:g} s")
         report.rss_start, report.fds_start = gateway.rss_and_fds()
-        before_5xx = _upstream_5xx(gateway.url)
+        before = {k: _upstream_errors(gateway.url, k) for k in ("context_overflow", "status_5xx")}
 
         def kill(layout: list[str]) -> Any:
             def fault() -> None:
@@ -569,7 +575,10 @@ def run_soak(opts: SoakOptions, say: Any = print) -> Report:
             if time.monotonic() - stopped > opts.grace_s:
                 break
             time.sleep(0.5)
-        report.upstream_5xx_counted = _upstream_5xx(gateway.url) - before_5xx
+        report.overflows_counted = (_upstream_errors(gateway.url, "context_overflow")
+                                    - before["context_overflow"])
+        report.upstream_5xx_counted = (_upstream_errors(gateway.url, "status_5xx")
+                                       - before["status_5xx"])
         report.rss_end, report.fds_end = gateway.rss_and_fds()
         report.log_errors = [line for line in gateway.log_path.read_text(
             errors="replace").splitlines() if "ERROR" in line or "Traceback" in line]
