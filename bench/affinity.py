@@ -3,8 +3,9 @@ conversations, with ``routing.affinity`` on and off.
 
 Each of 8 conversations opens with a ~1,000-token message (a system prompt and a long
 first question) and goes on for 4 more short turns; the 8 run at once, each turn after
-the answer to the last. Both servers run Gemma 3 270M with 4 slots sharing 8,192 cells
-(one thread each: this machine has 2 cores). llama-server keeps each slot's last prompt
+the answer to the last and a pause of 0-3 s (seeded, the same in both modes). Both
+servers run Gemma 3 270M with 4 slots sharing 8,192 cells (one thread each: this
+machine has 2 cores). llama-server keeps each slot's last prompt
 (``cache_prompt``) and picks the slot whose prompt is most alike, so a turn that reaches
 the server holding its conversation recomputes only the new part.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import time
@@ -75,7 +77,11 @@ async def turn(client: httpx.AsyncClient, url: str, messages: list[dict[str, Any
 async def conversation(client: httpx.AsyncClient, url: str, i: int, turns: int,
                        later: list[tuple[float, dict[str, Any]]]) -> None:
     messages = opening(i)
+    pauses = random.Random(i)  # the same think times in both modes
     for t in range(turns + 1):
+        # A user reads and types between turns: the load each turn meets differs, as in
+        # real use (in lockstep, routing by fit alone puts every turn back in place).
+        await asyncio.sleep(pauses.uniform(0.0, 3.0))
         ttft, timings, answer = await turn(client, url, messages)
         if t > 0:
             later.append((ttft, timings))
