@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -18,23 +19,35 @@ from gateway.dev.localbackend import LlamaServer, free_port
 pytestmark = pytest.mark.llama
 
 
+def _serve(config: Path, port: int) -> tuple[subprocess.Popen[bytes], str]:
+    """``gateway serve --config config`` as a child process, and its URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config",
+                             str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_for(ready: Callable[[], bool], timeout_s: float = 60) -> None:
+    """Poll ``ready`` (transport errors count as not yet) until it is true."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if ready():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"not ready within {timeout_s:g} s")
+
+
 def test_sigterm_lets_a_stream_finish_refuses_new_work_and_exits_0(
         default_server: LlamaServer, tmp_path: Path) -> None:
     port = free_port()
     config = tmp_path / "gateway.toml"
     config.write_text(f'[server]\nport = {port}\ndrain_timeout_s = 120\n'
                       f'[[backends]]\nname = "local"\nurl = "{default_server.url}"\n')
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config",
-                             str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = _serve(config, port)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        _wait_for(lambda: httpx.get(url + "/ready", timeout=1).status_code == 200)
         body: list[str] = []
         first = threading.Event()
 
@@ -73,19 +86,13 @@ def test_sighup_reloads_the_config_file(default_server: LlamaServer, tmp_path: P
     head = f'[server]\nport = {port}\n[[backends]]\nname = "local"\nurl = "{default_server.url}"\n'
     config.write_text(head + 'model = "gemma"\n[[backends]]\nname = "spare"\n'
                       'url = "http://127.0.0.1:9"\nmodel = "other"\n')
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config",
-                             str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = _serve(config, port)
     chat = {"model": "gemma-3", "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 3}
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        # Served once llama-server is discovered ("spare" never is).
+        _wait_for(lambda: httpx.post(url + "/v1/chat/completions", timeout=60,
+                                     json={**chat, "model": "gemma"}).status_code == 200)
         # Two models, and "gemma-3" names neither: 404.
         assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=60
                           ).status_code == 404
