@@ -1,5 +1,5 @@
-"""Command line: ``gateway serve``, ``check-config``, ``plan`` and ``probe`` (also
-``python -m gateway``)."""
+"""Command line: ``gateway serve``, ``check-config``, ``plan``, ``probe`` and
+``hash-key`` (also ``python -m gateway``)."""
 
 from __future__ import annotations
 
@@ -130,6 +130,29 @@ def _probe(args: argparse.Namespace) -> int:
     return 0 if found["kind"] != "unknown" else 1
 
 
+def _hash_key(args: argparse.Namespace) -> int:
+    """Print the SHA-256 of a key read from stdin (never from the command line, where
+    it would stay in the shell history); ``--generate`` makes a new key and prints it
+    first, then its hash."""
+    import getpass
+    import secrets
+
+    from gateway.tenants import hash_key
+
+    if args.generate:
+        key = "sk-gw-" + secrets.token_urlsafe(32)
+        print(key)  # noqa: T201
+    elif sys.stdin.isatty():
+        key = getpass.getpass("key: ")
+    else:
+        key = sys.stdin.readline().rstrip("\r\n")
+    if not key.strip():
+        print("gateway hash-key: the key is empty", file=sys.stderr)  # noqa: T201
+        return 2
+    print(hash_key(key.strip()))  # noqa: T201
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gateway`` argument parser."""
     parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
@@ -170,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--api-key", help="the key the backend was started with (--api-key)")
     probe.add_argument("--json", action="store_true")
     probe.set_defaults(func=_probe)
+    hashing = sub.add_parser(
+        "hash-key", help="print the SHA-256 of a tenant key read from stdin (for key_hashes)")
+    hashing.add_argument("--generate", action="store_true",
+                         help="make a new random key; print it, then its hash")
+    hashing.set_defaults(func=_hash_key)
     return parser
 
 

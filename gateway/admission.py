@@ -32,7 +32,9 @@ from gateway.errors import (
     QueueFull,
     QueueTimeout,
     QueueWaitPredicted,
+    Shed,
 )
+from gateway.fairness import FairQueue, Party
 
 __all__ = ["GROWTH_HORIZON_S", "MIN_HISTORY", "Admission", "AdmissionStats", "Clock", "Lease",
            "MonotonicClock"]
@@ -126,17 +128,30 @@ class AdmissionStats:
     up: bool = True  # filled in by the backend: not marked down after a failure
 
 
-@dataclass
+@dataclass(eq=False)
 class _Waiter:
     charge: Charge
     future: asyncio.Future[Lease]
     since: float = field(default=0.0)
     predicted: float | None = None
     prefer: int | None = None  # the slot to take if it is free
+    party: Party = field(default_factory=Party)
+
+    def deadline(self, default_wait_s: float) -> float:
+        """The clock time after which it leaves the queue."""
+        wait = self.party.max_wait_s
+        return self.since + (default_wait_s if wait is None else wait)
+
+
+def shed_error(message: str, retry_after_s: float) -> Shed:
+    """The 503 a waiter gets when a request of a higher class takes its place."""
+    return Shed(f"{message} A request of a higher class needed its place in the full "
+                "queue; retry after the Retry-After delay.", retry_after_s=retry_after_s)
 
 
 class Admission:
-    """FIFO admission for one backend.
+    """Admission for one backend, in the order of :mod:`gateway.fairness` (FIFO while
+    every request has the same tenant and class).
 
     :param layout: the backend's KV layout, or ``None`` while it is not known yet
         (every admit then raises :class:`BackendNotReady`).
@@ -151,6 +166,7 @@ class Admission:
         (least progress first) when use plus growth would pass the pool less the margin.
     :param preempt_margin_tokens: tokens of a unified pool kept free under
         ``predictive``.
+    :param age_s: priority ageing, seconds per class (:class:`FairQueue`).
     """
 
     def __init__(
@@ -163,6 +179,7 @@ class Admission:
         reject_doomed: bool = False,
         predictive: bool = False,
         preempt_margin_tokens: int = 32,
+        age_s: float = 30.0,
     ) -> None:
         self._layout = layout
         self._predictive = predictive
@@ -177,7 +194,7 @@ class Admission:
         self._layout_changes = 0
         self._inflight = 0
         self._admitted = 0
-        self._queue: deque[_Waiter] = deque()
+        self._queue: FairQueue[_Waiter] = FairQueue(age_s)
         self._releases: deque[float] = deque(maxlen=64)
         self._active: dict[int, Lease] = {}  # leases in flight, by id
         self._durations: deque[float] = deque(maxlen=64)
@@ -254,8 +271,8 @@ class Admission:
     def refuse_waiting(self, exc: Exception) -> None:
         """Fail every request waiting in the queue with ``exc`` (the gateway is
         stopping)."""
-        while self._queue:
-            waiter = self._queue.popleft()
+        for waiter in list(self._queue):
+            self._queue.remove(waiter)
             if not waiter.future.done():
                 waiter.future.set_exception(exc)
 
@@ -294,7 +311,7 @@ class Admission:
             return min(60.0, max(1.0, mean * ahead / slots))
         return 1.0
 
-    def predict_wait_s(self, charge: Charge) -> float | None:
+    def predict_wait_s(self, charge: Charge, party: Party | None = None) -> float | None:
         """How long ``charge`` would wait if it queued now, seconds; ``None`` until
         :data:`MIN_HISTORY` served leases have been timed (or when it can never fit).
 
@@ -306,14 +323,17 @@ class Admission:
         end after which they fit, unless that is after they would have timed out.
         Releases measured as a rate mislead when requests end together (a wave of four
         ends, then nothing for a whole generation); ends measured per lease do not.
+        The requests ahead are those :class:`FairQueue` would admit before one of
+        ``party`` (every waiter, when all share one tenant and class).
         """
-        return self._replay([*((w.charge, w.since + self._max_wait_s) for w in self._queue),
+        ahead = self._queue.ahead_of(party or Party(), charge.tokens, self._clock.now())
+        return self._replay([*((w.charge, w.deadline(self._max_wait_s)) for w in ahead),
                              (charge, None)])
 
     def queue_position(self, charge: Charge) -> int | None:
         """1 for the head of the queue; ``None`` when ``charge`` (this very object) is
         not waiting."""
-        for i, waiter in enumerate(self._queue):
+        for i, waiter in enumerate(self._queue.order(self._clock.now())):
             if waiter.charge is charge:
                 return i + 1
         return None
@@ -324,8 +344,8 @@ class Admission:
         position = self.queue_position(charge)
         if position is None:
             return None
-        ahead = list(self._queue)[:position]
-        return self._replay([*((w.charge, w.since + self._max_wait_s) for w in ahead[:-1]),
+        ahead = self._queue.order(self._clock.now())[:position]
+        return self._replay([*((w.charge, w.deadline(self._max_wait_s)) for w in ahead[:-1]),
                              (charge, None)])
 
     def _replay(self, charges: list[tuple[Charge, float | None]]) -> float | None:
@@ -366,14 +386,16 @@ class Admission:
             heapq.heappush(ends, (t + hold(ahead), order, ahead))
         return t - now
 
-    def check_queue_room(self) -> None:
+    def check_queue_room(self, party: Party | None = None) -> None:
         """Raise at once when a new request could only queue and the queue is full.
 
-        With others waiting, a new request always queues (FIFO), whatever its size.
+        With others waiting, a new request always queues, whatever its size.
 
-        :raises QueueFull: ``max_queue`` requests wait already (and at least one does).
+        :raises QueueFull: ``max_queue`` requests wait already (and at least one does),
+            none of a class lower than ``party``'s (which it would shed).
         """
-        if self._queue and len(self._queue) >= self._max_queue:
+        if (self._queue and len(self._queue) >= self._max_queue
+                and self._queue.shed_for(party or Party()) is None):
             raise self._queue_full()
 
     def _queue_full(self) -> QueueFull:
@@ -384,7 +406,7 @@ class Admission:
         )
 
     def try_admit(self, charge: Charge, *, front: bool = False,
-                  prefer: int | None = None) -> Lease | None:
+                  prefer: int | None = None, party: Party | None = None) -> Lease | None:
         """Grant a lease now, or return ``None``: refuses while others wait (fairness),
         unless ``front`` (a preempted request coming back, which goes before them).
 
@@ -404,47 +426,64 @@ class Admission:
             )
         if (self._queue and not front) or not self._fits(layout, charge):
             return None
+        self._queue.charge(party or Party(), charge.tokens)
         return self._grant(charge, waited_s=0.0, prefer=prefer)
 
     async def admit(self, charge: Charge, *, front: bool = False,
-                    prefer: int | None = None) -> Lease:
-        """Wait for a lease in FIFO order; with ``front``, at the head of the queue (a
-        preempted request resuming: neither the queue bound nor a predicted wait
-        refuses it); ``prefer`` names the slot to take if it is free then (where the
-        backend still caches the request's prefix).
+                    prefer: int | None = None, party: Party | None = None) -> Lease:
+        """Wait for a lease in the order of :class:`FairQueue`; with ``front``, at the
+        head of the queue (a preempted request resuming: neither the queue bound nor a
+        predicted wait refuses it); ``prefer`` names the slot to take if it is free then
+        (where the backend still caches the request's prefix). ``party`` gives the
+        request's tenant, class and class wait limit.
+
+        When the queue is full, the newest waiter of the lowest class below ``party``'s
+        is shed (:class:`~gateway.errors.Shed`) to make room; with none, this request is
+        refused.
 
         :raises BackendNotReady: the layout is not known yet.
         :raises QueueFull: ``max_queue`` requests already wait (immediately).
-        :raises QueueTimeout: the wait passed ``max_wait_s``.
+        :raises QueueTimeout: the wait passed ``max_wait_s`` (or the class's).
         :raises ContextLengthExceeded: the charge does not fit the current layout (at
             once), or the layout changed while it waited and it no longer fits.
         """
-        lease = self.try_admit(charge, front=front, prefer=prefer)
+        party = party or Party()
+        lease = self.try_admit(charge, front=front, prefer=prefer, party=party)
         if lease is not None:
             return lease
+        max_wait = self._max_wait_s if party.max_wait_s is None else party.max_wait_s
+        victim = None
         if len(self._queue) >= self._max_queue and not front:
-            raise self._queue_full()
-        predicted = None if front else self.predict_wait_s(charge)
-        if self._reject_doomed and predicted is not None and predicted > self._max_wait_s:
+            victim = self._queue.shed_for(party)
+            if victim is None:
+                raise self._queue_full()
+        predicted = None if front else self.predict_wait_s(charge, party)
+        if self._reject_doomed and predicted is not None and predicted > max_wait:
             raise QueueWaitPredicted(
                 f"The queue ahead of this request needs about {predicted:.0f} s to drain "
-                f"at the backend's recent pace, longer than the {self._max_wait_s:g} s a "
+                f"at the backend's recent pace, longer than the {max_wait:g} s a "
                 "request may wait; retry after the Retry-After delay.",
                 retry_after_s=predicted)
+        if victim is not None:
+            self._queue.remove(victim)
+            victim.future.set_exception(shed_error(
+                f"The queue for this backend is full ({self._max_queue} waiting).",
+                self.retry_after_s()))
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(charge, loop.create_future(), since=self._clock.now(),
-                         predicted=predicted, prefer=prefer)
-        if front:
-            self._queue.appendleft(waiter)
-        else:
-            self._queue.append(waiter)
-        timer = asyncio.ensure_future(self._clock.sleep(self._max_wait_s))
+        now = self._clock.now()
+        waiter = _Waiter(charge, loop.create_future(), since=now,
+                         predicted=predicted, prefer=prefer, party=party)
+        self._queue.push(waiter, party, charge.tokens, now, front=front)
+        if self._queue.head(now) is waiter and self._layout is not None and self._fits(
+                self._layout, charge):
+            self._wake()  # it goes before waiters that wait for room it does not need
+        timer = asyncio.ensure_future(self._clock.sleep(max_wait))
         try:
             await asyncio.wait({waiter.future, timer}, return_when=asyncio.FIRST_COMPLETED)
             if waiter.future.done():
                 return waiter.future.result()
             raise QueueTimeout(
-                f"The request waited {self._max_wait_s:g} s in the queue without room on "
+                f"The request waited {max_wait:g} s in the queue without room on "
                 "the backend; retry after the Retry-After delay.",
                 retry_after_s=self.retry_after_s(),
             )
@@ -568,8 +607,7 @@ class Admission:
         if fut.done() and not fut.cancelled() and fut.exception() is None:
             self.release(fut.result())  # granted while we were leaving: give it back
             return
-        if waiter in self._queue:
-            self._queue.remove(waiter)
+        self._queue.remove(waiter)
         fut.cancel()
         self._wake()  # the head may have been the blocker
 
@@ -578,8 +616,9 @@ class Admission:
         if layout is None:
             return
         now = self._clock.now()
-        while self._queue and self._fits(layout, self._queue[0].charge):
-            waiter = self._queue.popleft()
+        while (waiter := self._queue.head(now)) is not None and self._fits(layout,
+                                                                            waiter.charge):
+            self._queue.take(waiter)
             lease = self._grant(waiter.charge, waited_s=now - waiter.since,
                                 prefer=waiter.prefer)
             lease.predicted_wait_s = waiter.predicted

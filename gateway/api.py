@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from typing import Any
 
@@ -12,13 +11,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.errors import RouteNotFound, Unauthorized
+from gateway.errors import RouteNotFound
 from gateway.fleet import usable
 from gateway.pipeline import count_prompt, prepare_exchange, read_body, require_ready
 from gateway.proxy import ProxyResponse
 from gateway.routes import FORWARDED
 from gateway.state import GatewayState, reload_config
 from gateway.target import Target
+from gateway.tenants import check_admin_key
 from gateway.tracked import TrackedResponse
 from gateway.upstream import map_upstream_errors
 from gateway.validation import check_content_type, parse_route_body
@@ -167,11 +167,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         if key is None:
             raise RouteNotFound(f"{request.method} {request.url.path}: Not Found (the "
                                 "admin routes exist when server.admin_key is set).")
-        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-        expected = key.get_secret_value().strip().encode()
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                                 expected):
-            raise Unauthorized("The admin routes need Authorization: Bearer <admin_key>.")
+        check_admin_key(request.headers.raw, key.get_secret_value(), "The admin routes")
 
     def backend_view(b: Target) -> dict[str, Any]:
         stats, now = b.stats(), state.clock.now()

@@ -27,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestAccounting
 from gateway.state import GatewayState
 from gateway.target import Target
+from gateway.tenants import OPEN_PATHS, Tenants, check_admin_key
 from gateway.upstream import build_client
 
 __all__ = ["GatewayState", "create_app", "uvicorn_options"]
@@ -97,6 +98,25 @@ def create_app(
     state = GatewayState(settings, client, clock, backends)
     state.make_target = make_target
     state.metrics = GatewayMetrics(registry or CollectorRegistry(), state.stats)
+    state.tenants = Tenants(settings)
+
+    def authenticate(scope: Any) -> None:
+        """Who the request is for (before its body is read): probes and admin routes
+        pass (the admin routes check their own key); ``/metrics`` needs the admin key
+        when one is set, unless ``server.metrics_public``; every other path needs a
+        tenant's key when tenants are configured (:meth:`Tenants.authenticate`)."""
+        path: str = scope["path"]
+        if path in OPEN_PATHS or path.startswith("/admin/"):
+            return
+        server = state.settings.server
+        if path == "/metrics":
+            if server.admin_key is not None and not server.metrics_public:
+                check_admin_key(scope["headers"], server.admin_key.get_secret_value(),
+                                "/metrics (server.admin_key is set)")
+            return
+        tenant = state.tenants.authenticate(scope["headers"])
+        scope_state = scope.setdefault("state", {})
+        scope_state["tenant"], scope_state["priority"] = tenant, tenant.priority
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -120,13 +140,17 @@ def create_app(
     )
     app.state.gateway = state
     app.add_middleware(RequestAccounting, metrics=state.metrics,
-                       keepalive_timeout_s=settings.server.keepalive_timeout_s)
+                       keepalive_timeout_s=settings.server.keepalive_timeout_s,
+                       authenticate=authenticate)
 
     @app.exception_handler(GatewayError)
     async def _render(request: Request, exc: GatewayError) -> Response:
         backend = getattr(request.state, "backend", "none")
         if exc.rejection_reason:
-            state.metrics.rejections.labels(backend, exc.rejection_reason).inc()
+            tenant = getattr(request.state, "tenant", None)
+            state.metrics.rejections.labels(
+                backend, exc.rejection_reason, getattr(tenant, "name", "none"),
+                getattr(request.state, "priority", None) or "none").inc()
         status, headers, body = render(exc, shape_of(request.url.path))
         raw = {k.decode(): v.decode() for k, v in headers if k != b"content-length"}
         return Response(body, status, headers=raw)

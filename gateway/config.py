@@ -10,6 +10,7 @@ Environment overrides use ``__`` between levels, for example
 
 from __future__ import annotations
 
+import os
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -36,6 +37,8 @@ __all__ = [
     "AdmissionSettings",
     "BackendKind",
     "BackendSettings",
+    "ClassSettings",
+    "TenantSettings",
     "ConfigError",
     "AdmissionPolicy",
     "OverlongPolicy",
@@ -103,8 +106,11 @@ class ServerSettings(_Strict):
     # while sending a body (seconds); and how many client connections are open at once.
     # Past max_connections a new request gets uvicorn's plain 503 and its connection is
     # closed: a bound on sockets and file descriptors, far above max_queue on purpose.
-    # The bearer key of the /admin routes (backends view, drain, reload); unset: those
-    # routes do not exist.
+    head_timeout_s: float = Field(10.0, gt=0)
+    body_idle_timeout_s: float = Field(30.0, gt=0)
+    max_connections: int = Field(1000, ge=1)
+    # The bearer key of the /admin routes (backends view, drain, reload) and of /metrics;
+    # unset: the admin routes do not exist and /metrics is open.
     admin_key: SecretStr | None = None
 
     @field_validator("admin_key")
@@ -113,9 +119,10 @@ class ServerSettings(_Strict):
         if value is not None and not value.get_secret_value().strip():
             raise ValueError("must not be empty (leave it unset to have no admin routes)")
         return value
-    head_timeout_s: float = Field(10.0, gt=0)
-    body_idle_timeout_s: float = Field(30.0, gt=0)
-    max_connections: int = Field(1000, ge=1)
+
+    # With admin_key set, /metrics still answers without it (a Prometheus on a private
+    # network scraping without credentials).
+    metrics_public: bool = False
 
 
 class AdmissionSettings(_Strict):
@@ -158,6 +165,9 @@ class AdmissionSettings(_Strict):
     # may still be queued inside a busy backend, or may never have reached it. Released
     # sooner once every slot has been seen idle.
     abandon_confirm_timeout_s: float = Field(120.0, gt=0.0)
+    # Priority ageing (gateway/fairness.py): a waiting request competes one class higher
+    # for every this many seconds it has waited, so that lower classes are never starved.
+    priority_age_s: float = Field(30.0, gt=0.0)
 
 
 class BackendSettings(_Strict):
@@ -259,6 +269,83 @@ class BackendSettings(_Strict):
         return self
 
 
+class ClassSettings(_Strict):
+    """One priority class (``[[classes]]``, listed highest first)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    # The longest a request of this class waits in the queue, seconds; unset:
+    # admission.max_queue_wait_s. A batch class can wait far longer than an interactive one.
+    max_queue_wait_s: float | None = Field(None, gt=0)
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _key_hash(value: str, where: str) -> str:
+    """A SHA-256 key hash as 64 lowercase hex digits (an optional ``sha256:`` prefix is
+    dropped).
+
+    :raises ValueError: it is not one.
+    """
+    text = value.strip().lower()
+    text = text.removeprefix("sha256:")
+    if len(text) != 64 or not set(text) <= _HEX:
+        raise ValueError(f"{where}: an entry is not a SHA-256 hash of a key (64 hex digits, "
+                         "as `gateway hash-key` prints); plain keys are not stored")
+    return text
+
+
+class TenantSettings(_Strict):
+    """One tenant (``[[tenants]]``): who it is, its keys, its class and its quotas.
+
+    Keys are stored only as SHA-256 hashes (``gateway hash-key`` prints one), listed in
+    ``key_hashes``, or in the environment variable ``key_hashes_env`` names, or in the file
+    ``key_hashes_file`` names (separated by commas, spaces or lines; ``#`` starts a
+    comment in the file). All three may be combined; each is read once, at load.
+    """
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    key_hashes: list[str] = Field(default_factory=list)
+    key_hashes_env: str | None = Field(None, min_length=1)
+    key_hashes_file: Path | None = None
+    # The class of its requests (a [[classes]] name; unset: the first class). A request
+    # may ask for a lower class, never a higher one.
+    priority: str | None = Field(None, min_length=1)
+    # Its share when several tenants wait: KV tokens served are divided by the weight.
+    weight: float = Field(1.0, gt=0)
+    # Most of its requests past its gate at once (waiting for capacity or in flight).
+    max_inflight: int | None = Field(None, ge=1)
+    # Most of its requests waiting at once (at its gate or for capacity).
+    max_queued: int | None = Field(None, ge=0)
+    # Prompt + completion tokens per rolling minute, as the gateway counts them.
+    tokens_per_minute: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _gather_keys(self) -> TenantSettings:
+        hashes = [_key_hash(h, "key_hashes") for h in self.key_hashes]
+        if self.key_hashes_env is not None:
+            raw = os.environ.get(self.key_hashes_env)
+            if raw is None:
+                raise ValueError(f"key_hashes_env: the environment variable "
+                                 f"{self.key_hashes_env!r} is not set")
+            hashes += [_key_hash(h, f"${self.key_hashes_env}")
+                       for h in raw.replace(",", " ").split()]
+        if self.key_hashes_file is not None:
+            try:
+                text = self.key_hashes_file.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise ValueError(f"key_hashes_file {str(self.key_hashes_file)!r} cannot be "
+                                 f"read: {exc.strerror or exc}") from None
+            lines = (line.split("#", 1)[0] for line in text.splitlines())
+            hashes += [_key_hash(h, str(self.key_hashes_file))
+                       for line in lines for h in line.replace(",", " ").split()]
+        if not hashes:
+            raise ValueError(f"tenant {self.name!r} has no key: give key_hashes, "
+                             "key_hashes_env or key_hashes_file")
+        object.__setattr__(self, "key_hashes", list(dict.fromkeys(hashes)))
+        return self
+
+
 class RoutingSettings(_Strict):
     """How requests find a backend when several are configured (gateway/fleet.py)."""
 
@@ -293,6 +380,39 @@ class Settings(BaseSettings):
     backends: list[BackendSettings] = Field(
         default_factory=lambda: [BackendSettings(name="local")], min_length=1
     )
+    # Priority classes, highest first (gateway/fairness.py); unset: one class, "default".
+    classes: list[ClassSettings] = Field(
+        default_factory=lambda: [ClassSettings(name="default")], min_length=1)
+    # Who may use the gateway (gateway/tenants.py); none: it is open to anyone.
+    tenants: list[TenantSettings] = Field(default_factory=list)
+
+    @field_validator("classes")
+    @classmethod
+    def _unique_classes(cls, value: list[ClassSettings]) -> list[ClassSettings]:
+        names = [c.name for c in value]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"class names must be unique; repeated: {', '.join(dupes)}")
+        return value
+
+    @model_validator(mode="after")
+    def _tenants_consistent(self) -> Settings:
+        classes = [c.name for c in self.classes]
+        owners: dict[str, str] = {}
+        names = [t.name for t in self.tenants]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"tenant names must be unique; repeated: {', '.join(dupes)}")
+        for tenant in self.tenants:
+            if tenant.priority is not None and tenant.priority not in classes:
+                raise ValueError(f"tenant {tenant.name!r}: priority {tenant.priority!r} is "
+                                 f"not a class ({', '.join(classes)})")
+            for digest in tenant.key_hashes:
+                other = owners.setdefault(digest, tenant.name)
+                if other != tenant.name:
+                    raise ValueError(f"tenants {other!r} and {tenant.name!r} share a key "
+                                     f"(hash {digest[:12]}...); each key names one tenant")
+        return self
 
     @field_validator("backends")
     @classmethod
@@ -356,6 +476,8 @@ def _describe(exc: ValidationError) -> str:
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
         if err["type"] == "extra_forbidden":
             lines.append(f"{key}: unknown key")
+        elif key.startswith("tenants") or "key" in key:  # never echo what may be a secret
+            lines.append(f"{key}: {err['msg']}")
         else:
             lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
     return "invalid configuration:\n  " + "\n  ".join(lines)

@@ -9,10 +9,14 @@ Tree::
     │   ├── PayloadTooLarge           413
     │   ├── UnsupportedMediaType      415
     │   ├── HeadersTooLarge           431
+    │   ├── Unauthorized              401 invalid_api_key
+    │   ├── Forbidden                 403 (a class above the tenant's)
+    │   ├── RateLimited               429 rate_limit_exceeded (carries Retry-After)
     │   └── UpstreamRefused           4xx kept from the backend, body put in shape
     └── ServiceError (5xx)
         ├── Overloaded                503 (carries Retry-After)
         │   ├── QueueFull             503 queue_full
+    │   │   └── Shed              503 queue_full, reason shed (a higher class took its place)
         │   ├── QueueTimeout          503 queue_timeout
         │   ├── BackendNotReady       503 backend_unavailable
         │   └── UpstreamContextOverflow 503 upstream_context_overflow
@@ -42,6 +46,9 @@ __all__ = [
     "ModelNotFound",
     "ReloadRefused",
     "Unauthorized",
+    "Forbidden",
+    "RateLimited",
+    "Shed",
     "Overloaded",
     "PayloadTooLarge",
     "QueueFull",
@@ -183,12 +190,44 @@ class Overloaded(ServiceError):
 
 
 class Unauthorized(ClientError):
-    """Raised when an admin route is called without the right ``server.admin_key``."""
+    """Raised when a request lacks a valid key: a tenant's (when tenants are configured)
+    or, on the admin routes and ``/metrics``, ``server.admin_key``."""
 
     status_code = 401
     error_type = "authentication_error"
     code = "invalid_api_key"
-    rejection_reason = None
+    rejection_reason = "unauthorized"
+
+
+class Forbidden(ClientError):
+    """Raised when a tenant asks for a priority class above its own (HTTP 403)."""
+
+    status_code = 403
+    error_type = "permission_error"
+    code = "priority_not_allowed"
+    rejection_reason = "forbidden"
+
+
+class RateLimited(ClientError):
+    """Raised when a tenant is over one of its quotas (HTTP 429, never forwarded and
+    never charged against capacity).
+
+    :param reason: the quota, for ``gateway_rejections_total{reason}``:
+        ``tokens_per_minute``, ``max_queued`` or ``max_inflight``.
+    :param retry_after_s: when a retry may pass, seconds (``Retry-After``).
+    :param headers: extra headers, such as OpenAI's ``x-ratelimit-*-tokens``.
+    """
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, reason: str, retry_after_s: float,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.rejection_reason = reason  # type: ignore[misc]
+        self.retry_after_s = retry_after_s
+        self.headers = headers or {}
 
 
 class ReloadRefused(ClientError):
@@ -204,6 +243,13 @@ class QueueFull(Overloaded):
 
     code = "queue_full"
     rejection_reason = "queue_full"
+
+
+class Shed(QueueFull):
+    """Raised for a waiting request dropped from a full queue to make room for one of a
+    higher priority class (``queue_full``; ``gateway_rejections_total{reason="shed"}``)."""
+
+    rejection_reason = "shed"
 
 
 class QueueTimeout(Overloaded):
@@ -318,6 +364,10 @@ def error_headers(exc: GatewayError) -> dict[str, str]:
     if isinstance(exc, Overloaded):
         seconds = min(60.0, max(1.0, exc.retry_after_s))
         return {"Retry-After": str(math.ceil(seconds)), "retry-after-ms": str(int(seconds * 1000))}
+    if isinstance(exc, RateLimited):  # the window's own time, not capped at 60 s
+        seconds = max(0.001, exc.retry_after_s)
+        return {"Retry-After": str(max(1, math.ceil(seconds))),
+                "retry-after-ms": str(math.ceil(seconds * 1000)), **exc.headers}
     if isinstance(exc, UpstreamRefused) and exc.retry_after is not None:
         headers = {"Retry-After": exc.retry_after}
         if exc.retry_after.isdigit():

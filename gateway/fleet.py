@@ -14,9 +14,10 @@ picks, in this order (:meth:`Fleet.resolve`):
 up and not draining (its charge follows each layout: a prompt too long for one slot size
 may fit another's). It goes to a backend where that charge fits *now*; among several, to
 the one with the best score (:func:`score`). When none fits, it waits in the pool's one
-FIFO queue (:class:`ModelQueue`) and starts on whichever backend frees room first. A
-backend an earlier waiter could use is never given to a later one, so nothing starves;
-a later waiter may start on a backend no earlier one can use.
+queue (:class:`ModelQueue`, in the order of :mod:`gateway.fairness`: FIFO while every
+request has one tenant and class) and starts on whichever backend frees room first. A
+backend a waiter ahead could use is never given to one behind it, so nothing starves;
+a waiter behind may start on a backend no waiter ahead can use.
 
 **Health.** A backend a request failed on before any byte reached the client is marked
 down for a backoff (:meth:`gateway.target.Target.request_failed`); once the backoff has
@@ -29,14 +30,15 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.admission import Clock, Lease
+from gateway.admission import Clock, Lease, shed_error
 from gateway.capacity import Charge
 from gateway.errors import QueueFull, QueueTimeout
+from gateway.fairness import FairQueue, Party
 from gateway.target import Target
 
 __all__ = ["AFFINITY_BONUS", "Candidate", "ModelQueue", "affinity_key", "score"]
@@ -91,11 +93,12 @@ class _Waiter:
     since: float
     affinity: str | None = None
     reason: str = "queued"  # for gateway_route_decisions_total
+    party: Party = field(default_factory=Party)
 
 
 @dataclass(eq=False)
 class ModelQueue:
-    """One FIFO queue for the backends of one model.
+    """One queue for the backends of one model (ordered by :class:`FairQueue`).
 
     Each member's own admission queue is left to requests that must come back to that
     backend (a preempted answer resuming where its prefix is cached); those go first, as
@@ -105,6 +108,7 @@ class ModelQueue:
     :param max_queue: most requests allowed to wait; 0 means never wait.
     :param max_wait_s: longest wait, seconds.
     :param clock: injected time source.
+    :param age_s: priority ageing, seconds per class (:class:`FairQueue`).
     """
 
     members: Sequence[Target]
@@ -118,7 +122,8 @@ class ModelQueue:
     # Called with (backend name, reason) for each request routed (metrics).
     on_route: Callable[[str, str], None] | None = None
     retired: bool = False  # replaced by a reload; serves only those waiting here
-    _queue: deque[_Waiter] = field(default_factory=deque)
+    age_s: float = 30.0
+    _queue: FairQueue[_Waiter] = field(init=False)
     _timers: set[asyncio.TimerHandle] = field(default_factory=set)
     # Conversation prefix key -> the backend that served it last, least recent first.
     _affinity: OrderedDict[str, str] = field(default_factory=OrderedDict)
@@ -138,6 +143,7 @@ class ModelQueue:
             self._affinity.popitem(last=False)
 
     def __post_init__(self) -> None:
+        self._queue = FairQueue(self.age_s)
         for backend in self.members:
             backend.admission.add_listener(self.wake)
 
@@ -155,55 +161,78 @@ class ModelQueue:
 
     def refuse_waiting(self, exc: Exception) -> None:
         """Fail every request waiting here with ``exc`` (the gateway is stopping)."""
-        while self._queue:
-            waiter = self._queue.popleft()
+        for waiter in list(self._queue):
+            self._queue.remove(waiter)
             if not waiter.future.done():
                 waiter.future.set_exception(exc)
 
-    def check_room(self) -> None:
+    def check_room(self, party: Party | None = None) -> None:
         """Raise at once when a new request could only queue and the queue is full.
 
-        :raises QueueFull: ``max_queue`` requests wait already (and at least one does).
+        :raises QueueFull: ``max_queue`` requests wait already (and at least one does),
+            none of a class lower than ``party``'s (which it would shed).
         """
-        if self._queue and len(self._queue) >= self.max_queue:
+        if (self._queue and len(self._queue) >= self.max_queue
+                and self._queue.shed_for(party or Party()) is None):
             raise self._full()
 
     def position(self, candidates: Sequence[Candidate]) -> int | None:
         """1-based place in the queue of the request planned as ``candidates``."""
-        for i, waiter in enumerate(self._queue, 1):
+        for i, waiter in enumerate(self._queue.order(self.clock.now()), 1):
             if waiter.candidates is candidates:
                 return i
         return None
 
-    def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None
-                  ) -> tuple[Candidate, Lease] | None:
+    def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
+                  party: Party | None = None) -> tuple[Candidate, Lease] | None:
         """A lease now on the best backend where the request fits, or ``None``. A
-        backend that a request already waiting could use is not given to it (FIFO)."""
-        blocked = self._blocked(len(self._queue))
-        return self._grant([c for c in candidates if id(c.backend) not in blocked], affinity)
+        backend that a request waiting ahead of it could use is not given to it."""
+        party = party or Party()
+        cost = candidates[0].charge.tokens if candidates else 0
+        ahead = self._queue.ahead_of(party, cost, self.clock.now()) if self._queue else []
+        blocked = self._blocked(ahead)
+        got = self._grant([c for c in candidates if id(c.backend) not in blocked], affinity)
+        if got is not None:
+            self._queue.charge(party, got[0].charge.tokens)
+        return got
 
     async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
-                    *, front: bool = False) -> tuple[Candidate, Lease]:
-        """Wait, in FIFO order, for room on any backend of the pool; with ``front``, at
-        the head of the queue (a request coming back after a backend failed it), where
-        neither the queue bound nor others waiting hold it back.
+                    *, front: bool = False, party: Party | None = None
+                    ) -> tuple[Candidate, Lease]:
+        """Wait, in the order of :class:`FairQueue`, for room on any backend of the
+        pool; with ``front``, at the head of the queue (a request coming back after a
+        backend failed it), where neither the queue bound nor others waiting hold it
+        back. When the queue is full, the newest waiter of the lowest class below
+        ``party``'s is shed to make room; with none, this request is refused.
 
         :raises QueueFull: ``max_queue`` requests already wait (at once).
-        :raises QueueTimeout: the wait passed ``max_wait_s``.
+        :raises QueueTimeout: the wait passed ``max_wait_s`` (or the class's).
         """
-        got = self._grant(candidates, affinity, "failover") if front else \
-            self.try_admit(candidates, affinity)
+        party = party or Party()
+        if front:
+            got = self._grant(candidates, affinity, "failover")
+            if got is not None:
+                self._queue.charge(party, got[0].charge.tokens)
+        else:
+            got = self.try_admit(candidates, affinity, party)
         if got is not None:
             return got
         if len(self._queue) >= self.max_queue and not front:
-            raise self._full()
+            victim = self._queue.shed_for(party)
+            if victim is None:
+                raise self._full()
+            self._queue.remove(victim)
+            victim.future.set_exception(shed_error(
+                f"The queue for this model is full ({self.max_queue} waiting).",
+                self.retry_after_s()))
+        max_wait = self.max_wait_s if party.max_wait_s is None else party.max_wait_s
+        now = self.clock.now()
         waiter = _Waiter(candidates, asyncio.get_running_loop().create_future(),
-                         self.clock.now(), affinity, "failover" if front else "queued")
-        if front:
-            self._queue.appendleft(waiter)
-        else:
-            self._queue.append(waiter)
-        timer = asyncio.ensure_future(self.clock.sleep(self.max_wait_s))
+                         now, affinity, "failover" if front else "queued", party)
+        cost = candidates[0].charge.tokens if candidates else 0
+        self._queue.push(waiter, party, cost, now, front=front)
+        self.wake()  # it may go before waiters that wait for room it does not need
+        timer = asyncio.ensure_future(self.clock.sleep(max_wait))
         try:
             await asyncio.wait({waiter.future, timer}, return_when=asyncio.FIRST_COMPLETED)
             if waiter.future.done():
@@ -211,7 +240,7 @@ class ModelQueue:
                 lease.waited_s = self.clock.now() - waiter.since
                 return candidate, lease
             raise QueueTimeout(
-                f"The request waited {self.max_wait_s:g} s in the queue without room on "
+                f"The request waited {max_wait:g} s in the queue without room on "
                 "any backend of its model; retry after the Retry-After delay.",
                 retry_after_s=self.retry_after_s())
         except BaseException:
@@ -221,8 +250,8 @@ class ModelQueue:
             timer.cancel()
 
     def wake(self) -> None:
-        """Start waiters in FIFO order. A waiter that fits nowhere yet keeps every
-        backend it could use from the waiters behind it, which may still start on
+        """Start waiters in the queue's order. A waiter that fits nowhere yet keeps
+        every backend it could use from the waiters behind it, which may still start on
         backends it cannot use: nothing starves, and no backend idles behind a head that
         waits for another one."""
         if self.retired and not self._queue:
@@ -230,7 +259,7 @@ class ModelQueue:
                 backend.admission.remove_listener(self.wake)
             return
         blocked: set[int] = set()
-        for waiter in list(self._queue):
+        for waiter in self._queue.order(self.clock.now()):
             if waiter.future.done():
                 self._queue.remove(waiter)
                 continue
@@ -241,12 +270,13 @@ class ModelQueue:
                 if len(blocked) >= len(self.members):
                     return
                 continue
-            self._queue.remove(waiter)
+            self._queue.take(waiter)
             waiter.future.set_result(got)
 
-    def _blocked(self, ahead: int) -> set[int]:
-        """The backends (ids) the first ``ahead`` waiters could use."""
-        return {id(c.backend) for waiter in list(self._queue)[:ahead]
+    @staticmethod
+    def _blocked(ahead: Iterable[_Waiter]) -> set[int]:
+        """The backends (ids) the waiters ``ahead`` could use."""
+        return {id(c.backend) for waiter in ahead
                 for c in waiter.candidates if not waiter.future.done()}
 
     def wake_later(self, delay_s: float) -> None:
@@ -288,8 +318,7 @@ class ModelQueue:
             candidate, lease = fut.result()  # granted while it was leaving: give it back
             candidate.backend.release(lease, served=False)
             return
-        if waiter in self._queue:
-            self._queue.remove(waiter)
+        self._queue.remove(waiter)
         fut.cancel()
         self.wake()  # the head may have been the blocker
 

@@ -111,12 +111,13 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry, stats_source: StatsSource) -> None:
         self.registry = registry
         self.requests = Counter(
-            "gateway_requests", "Requests answered, by final HTTP status.",
-            ["backend", "route", "code"], registry=registry,
+            "gateway_requests", "Requests answered, by final HTTP status (tenant and "
+            "priority \"none\" before they are known, as for a 401).",
+            ["backend", "route", "code", "tenant", "priority"], registry=registry,
         )
         self.rejections = Counter(
             "gateway_rejections", "Requests the gateway answered itself without forwarding.",
-            ["backend", "reason"], registry=registry,
+            ["backend", "reason", "tenant", "priority"], registry=registry,
         )
         self.upstream_errors = Counter(
             "gateway_upstream_errors", "Failures of the backend, by kind.",
@@ -141,8 +142,9 @@ class GatewayMetrics:
             ["attempt"], registry=registry,
         )
         self.queue_wait = Histogram(
-            "gateway_queue_wait_seconds", "Time from arrival to admission.",
-            ["backend"], buckets=_LATENCY_BUCKETS, registry=registry,
+            "gateway_queue_wait_seconds", "Time from arrival to admission (a tenant's "
+            "gate included).",
+            ["backend", "tenant", "priority"], buckets=_LATENCY_BUCKETS, registry=registry,
         )
         self.queue_wait_prediction_error = Histogram(
             "gateway_queue_wait_prediction_error_seconds",
@@ -164,16 +166,16 @@ class GatewayMetrics:
         )
         self.prompt_tokens = Histogram(
             "gateway_prompt_tokens", "Prompt tokens per request (backend usage when given).",
-            ["backend"], buckets=_TOKEN_BUCKETS, registry=registry,
+            ["backend", "tenant", "priority"], buckets=_TOKEN_BUCKETS, registry=registry,
         )
         self.completion_tokens = Histogram(
             "gateway_completion_tokens", "Completion tokens per request (backend usage).",
-            ["backend"], buckets=_TOKEN_BUCKETS, registry=registry,
+            ["backend", "tenant", "priority"], buckets=_TOKEN_BUCKETS, registry=registry,
         )
         self.request_tokens = Histogram(
             "gateway_request_tokens",
             "KV tokens a request really used: prompt + completion (backend usage).",
-            ["backend"], buckets=_TOKEN_BUCKETS, registry=registry,
+            ["backend", "tenant", "priority"], buckets=_TOKEN_BUCKETS, registry=registry,
         )
         self.estimate_error = Histogram(
             "gateway_prompt_estimate_error_ratio",
@@ -214,5 +216,11 @@ class GatewayMetrics:
             "Requests sent to another backend of their model after one failed before any "
             "byte reached the client.",
             ["model"], registry=registry,
+        )
+        self.tenant_tokens = Counter(
+            "gateway_tenant_tokens",
+            "Tokens served per tenant, as its tokens_per_minute counts them: kind=prompt "
+            "(the gateway's count) or completion (the backend's usage).",
+            ["tenant", "kind"], registry=registry,
         )
         registry.register(_AdmissionCollector(stats_source))

@@ -5,6 +5,8 @@ OpenAI-shaped 500 for anything that escapes the handlers.
 
 * refuses requests with more than :data:`MAX_HEADERS` headers or more than
   :data:`MAX_HEADER_BYTES` bytes of them (431), before any route runs;
+* runs the ``authenticate`` hook (:mod:`gateway.tenants`): a request without a valid key
+  gets its 401 here, within the gateway's first microseconds, before its body is read;
 * counts each HTTP request exactly once in ``gateway_requests_total`` with the status
   it ended with: the status sent, a status a handler recorded after the response had
   started (``scope["state"]["final_status"]``: 499 when a streaming client left), or
@@ -16,6 +18,7 @@ OpenAI-shaped 500 for anything that escapes the handlers.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import ClientDisconnect
@@ -61,12 +64,17 @@ class RequestAccounting:
     :param metrics: where ``gateway_requests_total`` lives.
     :param keepalive_timeout_s: announced on every response as ``Keep-Alive: timeout=N``
         (seconds), so that client pools know how long an idle connection stays open.
+    :param authenticate: called with each HTTP scope before the app; raises a
+        :class:`GatewayError` (401) to refuse it, and may put ``tenant`` (an object
+        with a ``name``) and ``priority`` into ``scope["state"]`` for the labels.
     """
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics,
-                 keepalive_timeout_s: int | None = None) -> None:
+                 keepalive_timeout_s: int | None = None,
+                 authenticate: Callable[[Scope], None] | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.authenticate = authenticate
         self.keep_alive = (None if keepalive_timeout_s is None else
                            (b"keep-alive", f"timeout={keepalive_timeout_s}".encode()))
 
@@ -97,6 +105,14 @@ class RequestAccounting:
                     f"gateway accepts at most {MAX_HEADERS} headers and {MAX_HEADER_BYTES} "
                     "bytes. Drop cookies and other headers the API does not need."
                 )
+            if self.authenticate is not None:
+                try:
+                    self.authenticate(scope)
+                except GatewayError as exc:
+                    if exc.rejection_reason:
+                        self.metrics.rejections.labels("none", exc.rejection_reason, "none",
+                                                       "none").inc()
+                    raise
             await self.app(scope, receive, tracking_send)
         except GatewayError as exc:
             if not status:
@@ -113,7 +129,8 @@ class RequestAccounting:
                     await tracking_send(message)
         finally:
             final = state.get("final_status") or status or 499
+            tenant = state.get("tenant")
             self.metrics.requests.labels(
                 state.get("backend", "none"), state.get("route") or route_of(scope["path"]),
-                str(final),
+                str(final), getattr(tenant, "name", "none"), state.get("priority") or "none",
             ).inc()

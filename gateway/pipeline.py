@@ -22,11 +22,13 @@ from gateway.errors import (
     PayloadTooLarge,
     ShuttingDown,
 )
+from gateway.fairness import Party
 from gateway.fleet import Candidate, ModelQueue, affinity_key
 from gateway.proxy import Exchange
 from gateway.resume import resumable
 from gateway.state import GatewayState
 from gateway.target import Target
+from gateway.tenants import PRIORITY_HEADER, Tenant
 from gateway.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
 from gateway.upstream import never_reached
 from gateway.validation import (
@@ -192,6 +194,9 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         req = parse_body(route, raw)
     else:
         req = parse_route_body(route, raw)
+    tenant = getattr(request.state, "tenant", None) or state.tenants.authenticate(
+        request.headers.raw)
+    party = _party(state, request, tenant, req.body)
     members = state.resolve(req.body.get("model"), "ollama" if native else None,
                             route=route)
     request.state.backend = members[0].name
@@ -201,9 +206,9 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
     counter.check_request(req)
     queue = state.queue_for(members)
     if queue is not None:
-        queue.check_room()
+        queue.check_room(party)
     else:
-        counter.check_queue_room()  # a full queue answers before any counting
+        counter.check_queue_room(party)  # a full queue answers before any counting
     batch = max(1, len(req.prompts))
     refusals: list[tuple[int, GatewayError]] = []
     fitting = []
@@ -230,7 +235,10 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         raise max(refusals, key=lambda r: r[0])[1]
     first = candidates[0]
     charge = first.charge
+    hold = tenant.hold_tokens(state.clock.now(), prompt_tokens)  # 429 over the quota
     extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]
+    extra += [(k.encode(), v.encode()) for k, v in
+              tenant.rate_headers(state.clock.now()).items()]
     if charge.defaulted:
         state.metrics.default_max_tokens_applied.labels(first.backend.name).inc()
     if charge.clamped:
@@ -251,7 +259,27 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         raw_estimate=raw_estimate, tracked=first.tracked,
         candidates=candidates if queue is not None else [], queue=queue,
         affinity_key=key, affinity=queue.affinity_for(key) if queue is not None else None,
+        tenant=tenant, party=party, hold=hold,
     )
+
+
+def _party(state: GatewayState, request: Request, tenant: Tenant, body: dict[str, Any]
+           ) -> Party:
+    """The request's place in the queues: its tenant and the class it asks for in the
+    ``x-priority`` header or a string ``priority`` field (taken out of the body: the
+    backend never sees it; an integer ``priority``, vLLM's own, is left as it is).
+
+    :raises InvalidRequest: the class named does not exist.
+    :raises Forbidden: it is above the tenant's class.
+    """
+    asked: object = request.headers.get(PRIORITY_HEADER)
+    field_value = body.get("priority")
+    if isinstance(field_value, str):
+        del body["priority"]
+        asked = asked or field_value
+    party = state.tenants.party(tenant, asked.strip() if isinstance(asked, str) else asked)
+    request.state.priority = party.priority
+    return party
 
 
 async def _count_on_one(state: GatewayState, request: Request, req: ParsedRequest,

@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -36,6 +36,7 @@ from gateway.errors import (
     reshape_upstream_error,
     sse_error_event,
 )
+from gateway.fairness import ANONYMOUS, Party
 from gateway.fleet import Candidate, ModelQueue
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import error_messages
@@ -52,6 +53,7 @@ from gateway.relay import (
 from gateway.slotwatch import Ticket
 from gateway.sse import EventSplitter, EventTooLarge, event_data
 from gateway.target import Target
+from gateway.tenants import Tenant, TokenHold
 from gateway.upstream import map_upstream_errors, never_reached
 from gateway.watcher import DisconnectWatcher
 from gateway.wire import Seen, read_event
@@ -121,6 +123,16 @@ class Exchange:
     queue: ModelQueue | None = None
     affinity: str | None = None  # the backend that served this conversation's prefix
     affinity_key: str | None = None  # the conversation's key (gateway.fleet.affinity_key)
+    # Who it is for (gateway.tenants): the tenant, its party in the queues, and the
+    # tokens it holds in the tenant's tokens-per-minute window.
+    tenant: Tenant | None = None
+    party: Party = field(default_factory=Party)
+    hold: TokenHold | None = None
+
+    @property
+    def who(self) -> tuple[str, str]:
+        """The ``tenant`` and ``priority`` metric labels (values from the config only)."""
+        return (self.tenant.name if self.tenant else ANONYMOUS, self.party.priority)
 
     @property
     def may_fail_over(self) -> bool:
@@ -130,16 +142,17 @@ class Exchange:
     def try_admit(self) -> Lease | None:
         """A lease now (on the best backend of the model), or ``None``."""
         if self.queue is None:
-            return self.backend.try_admit(self.charge)
-        return self._bind(self.queue.try_admit(self.candidates, self.affinity))
+            return self.backend.try_admit(self.charge, self.party)
+        return self._bind(self.queue.try_admit(self.candidates, self.affinity, self.party))
 
     async def admit(self, *, front: bool = False) -> Lease:
         """Wait for a lease in FIFO order (on whichever backend of the model frees room
         first; with ``front``, ahead of the others); raises as
         :meth:`gateway.admission.Admission.admit`."""
         if self.queue is None:
-            return await self.backend.admit(self.charge, front=front)
-        got = await self.queue.admit(self.candidates, self.affinity, front=front)
+            return await self.backend.admit(self.charge, front=front, party=self.party)
+        got = await self.queue.admit(self.candidates, self.affinity, front=front,
+                                     party=self.party)
         lease = self._bind(got)
         assert lease is not None
         return lease
@@ -185,6 +198,9 @@ class ProxyResponse(Response):
         self._again = False  # send the request once more (an overflow failed it whole)
         self._failed: GatewayError | None = None  # failed before any byte: fail over
         self._restarts = 0
+        self._gated = False  # past the tenant's gate (gateway.tenants.Tenant.enter)
+        self._forwarded = False  # some attempt went upstream
+        self._completion: int | None = None  # completion tokens, from the usage
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -195,6 +211,9 @@ class ProxyResponse(Response):
             await self._admit_and_forward(watcher, send)
         finally:
             await watcher.stop()
+            if self._gated and x.tenant is not None:
+                x.tenant.leave()
+            self._settle_tokens()
             # gateway.middleware counts the request with this status (499: client left),
             # under the backend that took it (in a pool, known once admitted).
             state = scope.setdefault("state", {})
@@ -224,7 +243,8 @@ class ProxyResponse(Response):
         """
         x = self.x
         admit = asyncio.ensure_future(
-            x.backend.admit(x.charge, front=front, prefer=prefer) if front or prefer
+            x.backend.admit(x.charge, front=front, prefer=prefer, party=x.party)
+            if front or prefer
             is not None else x.admit())
         await asyncio.sleep(0)  # admit refuses at once, or queues
         if admit.done():
@@ -259,21 +279,35 @@ class ProxyResponse(Response):
         x, m, name = self.x, self.metrics, self.x.backend.name
         if x.progress_s > 0:
             send = self._progress = Started(send, x.api)  # opens early: queue, prefill
+        tenant, waiting, gate_s = x.tenant, False, 0.0
         try:
+            if tenant is not None:
+                gate_s = await watcher.race(tenant.enter(x.party.max_wait_s or 0.0))
+                self._gated = True
+                if gate_s and x.party.max_wait_s is not None:  # the gate used some wait
+                    x.party = replace(x.party, max_wait_s=max(0.001,
+                                                              x.party.max_wait_s - gate_s))
             lease = x.try_admit()
+            if lease is None and tenant is not None:
+                tenant.check_queued()
+                tenant.waiting, waiting = tenant.waiting + 1, True
             if lease is None and isinstance(send, Started):
                 lease = await self._wait_with_progress(watcher, send)
             elif lease is None:
                 lease = await watcher.race(x.admit())
         except ClientDisconnected:
-            m.rejections.labels(name, "client_disconnected").inc()
+            m.rejections.labels(name, "client_disconnected", *x.who).inc()
             return None, send
         except GatewayError as exc:
-            m.rejections.labels(name, exc.rejection_reason or "other").inc()
+            m.rejections.labels(name, exc.rejection_reason or "other", *x.who).inc()
             await self._send_error(send, exc)
             return None, send
+        finally:
+            if waiting and tenant is not None:
+                tenant.waiting -= 1
         name = x.backend.name  # the backend the lease is on
-        m.queue_wait.labels(name).observe(lease.waited_s)
+        lease.waited_s += gate_s
+        m.queue_wait.labels(name, *x.who).observe(lease.waited_s)
         x.extra_headers.append((b"x-queue-wait-ms", str(round(lease.waited_s * 1000)).encode()))
         if lease.predicted_wait_s is not None:
             m.queue_wait_prediction_error.labels(name).observe(
@@ -318,7 +352,8 @@ class ProxyResponse(Response):
             # sent (predictive policy): the same request again, at the head of the queue.
             m.preemptions.labels(name, "overflow").inc()
             try:
-                lease = await watcher.race(x.backend.admit(x.charge, front=True))
+                lease = await watcher.race(x.backend.admit(x.charge, front=True,
+                                                           party=x.party))
             except ClientDisconnected:
                 m.resumes.labels(name, "client_gone").inc()
                 x.status = 499
@@ -361,7 +396,8 @@ class ProxyResponse(Response):
         except ClientDisconnected:
             x.status = 499
         except GatewayError as refused:
-            m.rejections.labels(failed.name, refused.rejection_reason or "other").inc()
+            m.rejections.labels(failed.name, refused.rejection_reason or "other",
+                                *x.who).inc()
             await self._send_error(send, refused)
         return None
 
@@ -483,7 +519,7 @@ class ProxyResponse(Response):
         try:
             with map_upstream_errors(name):
                 request = self._upstream_request()
-                self._sent = True
+                self._sent = self._forwarded = True
                 sending = asyncio.ensure_future(self.client.send(request, stream=True))
                 try:
                     resp = await watcher.race(self._begun(sending))
@@ -597,14 +633,31 @@ class ProxyResponse(Response):
         total = sum(cap if reason == "length" else min(one, cap) for reason in reasons)
         return {**usage, "completion_tokens": total}
 
+    def _settle_tokens(self) -> None:
+        """Count the request in its tenant's tokens: prompt + completion once it went
+        upstream (the tokens-per-minute window and ``gateway_tenant_tokens_total``);
+        nothing when it never did."""
+        x = self.x
+        if x.tenant is None or not self._forwarded:
+            if x.tenant is not None:
+                x.tenant.settle(x.hold, 0)
+            return
+        prompt, completion = x.charge.prompt_tokens, self._completion or 0
+        x.tenant.settle(x.hold, prompt + completion)
+        tokens = self.metrics.tenant_tokens
+        tokens.labels(x.tenant.name, "prompt").inc(prompt)
+        tokens.labels(x.tenant.name, "completion").inc(completion)
+
     def _record_usage(self, usage: Any) -> None:
         name = self.x.backend.name
         prompt = self.x.charge.prompt_tokens
         completion = None
+        who = self.x.who
         if isinstance(usage, dict):
             completion = usage.get("completion_tokens")
             if isinstance(completion, int):
-                self.metrics.completion_tokens.labels(name).observe(completion)
+                self._completion = (self._completion or 0) + completion
+                self.metrics.completion_tokens.labels(name, *who).observe(completion)
                 if self.x.route in ("chat", "completions", "completion", "ollama_chat",
                                     "ollama_generate", "messages", "responses"):
                     self.x.backend.record_completion(completion // max(1, self.x.charge.n))
@@ -618,9 +671,9 @@ class ProxyResponse(Response):
                     )
                 self._calibrate(reported)
                 prompt = reported
-        self.metrics.prompt_tokens.labels(name).observe(prompt)
+        self.metrics.prompt_tokens.labels(name, *who).observe(prompt)
         if isinstance(completion, int):
-            self.metrics.request_tokens.labels(name).observe(prompt + completion)
+            self.metrics.request_tokens.labels(name, *who).observe(prompt + completion)
 
     def _calibrate(self, reported: int) -> None:
         """Compare a locally estimated prompt with the backend's count of it."""

@@ -29,6 +29,7 @@ from gateway.errors import (
 from gateway.fleet import ModelQueue, usable
 from gateway.metrics import GatewayMetrics
 from gateway.target import Target
+from gateway.tenants import Tenants
 
 __all__ = ["GatewayState", "reload_config"]
 
@@ -44,6 +45,7 @@ class GatewayState:
     clock: Clock
     backends: dict[str, Target]
     metrics: GatewayMetrics = field(init=False)
+    tenants: Tenants = field(init=False)  # who may call, and their quotas
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     draining: bool = False  # stopping: /ready is 503 and new requests are refused
     # Builds a backend from its settings (gateway.app.create_app); used by reload.
@@ -77,14 +79,17 @@ class GatewayState:
         leases, health).
 
         :returns: one line per change.
-        :raises ReloadRefused: ``[server]`` or ``[admission]`` changed (they take effect
-            only at a restart); nothing is applied.
+        :raises ReloadRefused: ``[server]``, ``[admission]`` or ``[[classes]]`` changed
+            (they take effect only at a restart); nothing is applied. Tenants (keys,
+            classes, weights, quotas) are applied at once.
         """
         running = self.settings.server
         listen = {"host": running.host, "port": running.port}  # may come from the CLI
         if (new.server.model_copy(update=listen) != running
-                or new.admission != self.settings.admission):
-            section = "admission" if new.admission != self.settings.admission else "server"
+                or new.admission != self.settings.admission
+                or new.classes != self.settings.classes):
+            section = ("admission" if new.admission != self.settings.admission else
+                       "[classes]" if new.classes != self.settings.classes else "server")
             raise ReloadRefused(f"[{section}] differs from the running configuration; it "
                                 "takes effect only at a restart. Nothing was reloaded.")
         moved = [k for k in ("host", "port") if getattr(new.server, k) != listen[k]]
@@ -123,6 +128,10 @@ class GatewayState:
                 changes.append(f"removed backend {name}")
         if new.routing != self.settings.routing:
             changes.append("routing settings")
+        if new.tenants != self.settings.tenants:
+            # Tenants of the same name keep their requests in hand and token window.
+            self.tenants = Tenants(new, previous=self.tenants)
+            changes.append("tenants")
         if moved:
             changes.append(f"not applied: server.{' and server.'.join(moved)} (the listening "
                            "address changes only at a restart)")
@@ -323,7 +332,7 @@ class GatewayState:
                 members, max_queue=admission.max_queue,
                 max_wait_s=admission.max_queue_wait_s, clock=self.clock, model=model,
                 failover=routing.failover, down_initial_s=routing.down_initial_s,
-                down_max_s=routing.down_max_s,
+                down_max_s=routing.down_max_s, age_s=admission.priority_age_s,
                 on_route=lambda backend, reason: decisions.labels(
                     model, backend, reason).inc())
         return queue

@@ -19,6 +19,7 @@ from gateway.backends import BackendKind, Discovered, SideCalls, kind_class
 from gateway.capacity import Charge, Layout
 from gateway.config import AdmissionPolicy, AdmissionSettings, BackendSettings
 from gateway.errors import GatewayError
+from gateway.fairness import Party
 from gateway.predict import CompletionLengths
 from gateway.slotwatch import SlotWatch, Ticket
 from gateway.validation import ParsedRequest
@@ -92,6 +93,7 @@ class Target:
             reject_doomed=admission_settings.reject_predicted_timeouts,
             predictive=self._predictive,
             preempt_margin_tokens=admission_settings.preempt_margin_tokens,
+            age_s=admission_settings.priority_age_s,
         )
         self.slot_watch = SlotWatch(
             self.name, self.dialect.read_slots, self.admission, self.clock,
@@ -225,18 +227,18 @@ class Target:
 
     # -- admission ---------------------------------------------------------------------
 
-    def check_queue_room(self) -> None:
+    def check_queue_room(self, party: Party | None = None) -> None:
         """Raise ``QueueFull`` at once when a new request could only queue."""
-        self.admission.check_queue_room()
+        self.admission.check_queue_room(party)
 
-    def try_admit(self, charge: Charge) -> Lease | None:
+    def try_admit(self, charge: Charge, party: Party | None = None) -> Lease | None:
         """A lease now, or ``None`` (see :meth:`Admission.try_admit`)."""
-        return self.admission.try_admit(charge)
+        return self.admission.try_admit(charge, party=party)
 
     async def admit(self, charge: Charge, *, front: bool = False,
-                    prefer: int | None = None) -> Lease:
+                    prefer: int | None = None, party: Party | None = None) -> Lease:
         """Wait for a lease (see :meth:`Admission.admit`)."""
-        return await self.admission.admit(charge, front=front, prefer=prefer)
+        return await self.admission.admit(charge, front=front, prefer=prefer, party=party)
 
     def release(self, lease: Lease, *, served: bool) -> None:
         """Give a lease back at once."""

@@ -166,7 +166,8 @@ class TrackedResponse(ProxyResponse):
                 lease = await self._wait_with_progress(watcher, self._progress, front=True,
                                                        prefer=slot)
             else:
-                lease = await watcher.race(x.backend.admit(charge, front=True, prefer=slot))
+                lease = await watcher.race(x.backend.admit(charge, front=True, prefer=slot,
+                                                           party=x.party))
         except ClientDisconnected:
             m.resumes.labels(name, "client_gone").inc()
             x.status = 499
@@ -269,7 +270,7 @@ class TrackedResponse(ProxyResponse):
             timeout=x.backend.timeout)
         try:
             with map_upstream_errors(name):
-                self._sent = True
+                self._sent = self._forwarded = True
                 sending = asyncio.ensure_future(self.client.send(request, stream=True))
                 try:
                     resp = await self._begun(sending)

@@ -34,12 +34,15 @@ def test_example_config_documents_every_key() -> None:
     from gateway.config import (
         AdmissionSettings,
         BackendSettings,
+        ClassSettings,
         RoutingSettings,
         ServerSettings,
+        TenantSettings,
     )
 
     text = (ROOT / "config.example.toml").read_text()
-    for model in (ServerSettings, AdmissionSettings, RoutingSettings, BackendSettings):
+    for model in (ServerSettings, AdmissionSettings, RoutingSettings, BackendSettings,
+                  ClassSettings, TenantSettings):
         for key in model.model_fields:
             assert f"{key} =" in text, key
 

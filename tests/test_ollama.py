@@ -55,8 +55,7 @@ def ndjson(text: str) -> list[dict[str, Any]]:
 
 
 def sample(h: Harness, name: str, **labels: str) -> float:
-    value = h.registry.get_sample_value(name, {"backend": "ollama", **labels})
-    return 0.0 if value is None else value
+    return h.sample(name, backend="ollama", **labels)
 
 
 async def test_discovery_reads_the_loaded_context_and_configured_slots(make: Any) -> None:

@@ -140,8 +140,8 @@ async def test_a_continuation_waiting_in_the_queue_keeps_telling_where_it_stands
     plain = adm.try_admit
 
     def queue_the_continuation(charge: Any, *, front: bool = False,
-                               prefer: Any = None) -> Any:
-        return None if front else plain(charge, front=front, prefer=prefer)
+                               prefer: Any = None, party: Any = None) -> Any:
+        return None if front else plain(charge, front=front, prefer=prefer, party=party)
 
     adm.try_admit = queue_the_continuation  # it queues until the old lease goes (0.2 s)
     req = asyncio.ensure_future(h.client.post(
@@ -150,7 +150,10 @@ async def test_a_continuation_waiting_in_the_queue_keeps_telling_where_it_stands
               "max_tokens": 500, "stream": True}))
     while not (adm._active and next(iter(adm._active.values())).generated >= 3):
         await asyncio.sleep(0.01)
-    adm.preempt(next(iter(adm._active.values())), "pool_pressure")
+    first = next(iter(adm._active.values()))
+    fits = adm._fits
+    adm._fits = lambda layout, charge: first.released and fits(layout, charge)
+    adm.preempt(first, "pool_pressure")
     r = await req
     head, _, after_first = r.text.partition("data: ")
     assert ": queued position=1" in after_first

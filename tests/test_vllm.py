@@ -55,8 +55,7 @@ def target(h: Harness) -> Any:
 
 
 def sample(h: Harness, name: str, **labels: str) -> float:
-    value = h.registry.get_sample_value(name, {"backend": "vllm", **labels})
-    return 0.0 if value is None else value
+    return h.sample(name, backend="vllm", **labels)
 
 
 def chat(content: str = "Why is the sky blue?", **extra: Any) -> dict[str, Any]:

@@ -61,6 +61,12 @@ class GatewayThread:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def metrics_headers(self) -> dict[str, str]:
+        """The admin key, when one is set (it guards /metrics)."""
+        key = self.settings.server.admin_key
+        return {} if key is None else {"authorization": f"Bearer {key.get_secret_value()}"}
+
     def __enter__(self) -> GatewayThread:
         self.thread.start()
         deadline = time.monotonic() + self.ready_timeout
@@ -79,16 +85,19 @@ class GatewayThread:
         self.thread.join(10)
 
     def metric(self, name: str, **labels: str) -> float:
-        """Read one sample from the gateway's /metrics (0 when absent)."""
+        """The sum of the samples of ``name`` with ``labels`` among their labels, from
+        the gateway's /metrics (0 when absent)."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = httpx.get(self.url + "/metrics", timeout=5).text
+        text = httpx.get(self.url + "/metrics", timeout=5,
+                         headers=self.metrics_headers).text
+        total = 0.0
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == name and all(sample.labels.get(k) == v
                                                for k, v in labels.items()):
-                    return float(sample.value)
-        return 0.0
+                    total += float(sample.value)
+        return total
 
 
 def long_prompt(sentences: int) -> str:

@@ -1,0 +1,349 @@
+"""Who may use the gateway, and how much: tenants, their keys, classes and quotas.
+
+A request names its tenant by its key, sent as ``Authorization: Bearer KEY`` (the
+OpenAI SDKs) or ``x-api-key: KEY`` (the Anthropic SDK). Keys are kept only as SHA-256
+hashes (:func:`hash_key`); a presented key is hashed and compared with every hash
+configured in constant time (``hmac.compare_digest``), so neither the time taken nor
+the logs tell anything about the keys.
+
+Each tenant has a priority class, a weight (its share of KV tokens when several wait,
+:mod:`gateway.fairness`) and optional quotas:
+
+* ``max_inflight``: most of its requests past its gate at once, waiting for capacity or
+  in flight; the rest wait at the gate, in arrival order;
+* ``max_queued``: most of its requests waiting at once (at the gate or for capacity);
+  one more is refused with 429;
+* ``tokens_per_minute``: prompt + completion tokens over the last 60 s, as the gateway
+  counts them (the prompt at arrival, the completion from the backend's usage when the
+  answer ends; a request refused before forwarding is taken back out). A request whose
+  prompt would pass the limit is refused with 429 and OpenAI's ``x-ratelimit-*-tokens``
+  headers.
+
+With no tenant configured every request is the tenant :data:`~gateway.fairness.ANONYMOUS`
+and nothing is checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from gateway.config import Settings, TenantSettings
+from gateway.errors import Forbidden, InvalidRequest, RateLimited, Unauthorized
+from gateway.fairness import ANONYMOUS, Party
+
+__all__ = ["OPEN_PATHS", "PRIORITY_HEADER", "TOKENS_WINDOW_S", "Tenant", "Tenants",
+           "TokenHold", "check_admin_key", "hash_key", "key_of"]
+
+TOKENS_WINDOW_S = 60.0  # the tokens_per_minute window, seconds
+PRIORITY_HEADER = "x-priority"  # a request's class, when it asks for a lower one
+OPEN_PATHS = frozenset({"/health", "/ready"})  # probes: never need a key
+
+
+def hash_key(key: str) -> str:
+    """The SHA-256 of ``key`` (UTF-8), as 64 lowercase hex digits: the form keys are
+    configured in (``[[tenants]] key_hashes``)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def key_of(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The key a request presents: ``Authorization: Bearer KEY`` or ``x-api-key: KEY``.
+
+    :returns: the key, or ``None`` when neither header is there.
+    :raises Unauthorized: an ``Authorization`` header of another form (``Basic``, no
+        scheme, an empty key).
+    """
+    auth = api_key = None
+    for name, value in headers:
+        lname = name.lower()
+        if lname == b"authorization":
+            auth = value
+        elif lname == b"x-api-key":
+            api_key = value
+    if auth is not None:
+        scheme, _, key = auth.decode("latin-1").strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise Unauthorized("The Authorization header must be \"Bearer <key>\"; the "
+                               "gateway takes no other scheme.")
+        return key.strip()
+    if api_key is not None and api_key.strip():
+        return api_key.decode("latin-1").strip()
+    return None
+
+
+def check_admin_key(headers: Iterable[tuple[bytes, bytes]], expected: str, what: str
+                    ) -> None:
+    """Let a call through only with ``Authorization: Bearer <expected>`` (compared in
+    constant time).
+
+    :param what: the routes it guards, for the error message.
+    :raises Unauthorized: no such header, another scheme, or another key.
+    """
+    try:
+        given = key_of((k, v) for k, v in headers if k.lower() == b"authorization")
+    except Unauthorized:
+        given = None
+    if given is None or not hmac.compare_digest(
+            hashlib.sha256(given.encode("utf-8", "surrogatepass")).digest(),
+            hashlib.sha256(expected.strip().encode("utf-8", "surrogatepass")).digest()):
+        raise Unauthorized(f"{what} need Authorization: Bearer <admin_key>.")
+
+
+def format_reset(seconds: float) -> str:
+    """A duration as OpenAI writes ``x-ratelimit-reset-tokens``: ``250ms``, ``1.5s``,
+    ``6m0s``."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    if seconds < 60:
+        return f"{math.ceil(seconds * 10) / 10:g}s"
+    minutes, rest = divmod(math.ceil(seconds), 60)
+    return f"{minutes}m{rest}s"
+
+
+@dataclass(eq=False)
+class TokenHold:
+    """Tokens one request counts in its tenant's window, from ``at`` (clock seconds)."""
+
+    at: float
+    tokens: int
+    settled: bool = False  # its final count is in
+
+
+@dataclass(eq=False)
+class Tenant:
+    """One tenant's settings and live state (what a reload keeps).
+
+    :param settings: its ``[[tenants]]`` entry, or ``None`` for the anonymous tenant.
+    :param rank: its class's rank (0: the highest); ``priority`` the class's name.
+    """
+
+    name: str
+    settings: TenantSettings | None
+    rank: int
+    priority: str
+    inflight: int = 0  # requests past its gate
+    waiting: int = 0  # requests waiting, at its gate or for capacity
+    _gate: deque[asyncio.Future[None]] = field(default_factory=deque)
+    _window: deque[TokenHold] = field(default_factory=deque)
+
+    @property
+    def weight(self) -> float:
+        """Its share weight (1 for the anonymous tenant)."""
+        return 1.0 if self.settings is None else self.settings.weight
+
+    # -- tokens per minute -----------------------------------------------------------
+
+    def used_tokens(self, now: float) -> int:
+        """Tokens counted in the last :data:`TOKENS_WINDOW_S` seconds."""
+        while self._window and self._window[0].at <= now - TOKENS_WINDOW_S:
+            self._window.popleft()
+        return sum(hold.tokens for hold in self._window)
+
+    def rate_headers(self, now: float) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*-tokens`` headers, when a tokens quota is set."""
+        limit = self.settings.tokens_per_minute if self.settings else None
+        if limit is None:
+            return {}
+        used = self.used_tokens(now)
+        return {"x-ratelimit-limit-tokens": str(limit),
+                "x-ratelimit-remaining-tokens": str(max(0, limit - used)),
+                "x-ratelimit-reset-tokens": format_reset(self._reset_s(now, used, 0, limit))}
+
+    def hold_tokens(self, now: float, prompt_tokens: int) -> TokenHold | None:
+        """Count ``prompt_tokens`` in the window for a request arriving now.
+
+        :returns: the hold (settle it with :meth:`settle`), or ``None`` with no quota.
+        :raises RateLimited: the window cannot take them (``reason`` tokens_per_minute).
+        """
+        limit = self.settings.tokens_per_minute if self.settings else None
+        if limit is None:
+            return None
+        used = self.used_tokens(now)
+        if used + prompt_tokens > limit:
+            headers = self.rate_headers(now)
+            if prompt_tokens > limit:
+                raise RateLimited(
+                    f"This request's prompt has {prompt_tokens} tokens, more than tenant "
+                    f"{self.name!r} may use in a minute ({limit}); it can never pass. "
+                    "Shorten the prompt, or ask for a larger tokens_per_minute.",
+                    reason="tokens_per_minute", retry_after_s=TOKENS_WINDOW_S,
+                    headers=headers)
+            wait = self._reset_s(now, used, prompt_tokens, limit)
+            raise RateLimited(
+                f"Tenant {self.name!r} is over its tokens per minute: limit {limit}, used "
+                f"{used}, requested {prompt_tokens} (prompt). Retry in {wait:.1f} s.",
+                reason="tokens_per_minute", retry_after_s=wait, headers=headers)
+        hold = TokenHold(now, prompt_tokens)
+        self._window.append(hold)
+        return hold
+
+    def settle(self, hold: TokenHold | None, tokens: int) -> None:
+        """Set what a held request really counts (prompt + completion; 0 when it was
+        never forwarded). Once per hold."""
+        if hold is not None and not hold.settled:
+            hold.settled = True
+            hold.tokens = max(0, tokens)
+
+    def _reset_s(self, now: float, used: int, need: int, limit: int) -> float:
+        """Seconds until ``need`` more tokens fit the window (entries leaving it)."""
+        excess = used + need - limit
+        if excess <= 0:
+            return 0.0
+        for hold in self._window:
+            excess -= hold.tokens
+            if excess <= 0:
+                return max(0.0, hold.at + TOKENS_WINDOW_S - now)
+        return TOKENS_WINDOW_S
+
+    # -- the gate (max_inflight, max_queued) ------------------------------------------
+
+    def check_queued(self) -> None:
+        """Raise when one more waiting request would pass ``max_queued``.
+
+        :raises RateLimited: reason ``max_queued``.
+        """
+        cap = self.settings.max_queued if self.settings else None
+        if cap is not None and self.waiting >= cap:
+            raise RateLimited(
+                f"Tenant {self.name!r} already has {self.waiting} requests waiting, its "
+                f"max_queued; retry when some have been served.", reason="max_queued",
+                retry_after_s=1.0)
+
+    async def enter(self, timeout_s: float) -> float:
+        """Pass the tenant's gate: at once while fewer than ``max_inflight`` of its
+        requests are past it, else wait in arrival order (counted as waiting).
+
+        :returns: seconds waited at the gate.
+        :raises RateLimited: the gate is full and ``max_queued`` requests already wait
+            (``max_queued``), or the wait passed ``timeout_s`` (``max_inflight``).
+        """
+        cap = self.settings.max_inflight if self.settings else None
+        if cap is None or (self.inflight < cap and not self._gate):
+            self.inflight += 1
+            return 0.0
+        self.check_queued()
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = loop.create_future()
+        self._gate.append(turn)
+        self.waiting += 1
+        started = loop.time()
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), timeout_s)
+        except TimeoutError:
+            if turn.done() and not turn.cancelled():
+                return loop.time() - started  # passed just as it timed out: keep it
+            raise RateLimited(
+                f"Tenant {self.name!r} had {cap} requests in hand (its max_inflight) for "
+                f"the {timeout_s:g} s this request may wait; retry later.",
+                reason="max_inflight", retry_after_s=1.0) from None
+        except BaseException:
+            if turn.done() and not turn.cancelled():
+                self.leave()  # passed while it was being cancelled: give it back
+            raise
+        finally:
+            self.waiting -= 1
+            if turn in self._gate:
+                self._gate.remove(turn)
+                turn.cancel()
+        return loop.time() - started
+
+    def leave(self) -> None:
+        """A request past the gate has ended: let the next waiting one through."""
+        while self._gate:
+            turn = self._gate.popleft()
+            if not turn.done():
+                turn.set_result(None)  # its place passes on: inflight stays the same
+                return
+        self.inflight -= 1
+
+
+@dataclass
+class Tenants:
+    """Every tenant, their keys, and the classes (built from :class:`Settings`).
+
+    :param settings: the configuration.
+    :param previous: the registry a reload replaces: tenants of the same name keep
+        their live state (requests in hand, token window).
+    """
+
+    settings: Settings
+    previous: Tenants | None = None
+    by_name: dict[str, Tenant] = field(init=False)
+    ranks: dict[str, int] = field(init=False)
+    _hashes: list[tuple[bytes, Tenant]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        classes = self.settings.classes
+        self.ranks = {c.name: i for i, c in enumerate(classes)}
+        self._waits = {c.name: c.max_queue_wait_s for c in classes}
+        old = self.previous.by_name if self.previous is not None else {}
+        self.by_name = {}
+        for entry in self.settings.tenants or ():
+            priority = entry.priority or classes[0].name
+            tenant = old.get(entry.name) or Tenant(entry.name, entry, 0, priority)
+            tenant.settings, tenant.priority = entry, priority
+            tenant.rank = self.ranks[priority]
+            self.by_name[entry.name] = tenant
+        if not self.settings.tenants:
+            self.by_name[ANONYMOUS] = old.get(ANONYMOUS) or Tenant(
+                ANONYMOUS, None, 0, classes[0].name)
+        self._hashes = [(bytes.fromhex(h), t) for t in self.by_name.values()
+                        if t.settings is not None for h in t.settings.key_hashes]
+        self.previous = None  # keep no chain of old registries
+
+    @property
+    def open(self) -> bool:
+        """No tenant is configured: anyone may call, as the anonymous tenant."""
+        return not self.settings.tenants
+
+    def authenticate(self, headers: Iterable[tuple[bytes, bytes]]) -> Tenant:
+        """The tenant whose key the request presents.
+
+        :raises Unauthorized: tenants are configured and no key, a key in another form,
+            or an unknown key was given.
+        """
+        if self.open:
+            return self.by_name[ANONYMOUS]
+        key = key_of(headers)
+        if key is None:
+            raise Unauthorized("This gateway needs an API key: send \"Authorization: "
+                               "Bearer <key>\" (or \"x-api-key: <key>\").")
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+        found: Tenant | None = None
+        for expected, tenant in self._hashes:  # every hash, whatever matches
+            if hmac.compare_digest(digest, expected):
+                found = tenant
+        if found is None:
+            raise Unauthorized("The API key is not valid for this gateway.")
+        return found
+
+    def party(self, tenant: Tenant, asked: object = None) -> Party:
+        """The :class:`Party` of a request of ``tenant`` asking for class ``asked``
+        (a class name, or ``None`` for the tenant's own); its ``max_wait_s`` is the
+        class's, else ``admission.max_queue_wait_s``.
+
+        :raises InvalidRequest: ``asked`` is not a class name.
+        :raises Forbidden: ``asked`` is a class above the tenant's.
+        """
+        name = tenant.priority
+        if asked is not None:
+            if not isinstance(asked, str) or asked not in self.ranks:
+                raise InvalidRequest(
+                    f"Unknown priority class {str(asked)[:64]!r}; the classes are "
+                    f"{', '.join(self.ranks)} (highest first).", param="priority")
+            if self.ranks[asked] < tenant.rank:
+                raise Forbidden(f"Priority class {asked!r} is above tenant "
+                                f"{tenant.name!r}'s own ({tenant.priority!r}); a request "
+                                "may only ask for a lower class.", param="priority")
+            name = asked
+        wait = self._waits[name] or self.settings.admission.max_queue_wait_s
+        return Party(tenant.name, self.ranks[name], name, tenant.weight, wait)
+
+    def names(self) -> Mapping[str, Tenant]:
+        """Every tenant by name."""
+        return self.by_name
