@@ -228,7 +228,7 @@ class FairQueue(Generic[T]):
             tenant = entry.party.tenant
             vtime[tenant] += entry.cost / entry.party.weight
             # A tenant's other lanes now come later: refresh their keys lazily.
-            for k, (r, v, s, j, other) in enumerate(heap):
+            for k, (r, _v, s, j, other) in enumerate(heap):
                 if other[j].party.tenant == tenant:
                     heap[k] = (r, vtime[tenant], s, j, other)
             heapq.heapify(heap)

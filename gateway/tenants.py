@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gateway.admission import Clock
 from gateway.config import Settings, TenantSettings
 from gateway.errors import Forbidden, InvalidRequest, RateLimited, Unauthorized
 from gateway.fairness import ANONYMOUS, Party
@@ -145,14 +146,17 @@ class Tenant:
         return sum(hold.tokens for hold in self._window)
 
     def rate_headers(self, now: float) -> dict[str, str]:
-        """OpenAI's ``x-ratelimit-*-tokens`` headers, when a tokens quota is set."""
+        """OpenAI's ``x-ratelimit-*-tokens`` headers, when a tokens quota is set: the
+        limit, what is left of it now, and how long until the window is empty again
+        (the whole limit is back)."""
         limit = self.settings.tokens_per_minute if self.settings else None
         if limit is None:
             return {}
         used = self.used_tokens(now)
+        full = self._window[-1].at + TOKENS_WINDOW_S - now if self._window else 0.0
         return {"x-ratelimit-limit-tokens": str(limit),
                 "x-ratelimit-remaining-tokens": str(max(0, limit - used)),
-                "x-ratelimit-reset-tokens": format_reset(self._reset_s(now, used, 0, limit))}
+                "x-ratelimit-reset-tokens": format_reset(full)}
 
     def hold_tokens(self, now: float, prompt_tokens: int) -> TokenHold | None:
         """Count ``prompt_tokens`` in the window for a request arriving now.
@@ -214,10 +218,11 @@ class Tenant:
                 f"max_queued; retry when some have been served.", reason="max_queued",
                 retry_after_s=1.0)
 
-    async def enter(self, timeout_s: float) -> float:
+    async def enter(self, timeout_s: float, clock: Clock) -> float:
         """Pass the tenant's gate: at once while fewer than ``max_inflight`` of its
         requests are past it, else wait in arrival order (counted as waiting).
 
+        :param timeout_s: the longest wait at the gate, seconds (on ``clock``).
         :returns: seconds waited at the gate.
         :raises RateLimited: the gate is full and ``max_queued`` requests already wait
             (``max_queued``), or the wait passed ``timeout_s`` (``max_inflight``).
@@ -227,30 +232,29 @@ class Tenant:
             self.inflight += 1
             return 0.0
         self.check_queued()
-        loop = asyncio.get_running_loop()
-        turn: asyncio.Future[None] = loop.create_future()
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._gate.append(turn)
         self.waiting += 1
-        started = loop.time()
+        started = clock.now()
+        timer = asyncio.ensure_future(clock.sleep(timeout_s))
         try:
-            await asyncio.wait_for(asyncio.shield(turn), timeout_s)
-        except TimeoutError:
-            if turn.done() and not turn.cancelled():
-                return loop.time() - started  # passed just as it timed out: keep it
-            raise RateLimited(
-                f"Tenant {self.name!r} had {cap} requests in hand (its max_inflight) for "
-                f"the {timeout_s:g} s this request may wait; retry later.",
-                reason="max_inflight", retry_after_s=1.0) from None
+            await asyncio.wait({turn, timer}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             if turn.done() and not turn.cancelled():
                 self.leave()  # passed while it was being cancelled: give it back
             raise
         finally:
+            timer.cancel()
             self.waiting -= 1
             if turn in self._gate:
                 self._gate.remove(turn)
                 turn.cancel()
-        return loop.time() - started
+        if turn.done() and not turn.cancelled():
+            return clock.now() - started
+        raise RateLimited(
+            f"Tenant {self.name!r} had {cap} requests in hand (its max_inflight) for the "
+            f"{timeout_s:g} s this request may wait; retry later.", reason="max_inflight",
+            retry_after_s=1.0)
 
     def leave(self) -> None:
         """A request past the gate has ended: let the next waiting one through."""
