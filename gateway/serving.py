@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import resource
 import signal
@@ -120,10 +121,28 @@ def serve(app: Any, settings: Settings, *, host: str | None = None,
     app.state.gateway.config_path = config_path
     server = settings.server
     _raise_fd_limit(2 * server.max_connections + 256)
+    warn_if_open(settings, host or server.host)
     config = uvicorn.Config(
         app, host=host or server.host, port=port if port is not None else server.port,
         log_level=server.log_level, loop="uvloop", **uvicorn_options(settings))
     DrainingServer(config).run()
+
+
+def warn_if_open(settings: Settings, host: str) -> bool:
+    """Log a warning when the gateway has no tenant (anyone may use it) and listens
+    beyond loopback; returns whether it did."""
+    if settings.tenants or _loopback(host):
+        return False
+    log.warning("no [[tenants]] configured and listening on %s: anyone who can reach this "
+                "port may use every backend (README: Tenants)", host)
+    return True
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 async def _cut(state: Any, grace_s: float = 2.0) -> None:

@@ -447,3 +447,15 @@ def test_hash_key_prints_the_sha256_of_stdin() -> None:
     made = subprocess.run([sys.executable, "-m", "gateway", "hash-key", "--generate"],
                           capture_output=True, text=True, check=True).stdout.split()
     assert len(made) == 2 and made[1] == digest(made[0]) and made[0].startswith("sk-gw-")
+
+
+def test_an_open_gateway_beyond_loopback_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    from gateway.serving import warn_if_open
+
+    caplog.set_level(logging.WARNING)
+    assert warn_if_open(load_settings(), "0.0.0.0")
+    assert "anyone who can reach this port" in caplog.text
+    assert not warn_if_open(load_settings(), "127.0.0.1")
+    assert not warn_if_open(load_settings(), "::1") and not warn_if_open(load_settings(),
+                                                                         "localhost")
+    assert not warn_if_open(load_settings(tenants=TENANTS, classes=CLASSES), "0.0.0.0")
