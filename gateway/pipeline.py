@@ -246,8 +246,7 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         extra.append((b"x-gateway-max-tokens-clamped", str(charge.max_tokens).encode()))
     options = req.body.get("stream_options") or {}
     admission = state.settings.admission
-    key = (affinity_key(req.body) if queue is not None and state.settings.routing.affinity
-           else None)
+    key = affinity_key(req.body) if state.settings.routing.affinity else None
     return Exchange(
         backend=first.backend, route=route, body=first.body, charge=charge,
         stream=req.stream, started=started, headers=list(request.headers.raw),

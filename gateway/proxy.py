@@ -142,17 +142,20 @@ class Exchange:
     def try_admit(self) -> Lease | None:
         """A lease now (on the best backend of the model), or ``None``."""
         if self.queue is None:
-            return self.backend.try_admit(self.charge, self.party)
-        return self._bind(self.queue.try_admit(self.candidates, self.affinity, self.party))
+            return self.backend.try_admit(self.charge, self.party,
+                                          self.backend.slot_for(self.affinity_key))
+        return self._bind(self.queue.try_admit(self.candidates, self.affinity, self.party,
+                                               self.affinity_key))
 
     async def admit(self, *, front: bool = False) -> Lease:
         """Wait for a lease in FIFO order (on whichever backend of the model frees room
         first; with ``front``, ahead of the others); raises as
         :meth:`gateway.admission.Admission.admit`."""
         if self.queue is None:
-            return await self.backend.admit(self.charge, front=front, party=self.party)
+            return await self.backend.admit(self.charge, front=front, party=self.party,
+                                            prefer=self.backend.slot_for(self.affinity_key))
         got = await self.queue.admit(self.candidates, self.affinity, front=front,
-                                     party=self.party)
+                                     party=self.party, key=self.affinity_key)
         lease = self._bind(got)
         assert lease is not None
         return lease
@@ -307,6 +310,7 @@ class ProxyResponse(Response):
             if waiting and tenant is not None:
                 tenant.waiting -= 1
         name = x.backend.name  # the backend the lease is on
+        x.backend.remember_slot(x.affinity_key, lease)
         lease.waited_s += gate_s
         m.queue_wait.labels(name, *x.who).observe(lease.waited_s)
         x.extra_headers.append((b"x-queue-wait-ms", str(round(lease.waited_s * 1000)).encode()))

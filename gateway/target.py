@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -34,6 +35,9 @@ PREEMPTION_WATCH_S = 5.0  # discovery interval at most, where the server counts 
 # Overflow reports this close together are one overflow: llama-server fails every request
 # in flight at once, and each of them reports it.
 OVERFLOW_BURST_S = 2.0
+
+
+SLOT_MEMORY = 4096  # conversations whose last slot a backend remembers
 
 
 class Target:
@@ -77,6 +81,8 @@ class Target:
         # half-open probe, and a success brings it back.
         self.failures = 0  # consecutive failed requests
         self.down_until = 0.0  # clock time; 0: up
+        # Conversation prefix key -> the slot that served it last (least recent first).
+        self._slots_by_key: OrderedDict[str, int] = OrderedDict()
         self.draining = False  # takes no new requests; those in flight finish
         self.owned_clients: list[httpx.AsyncClient] = []  # closed when it is retired
         # The predictive policy needs a server whose answers the gateway can cancel and
@@ -231,9 +237,27 @@ class Target:
         """Raise ``QueueFull`` at once when a new request could only queue."""
         self.admission.check_queue_room(party)
 
-    def try_admit(self, charge: Charge, party: Party | None = None) -> Lease | None:
+    def try_admit(self, charge: Charge, party: Party | None = None,
+                  prefer: int | None = None) -> Lease | None:
         """A lease now, or ``None`` (see :meth:`Admission.try_admit`)."""
-        return self.admission.try_admit(charge, party=party)
+        return self.admission.try_admit(charge, party=party, prefer=prefer)
+
+    def slot_for(self, key: str | None) -> int | None:
+        """The slot that last served the conversation ``key``
+        (:func:`gateway.fleet.affinity_key`), if any: llama-server keeps each slot's
+        last prompt (``cache_prompt``), so a later turn pinned there (``id_slot``)
+        computes only what is new."""
+        return None if key is None else self._slots_by_key.get(key)
+
+    def remember_slot(self, key: str | None, lease: Lease) -> None:
+        """Note the slot a pinned ``lease`` of conversation ``key`` holds (the most
+        recent :data:`SLOT_MEMORY` conversations are kept)."""
+        if key is None or not lease.pinned:
+            return
+        self._slots_by_key[key] = lease.slot_ids[0]
+        self._slots_by_key.move_to_end(key)
+        while len(self._slots_by_key) > SLOT_MEMORY:
+            self._slots_by_key.popitem(last=False)
 
     async def admit(self, charge: Charge, *, front: bool = False,
                     prefer: int | None = None, party: Party | None = None) -> Lease:

@@ -344,3 +344,34 @@ async def test_a_batch_whose_connection_breaks_is_released_at_once(
                                                      "max_tokens": 6, "stream": True})
     assert r.status_code == 200 and '"error"' in r.text
     assert reserved(h) == 0 and h.backend.slot_watch.waiting == 0
+
+
+async def test_a_later_turn_goes_back_to_its_conversations_slot(harness: Any, fake: Any
+                                                                 ) -> None:
+    """llama-server keeps each slot's last prompt: a conversation's next turn is pinned
+    to the slot that served it (routing.affinity), not the least recently used one."""
+    first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "A?"}]
+    for content in ("A?", "B?", "C?"):
+        msgs = [first[0], {"role": "user", "content": content}]
+        assert (await harness.client.post("/v1/chat/completions", json={
+            "messages": msgs, "max_tokens": 5})).status_code == 200
+    slots = [g["id_slot"] for g in fake.generations]
+    assert slots == [0, 1, 2]
+    turn2 = [*first, {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
+    assert (await harness.client.post("/v1/chat/completions", json={
+        "messages": turn2, "max_tokens": 5})).status_code == 200
+    assert fake.generations[-1]["id_slot"] == 0  # LRU would have given slot 3
+    other = [{"role": "user", "content": "a new conversation"}]
+    assert (await harness.client.post("/v1/chat/completions", json={
+        "messages": other, "max_tokens": 5})).status_code == 200
+    assert fake.generations[-1]["id_slot"] == 3  # new ones still get the LRU slot
+
+
+async def test_without_affinity_the_least_recently_used_slot_is_taken(
+        harness_factory: Any, fake: Any) -> None:
+    h = await harness_factory()
+    h.state.settings = h.state.settings.model_copy(update={
+        "routing": h.state.settings.routing.model_copy(update={"affinity": False})})
+    for _ in range(2):
+        assert (await h.chat("same conversation", max_tokens=5)).status_code == 200
+    assert [g["id_slot"] for g in fake.generations] == [0, 1]
