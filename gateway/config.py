@@ -364,6 +364,13 @@ class RoutingSettings(_Strict):
     down_max_s: float = Field(30.0, gt=0)
 
 
+def _require_unique(what: str, names: list[str]) -> None:
+    """:raises ValueError: a name is repeated (the message lists every one)."""
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"{what} names must be unique; repeated: {', '.join(dupes)}")
+
+
 class Settings(BaseSettings):
     """The whole gateway configuration. Frozen; build it with :func:`load_settings`."""
 
@@ -389,20 +396,14 @@ class Settings(BaseSettings):
     @field_validator("classes")
     @classmethod
     def _unique_classes(cls, value: list[ClassSettings]) -> list[ClassSettings]:
-        names = [c.name for c in value]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"class names must be unique; repeated: {', '.join(dupes)}")
+        _require_unique("class", [c.name for c in value])
         return value
 
     @model_validator(mode="after")
     def _tenants_consistent(self) -> Settings:
         classes = [c.name for c in self.classes]
         owners: dict[str, str] = {}
-        names = [t.name for t in self.tenants]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"tenant names must be unique; repeated: {', '.join(dupes)}")
+        _require_unique("tenant", [t.name for t in self.tenants])
         for tenant in self.tenants:
             if tenant.priority is not None and tenant.priority not in classes:
                 raise ValueError(f"tenant {tenant.name!r}: priority {tenant.priority!r} is "
@@ -418,9 +419,7 @@ class Settings(BaseSettings):
     @classmethod
     def _unique_names(cls, value: list[BackendSettings]) -> list[BackendSettings]:
         names = [b.name for b in value]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"backend names must be unique; repeated: {', '.join(dupes)}")
+        _require_unique("backend", names)
         servers: dict[str, str] = {}  # url -> backend, for kinds serving one model
         for backend in value:
             if backend.kind is BackendKind.ollama:
