@@ -475,7 +475,9 @@ def _describe(exc: ValidationError) -> str:
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
         if err["type"] == "extra_forbidden":
             lines.append(f"{key}: unknown key")
-        elif key.startswith("tenants") or "key" in key:  # never echo what may be a secret
+        elif (key.startswith("tenants") or "key" in key
+              or isinstance(err.get("input"), (dict, list))):
+            # never echo what may be a secret: a key, or a section that holds one
             lines.append(f"{key}: {err['msg']}")
         else:
             lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})")

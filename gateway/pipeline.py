@@ -235,7 +235,8 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         raise max(refusals, key=lambda r: r[0])[1]
     first = candidates[0]
     charge = first.charge
-    hold = tenant.hold_tokens(state.clock.now(), prompt_tokens)  # 429 over the quota
+    prompt_total = prompt_tokens * batch  # a batch's prompts, each at most the longest
+    hold = tenant.hold_tokens(state.clock.now(), prompt_total)  # 429 over the quota
     extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]
     extra += [(k.encode(), v.encode()) for k, v in
               tenant.rate_headers(state.clock.now()).items()]
@@ -258,7 +259,8 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         raw_estimate=raw_estimate, tracked=first.tracked,
         candidates=candidates if queue is not None else [], queue=queue,
         affinity_key=key, affinity=queue.affinity_for(key) if queue is not None else None,
-        tenant=tenant, party=party, hold=hold,
+        tenant=tenant, party=party, hold=hold, prompt_total=prompt_total,
+        batched=batch > 1,
     )
 
 
@@ -272,10 +274,15 @@ def _party(state: GatewayState, request: Request, tenant: Tenant, body: dict[str
     :raises Forbidden: it is above the tenant's class.
     """
     asked: object = request.headers.get(PRIORITY_HEADER)
-    field_value = body.get("priority")
-    if isinstance(field_value, str):
+    field_value = body.get("priority", 0)
+    if field_value is None:
+        del body["priority"]  # null: the tenant's own class
+    elif isinstance(field_value, str):
         del body["priority"]
         asked = asked or field_value
+    elif isinstance(field_value, bool) or not isinstance(field_value, int):
+        raise InvalidRequest("priority must be a class name (a string) or, for vLLM's "
+                             "own priority scheduling, an integer.", param="priority")
     party = state.tenants.party(tenant, asked.strip() if isinstance(asked, str) else asked)
     request.state.priority = party.priority
     return party

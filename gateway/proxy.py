@@ -128,6 +128,8 @@ class Exchange:
     tenant: Tenant | None = None
     party: Party = field(default_factory=Party)
     hold: TokenHold | None = None
+    prompt_total: int = 0  # the prompt tokens of all its prompts (a batch: an upper bound)
+    batched: bool = False  # several prompts: the backend's usage gives their true sum
 
     @property
     def who(self) -> tuple[str, str]:
@@ -204,6 +206,8 @@ class ProxyResponse(Response):
         self._gated = False  # past the tenant's gate (gateway.tenants.Tenant.enter)
         self._forwarded = False  # some attempt went upstream
         self._completion: int | None = None  # completion tokens, from the usage
+        self._reported_prompt: int | None = None  # the backend's usage.prompt_tokens
+        self._streamed = 0  # generated events relayed (a completion count if no usage)
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -645,10 +649,15 @@ class ProxyResponse(Response):
         x = self.x
         if x.tenant is None or not self._forwarded:
             if x.tenant is not None:
-                x.tenant.settle(x.hold, 0)
+                x.tenant.settle(x.hold, 0, 0, self.clock.now())
             return
-        prompt, completion = x.charge.prompt_tokens, self._completion or 0
-        x.tenant.settle(x.hold, prompt + completion)
+        # The gateway's own count (a continuation's prompt would count its earlier
+        # answer again); a batch's true sum from the backend's usage.
+        prompt = x.prompt_total
+        if x.batched and self._reported_prompt is not None:
+            prompt = self._reported_prompt
+        completion = self._completion if self._completion is not None else self._streamed
+        x.tenant.settle(x.hold, prompt, completion, self.clock.now())
         tokens = self.metrics.tenant_tokens
         tokens.labels(x.tenant.name, "prompt").inc(prompt)
         tokens.labels(x.tenant.name, "completion").inc(completion)
@@ -675,7 +684,7 @@ class ProxyResponse(Response):
                         name, reported, prompt,
                     )
                 self._calibrate(reported)
-                prompt = reported
+                prompt = self._reported_prompt = reported
         self.metrics.prompt_tokens.labels(name, *who).observe(prompt)
         if isinstance(completion, int):
             self.metrics.request_tokens.labels(name, *who).observe(prompt + completion)
@@ -781,6 +790,7 @@ class ProxyResponse(Response):
     def _token_seen(self, state: _StreamState) -> None:
         now = self.clock.now()
         name = self.x.backend.name
+        self._streamed += 1
         if state.last_token is None:
             self.metrics.ttft.labels(name).observe(now - self.x.started)
         else:

@@ -132,6 +132,10 @@ class GatewayState:
             # Tenants of the same name keep their requests in hand and token window.
             self.tenants = Tenants(new, previous=self.tenants)
             changes.append("tenants")
+            if not new.tenants:
+                log.warning("reload: no [[tenants]] left; the gateway is now open to anyone "
+                            "who can reach it")
+                changes.append("no tenants left: the gateway is open to anyone")
         if moved:
             changes.append(f"not applied: server.{' and server.'.join(moved)} (the listening "
                            "address changes only at a restart)")
@@ -206,16 +210,18 @@ class GatewayState:
         """
         self.draining = True
         server = self.settings.server
+        tenants = [*self.tenants.by_name.values(), *self.tenants.retired.values()]
         if server.drain_queued == "refuse":
             for waiting in (*(b.admission for b in self.backends.values()),
-                            *self._queues.values(), *self._old_queues):
+                            *self._queues.values(), *self._old_queues, *tenants):
                 waiting.refuse_waiting(ShuttingDown(
                     "The gateway is shutting down; retry after the Retry-After delay.",
                     retry_after_s=1.0))
         deadline = self.clock.now() + server.drain_timeout_s
         while self.clock.now() < deadline:
             if not (any(s.queued or s.inflight - s.abandoned_held for _, s, _r in self.stats())
-                    or any(q.waiting for q in (*self._queues.values(), *self._old_queues))):
+                    or any(q.waiting for q in (*self._queues.values(), *self._old_queues))
+                    or any(t.waiting for t in tenants)):
                 return True
             await self.clock.sleep(0.1)
         return False

@@ -49,7 +49,7 @@ OPEN_PATHS = frozenset({"/health", "/ready"})  # probes: never need a key
 def hash_key(key: str) -> str:
     """The SHA-256 of ``key`` (UTF-8), as 64 lowercase hex digits: the form keys are
     configured in (``[[tenants]] key_hashes``)."""
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def key_of(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
@@ -59,21 +59,19 @@ def key_of(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     :raises Unauthorized: an ``Authorization`` header of another form (``Basic``, no
         scheme, an empty key).
     """
-    auth = api_key = None
-    for name, value in headers:
-        lname = name.lower()
-        if lname == b"authorization":
-            auth = value
-        elif lname == b"x-api-key":
-            api_key = value
-    if auth is not None:
-        scheme, _, key = auth.decode("latin-1").strip().partition(" ")
+    auths = [v for k, v in headers if k.lower() == b"authorization"]
+    api_keys = [v for k, v in headers if k.lower() == b"x-api-key"]
+    if len(auths) > 1 or len(api_keys) > 1:
+        raise Unauthorized("The request has more than one Authorization or x-api-key "
+                           "header; send one key.")
+    if auths:  # bytes kept as sent (UTF-8 or not): the hash is of those very bytes
+        scheme, _, key = auths[0].decode("utf-8", "surrogateescape").strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise Unauthorized("The Authorization header must be \"Bearer <key>\"; the "
                                "gateway takes no other scheme.")
         return key.strip()
-    if api_key is not None and api_key.strip():
-        return api_key.decode("latin-1").strip()
+    if api_keys and api_keys[0].strip():
+        return api_keys[0].decode("utf-8", "surrogateescape").strip()
     return None
 
 
@@ -90,7 +88,7 @@ def check_admin_key(headers: Iterable[tuple[bytes, bytes]], expected: str, what:
     except Unauthorized:
         given = None
     if given is None or not hmac.compare_digest(
-            hashlib.sha256(given.encode("utf-8", "surrogatepass")).digest(),
+            hashlib.sha256(given.encode("utf-8", "surrogateescape")).digest(),
             hashlib.sha256(expected.strip().encode("utf-8", "surrogatepass")).digest()):
         raise Unauthorized(f"{what} need Authorization: Bearer <admin_key>.")
 
@@ -159,7 +157,8 @@ class Tenant:
                 "x-ratelimit-reset-tokens": format_reset(full)}
 
     def hold_tokens(self, now: float, prompt_tokens: int) -> TokenHold | None:
-        """Count ``prompt_tokens`` in the window for a request arriving now.
+        """Count ``prompt_tokens`` in the window for a request arriving now (all its
+        prompts, for a batch).
 
         :returns: the hold (settle it with :meth:`settle`), or ``None`` with no quota.
         :raises RateLimited: the window cannot take them (``reason`` tokens_per_minute).
@@ -176,7 +175,7 @@ class Tenant:
                     f"{self.name!r} may use in a minute ({limit}); it can never pass. "
                     "Shorten the prompt, or ask for a larger tokens_per_minute.",
                     reason="tokens_per_minute", retry_after_s=TOKENS_WINDOW_S,
-                    headers=headers)
+                    headers={**headers, "x-should-retry": "false"})
             wait = self._reset_s(now, used, prompt_tokens, limit)
             raise RateLimited(
                 f"Tenant {self.name!r} is over its tokens per minute: limit {limit}, used "
@@ -186,12 +185,36 @@ class Tenant:
         self._window.append(hold)
         return hold
 
-    def settle(self, hold: TokenHold | None, tokens: int) -> None:
-        """Set what a held request really counts (prompt + completion; 0 when it was
-        never forwarded). Once per hold."""
-        if hold is not None and not hold.settled:
-            hold.settled = True
-            hold.tokens = max(0, tokens)
+    def settle(self, hold: TokenHold | None, prompt: int, completion: int, now: float
+               ) -> None:
+        """Set what a held request really counts, once it has ended: its prompt stays
+        where it arrived (0, and out of the window, when it was never forwarded), and
+        its completion counts from ``now``, when it was generated. Once per hold."""
+        if hold is None or hold.settled:
+            return
+        hold.settled = True
+        hold.tokens = max(0, prompt)
+        if not hold.tokens and hold in self._window:
+            self._window.remove(hold)
+        if completion > 0:
+            self._window.append(TokenHold(now, completion, settled=True))
+
+    def reopen(self) -> None:
+        """Let waiters through the gate while its (new) ``max_inflight`` allows: after
+        a reload raised or removed it."""
+        cap = self.settings.max_inflight if self.settings else None
+        while self._gate and (cap is None or self.inflight < cap):
+            turn = self._gate.popleft()
+            if not turn.done():
+                self.inflight += 1
+                turn.set_result(None)
+
+    def refuse_waiting(self, exc: Exception) -> None:
+        """Fail every request waiting at the gate with ``exc`` (the gateway drains)."""
+        while self._gate:
+            turn = self._gate.popleft()
+            if not turn.done():
+                turn.set_exception(exc)
 
     def _reset_s(self, now: float, used: int, need: int, limit: int) -> float:
         """Seconds until ``need`` more tokens fit the window (entries leaving it)."""
@@ -226,6 +249,8 @@ class Tenant:
         :returns: seconds waited at the gate.
         :raises RateLimited: the gate is full and ``max_queued`` requests already wait
             (``max_queued``), or the wait passed ``timeout_s`` (``max_inflight``).
+        :raises Exception: what :meth:`refuse_waiting` was given (a drain's
+            ``ShuttingDown``).
         """
         cap = self.settings.max_inflight if self.settings else None
         if cap is None or (self.inflight < cap and not self._gate):
@@ -240,7 +265,7 @@ class Tenant:
         try:
             await asyncio.wait({turn, timer}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
-            if turn.done() and not turn.cancelled():
+            if turn.done() and not turn.cancelled() and turn.exception() is None:
                 self.leave()  # passed while it was being cancelled: give it back
             raise
         finally:
@@ -250,6 +275,7 @@ class Tenant:
                 self._gate.remove(turn)
                 turn.cancel()
         if turn.done() and not turn.cancelled():
+            turn.result()  # raises what refused it (the gateway drains)
             return clock.now() - started
         raise RateLimited(
             f"Tenant {self.name!r} had {cap} requests in hand (its max_inflight) for the "
@@ -278,6 +304,9 @@ class Tenants:
     settings: Settings
     previous: Tenants | None = None
     by_name: dict[str, Tenant] = field(init=False)
+    # Tenants a reload removed while they held requests: the same objects come back if
+    # a later reload adds them again, so their counts stay right.
+    retired: dict[str, Tenant] = field(init=False, default_factory=dict)
     ranks: dict[str, int] = field(init=False)
     _hashes: list[tuple[bytes, Tenant]] = field(init=False)
 
@@ -285,7 +314,9 @@ class Tenants:
         classes = self.settings.classes
         self.ranks = {c.name: i for i, c in enumerate(classes)}
         self._waits = {c.name: c.max_queue_wait_s for c in classes}
-        old = self.previous.by_name if self.previous is not None else {}
+        # Tenants of the running registry, and removed ones still holding requests.
+        old = ({**self.previous.retired, **self.previous.by_name}
+               if self.previous is not None else {})
         self.by_name = {}
         for entry in self.settings.tenants or ():
             priority = entry.priority or classes[0].name
@@ -296,6 +327,10 @@ class Tenants:
         if not self.settings.tenants:
             self.by_name[ANONYMOUS] = old.get(ANONYMOUS) or Tenant(
                 ANONYMOUS, None, 0, classes[0].name)
+        self.retired = {name: t for name, t in old.items()
+                        if name not in self.by_name and (t.inflight or t.waiting)}
+        for tenant in self.by_name.values():
+            tenant.reopen()
         self._hashes = [(bytes.fromhex(h), t) for t in self.by_name.values()
                         if t.settings is not None for h in t.settings.key_hashes]
         self.previous = None  # keep no chain of old registries
@@ -317,7 +352,7 @@ class Tenants:
         if key is None:
             raise Unauthorized("This gateway needs an API key: send \"Authorization: "
                                "Bearer <key>\" (or \"x-api-key: <key>\").")
-        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
         found: Tenant | None = None
         for expected, tenant in self._hashes:  # every hash, whatever matches
             if hmac.compare_digest(digest, expected):
@@ -335,6 +370,8 @@ class Tenants:
         :raises Forbidden: ``asked`` is a class above the tenant's.
         """
         name = tenant.priority
+        if isinstance(asked, str) and not asked.strip():
+            asked = None  # an empty x-priority header: the tenant's own class
         if asked is not None:
             if not isinstance(asked, str) or asked not in self.ranks:
                 raise InvalidRequest(

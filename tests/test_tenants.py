@@ -320,6 +320,7 @@ async def test_a_prompt_over_the_whole_minute_can_never_pass(make: Any) -> None:
     h = await make(tenants=[{**TENANTS[0], "tokens_per_minute": 5}])
     r = await h.client.post(CHAT, json=chat_body(), headers=bearer(WEB_KEY))
     assert r.status_code == 429 and "can never pass" in r.json()["error"]["message"]
+    assert r.headers["x-should-retry"] == "false"  # SDKs must not wait to retry it
 
 
 async def test_a_request_refused_after_its_hold_gives_its_tokens_back(
@@ -459,3 +460,109 @@ def test_an_open_gateway_beyond_loopback_says_so(caplog: pytest.LogCaptureFixtur
     assert not warn_if_open(load_settings(), "::1") and not warn_if_open(load_settings(),
                                                                          "localhost")
     assert not warn_if_open(load_settings(tenants=TENANTS, classes=CLASSES), "0.0.0.0")
+
+
+
+# -- regressions from the adversarial pass ------------------------------------------------
+
+def test_config_errors_never_echo_secrets() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(server={"admin_key": "ADMIN-S3CRET"},
+                      backends=[{"name": "a", "api_key": "UPSTREAM-S3CRET"}],
+                      tenants=[{"name": "t", "key_hashes": [digest("k")], "priority": "gold"}])
+    assert "not a class" in str(info.value)
+    assert "S3CRET" not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_settings(backends=[{"name": "a", "api_key": "UPSTREAM-S3CRET"},
+                                {"name": "a", "url": "http://other:1"}])
+    assert "unique" in str(info.value) and "S3CRET" not in str(info.value)
+
+
+async def test_a_batch_of_prompts_counts_every_prompt(make: Any) -> None:
+    h = await make(tenants=[{**TENANTS[0], "tokens_per_minute": 10_000}])
+    prompt = " ".join(["word"] * 30)
+    r = await h.client.post("/v1/completions", headers=bearer(WEB_KEY), json={
+        "prompt": [prompt] * 4, "max_tokens": 5})
+    assert r.status_code == 200
+    usage = r.json()["usage"]
+    tenant = h.state.tenants.by_name["web"]
+    assert tenant.used_tokens(h.state.clock.now()) == usage["prompt_tokens"] + usage[
+        "completion_tokens"]
+    assert usage["prompt_tokens"] > 4 * 30  # not only the longest prompt's
+
+
+async def test_a_completion_counts_from_when_it_was_generated(make: Any, fake: FakeLlamaServer
+                                                              ) -> None:
+    fake.hold = asyncio.Event()
+    clock = ManualClock()
+    h = await make(tenants=[{**TENANTS[0], "tokens_per_minute": 400}], clock=clock)
+    long = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
+                                               headers=bearer(WEB_KEY)))
+    await asyncio.sleep(0.05)
+    clock.advance(61)  # the prompt, held at arrival, has left the window
+    fake.hold.set()
+    assert (await long).status_code == 200
+    assert h.state.tenants.by_name["web"].used_tokens(clock.now()) == 5  # the completion
+
+
+async def test_a_reload_that_raises_max_inflight_lets_waiters_through(
+        make: Any, fake: FakeLlamaServer) -> None:
+    fake.hold = asyncio.Event()
+    h = await make(tenants=[{**TENANTS[0], "max_inflight": 1}])
+    calls = [asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
+                                                 headers=bearer(WEB_KEY))) for _ in range(3)]
+    tenant = h.state.tenants.by_name["web"]
+    while tenant.waiting < 2:
+        await asyncio.sleep(0.01)
+    new = h.state.settings.model_copy(update={"tenants": load_settings(
+        classes=CLASSES, tenants=[{**TENANTS[0], "max_inflight": 3}]).tenants})
+    assert "tenants" in await h.state.reload(new)
+    while h.backend.stats().inflight < 3:  # the two at the gate went on at once
+        await asyncio.sleep(0.01)
+    assert h.state.tenants.by_name["web"] is tenant and tenant.waiting == 0
+    fake.hold.set()
+    assert [r.status_code for r in await asyncio.gather(*calls)] == [200] * 3
+    assert tenant.inflight == 0
+
+
+async def test_a_refusing_drain_refuses_requests_at_a_gate(make: Any, fake: FakeLlamaServer
+                                                           ) -> None:
+    fake.hold = asyncio.Event()
+    h = await make(tenants=[{**TENANTS[0], "max_inflight": 1}],
+                   server={"drain_queued": "refuse", "drain_timeout_s": 5})
+    first = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
+                                                headers=bearer(WEB_KEY)))
+    await asyncio.sleep(0.05)
+    gated = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
+                                                headers=bearer(WEB_KEY)))
+    while h.state.tenants.by_name["web"].waiting < 1:
+        await asyncio.sleep(0.01)
+    drain = asyncio.ensure_future(h.state.drain())
+    r = await gated
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    fake.hold.set()
+    assert (await first).status_code == 200 and await drain
+    assert len(fake.generations) == 1
+
+
+async def test_a_non_ascii_key_works_as_sent(make: Any) -> None:
+    key = "sk-clé-ünïcode"
+    h = await make(tenants=[{"name": "u", "key_hashes": [digest(key)]}])
+    r = await h.client.post(CHAT, json=chat_body(), headers=[
+        (b"authorization", f"Bearer {key}".encode())])
+    assert r.status_code == 200
+
+
+async def test_odd_headers_and_priority_fields(make: Any, fake: FakeLlamaServer) -> None:
+    h = await make()
+    r = await h.client.post(CHAT, json=chat_body(), headers=[
+        (b"authorization", b"Bearer sk-bad"), (b"authorization", f"Bearer {WEB_KEY}".encode())])
+    assert r.status_code == 401 and "more than one" in r.json()["error"]["message"]
+    r = await h.client.post(CHAT, json=chat_body(), headers={**bearer(WEB_KEY),
+                                                             "x-priority": " "})
+    assert r.status_code == 200  # a blank header: the tenant's own class
+    for bad in ([1], {"a": 1}, True, 1.5):
+        r = await h.client.post(CHAT, json=chat_body(priority=bad), headers=bearer(WEB_KEY))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", bad
+    r = await h.client.post(CHAT, json=chat_body(priority=None), headers=bearer(WEB_KEY))
+    assert r.status_code == 200 and "priority" not in json.loads(fake.requests[-1].content)
