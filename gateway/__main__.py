@@ -141,6 +141,8 @@ def _hash_key(args: argparse.Namespace) -> int:
 
     if args.generate:
         key = "sk-gw-" + secrets.token_urlsafe(32)
+        print("line 1: the new key (give it to the client); line 2: its hash (for "  # noqa: T201
+              "key_hashes)", file=sys.stderr)
         print(key)  # noqa: T201
     elif sys.stdin.isatty():
         key = getpass.getpass("key: ")

@@ -167,7 +167,8 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         if key is None:
             raise RouteNotFound(f"{request.method} {request.url.path}: Not Found (the "
                                 "admin routes exist when server.admin_key is set).")
-        check_admin_key(request.headers.raw, key.get_secret_value(), "The admin routes")
+        check_admin_key(request.headers.raw, key.get_secret_value(),
+                        "The admin routes need")
 
     def backend_view(b: Target) -> dict[str, Any]:
         stats, now = b.stats(), state.clock.now()

@@ -112,7 +112,7 @@ def create_app(
         if path == "/metrics":
             if server.admin_key is not None and not server.metrics_public:
                 check_admin_key(scope["headers"], server.admin_key.get_secret_value(),
-                                "/metrics (server.admin_key is set)")
+                                "/metrics (server.admin_key is set) needs")
             return
         tenant = state.tenants.authenticate(scope["headers"])
         scope_state = scope.setdefault("state", {})

@@ -214,7 +214,8 @@ class RateLimited(ClientError):
 
     :param reason: the quota, for ``gateway_rejections_total{reason}``:
         ``tokens_per_minute``, ``max_queued`` or ``max_inflight``.
-    :param retry_after_s: when a retry may pass, seconds (``Retry-After``).
+    :param retry_after_s: when a retry may pass, seconds (``Retry-After``); ``None``
+        when it never can (no ``Retry-After``).
     :param headers: extra headers, such as OpenAI's ``x-ratelimit-*-tokens``.
     """
 
@@ -222,7 +223,7 @@ class RateLimited(ClientError):
     error_type = "rate_limit_error"
     code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, reason: str, retry_after_s: float,
+    def __init__(self, message: str, *, reason: str, retry_after_s: float | None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.rejection_reason = reason  # type: ignore[misc]
@@ -365,6 +366,8 @@ def error_headers(exc: GatewayError) -> dict[str, str]:
         seconds = min(60.0, max(1.0, exc.retry_after_s))
         return {"Retry-After": str(math.ceil(seconds)), "retry-after-ms": str(int(seconds * 1000))}
     if isinstance(exc, RateLimited):  # the window's own time, not capped at 60 s
+        if exc.retry_after_s is None:
+            return dict(exc.headers)
         seconds = max(0.001, exc.retry_after_s)
         return {"Retry-After": str(max(1, math.ceil(seconds))),
                 "retry-after-ms": str(math.ceil(seconds * 1000)), **exc.headers}

@@ -297,7 +297,7 @@ class ProxyResponse(Response):
                                                               x.party.max_wait_s - gate_s))
             lease = x.try_admit()
             if lease is None and tenant is not None:
-                tenant.check_queued()
+                tenant.check_queued(self.clock.now())
                 tenant.waiting, waiting = tenant.waiting + 1, True
             if lease is None and isinstance(send, Started):
                 lease = await self._wait_with_progress(watcher, send)

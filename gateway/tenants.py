@@ -80,7 +80,8 @@ def check_admin_key(headers: Iterable[tuple[bytes, bytes]], expected: str, what:
     """Let a call through only with ``Authorization: Bearer <expected>`` (compared in
     constant time).
 
-    :param what: the routes it guards, for the error message.
+    :param what: the start of the error message, naming the routes it guards
+        (``"The admin routes need"``).
     :raises Unauthorized: no such header, another scheme, or another key.
     """
     try:
@@ -90,7 +91,7 @@ def check_admin_key(headers: Iterable[tuple[bytes, bytes]], expected: str, what:
     if given is None or not hmac.compare_digest(
             hashlib.sha256(given.encode("utf-8", "surrogateescape")).digest(),
             hashlib.sha256(expected.strip().encode("utf-8", "surrogatepass")).digest()):
-        raise Unauthorized(f"{what} need Authorization: Bearer <admin_key>.")
+        raise Unauthorized(f"{what} Authorization: Bearer <admin_key>.")
 
 
 def format_reset(seconds: float) -> str:
@@ -174,7 +175,7 @@ class Tenant:
                     f"This request's prompt has {prompt_tokens} tokens, more than tenant "
                     f"{self.name!r} may use in a minute ({limit}); it can never pass. "
                     "Shorten the prompt, or ask for a larger tokens_per_minute.",
-                    reason="tokens_per_minute", retry_after_s=TOKENS_WINDOW_S,
+                    reason="tokens_per_minute", retry_after_s=None,
                     headers={**headers, "x-should-retry": "false"})
             wait = self._reset_s(now, used, prompt_tokens, limit)
             raise RateLimited(
@@ -229,17 +230,18 @@ class Tenant:
 
     # -- the gate (max_inflight, max_queued) ------------------------------------------
 
-    def check_queued(self) -> None:
-        """Raise when one more waiting request would pass ``max_queued``.
+    def check_queued(self, now: float) -> None:
+        """Raise when one more waiting request would pass ``max_queued`` (``now``: the
+        clock time, for the tokens headers).
 
         :raises RateLimited: reason ``max_queued``.
         """
         cap = self.settings.max_queued if self.settings else None
         if cap is not None and self.waiting >= cap:
             raise RateLimited(
-                f"Tenant {self.name!r} already has {self.waiting} requests waiting, its "
-                f"max_queued; retry when some have been served.", reason="max_queued",
-                retry_after_s=1.0)
+                f"Tenant {self.name!r} already has as many requests waiting as its "
+                f"max_queued ({cap}); retry when some have been served.",
+                reason="max_queued", retry_after_s=1.0, headers=self.rate_headers(now))
 
     async def enter(self, timeout_s: float, clock: Clock) -> float:
         """Pass the tenant's gate: at once while fewer than ``max_inflight`` of its
@@ -256,7 +258,7 @@ class Tenant:
         if cap is None or (self.inflight < cap and not self._gate):
             self.inflight += 1
             return 0.0
-        self.check_queued()
+        self.check_queued(clock.now())
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._gate.append(turn)
         self.waiting += 1
@@ -280,7 +282,7 @@ class Tenant:
         raise RateLimited(
             f"Tenant {self.name!r} had {cap} requests in hand (its max_inflight) for the "
             f"{timeout_s:g} s this request may wait; retry later.", reason="max_inflight",
-            retry_after_s=1.0)
+            retry_after_s=1.0, headers=self.rate_headers(clock.now()))
 
     def leave(self) -> None:
         """A request past the gate has ended: let the next waiting one through."""
@@ -378,9 +380,9 @@ class Tenants:
                     f"Unknown priority class {str(asked)[:64]!r}; the classes are "
                     f"{', '.join(self.ranks)} (highest first).", param="priority")
             if self.ranks[asked] < tenant.rank:
-                raise Forbidden(f"Priority class {asked!r} is above tenant "
-                                f"{tenant.name!r}'s own ({tenant.priority!r}); a request "
-                                "may only ask for a lower class.", param="priority")
+                raise Forbidden(f"Priority class {asked!r} is above the class of tenant "
+                                f"{tenant.name!r} ({tenant.priority!r}); a request may "
+                                "only ask for a lower class.", param="priority")
             name = asked
         wait = self._waits[name] or self.settings.admission.max_queue_wait_s
         return Party(tenant.name, self.ranks[name], name, tenant.weight, wait)

@@ -321,6 +321,7 @@ async def test_a_prompt_over_the_whole_minute_can_never_pass(make: Any) -> None:
     r = await h.client.post(CHAT, json=chat_body(), headers=bearer(WEB_KEY))
     assert r.status_code == 429 and "can never pass" in r.json()["error"]["message"]
     assert r.headers["x-should-retry"] == "false"  # SDKs must not wait to retry it
+    assert "retry-after" not in r.headers
 
 
 async def test_a_request_refused_after_its_hold_gives_its_tokens_back(
