@@ -85,6 +85,7 @@ def create_app(
     clock = clock or MonotonicClock()
 
     def make_target(entry: BackendSettings, admission: AdmissionSettings) -> Target:
+        # No pool limit: admission bounds the generation requests (one per lease).
         gen = http_client or build_client(keepalive_expiry_s=entry.keepalive_expiry_s)
         side = http_client or build_client(max_connections=SIDE_CONNECTIONS,
                                            keepalive_expiry_s=entry.keepalive_expiry_s)

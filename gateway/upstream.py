@@ -113,10 +113,15 @@ def _replayable(request: httpx.Request) -> bool:
     return True
 
 
-def build_client(*, max_connections: int = 256, keepalive_expiry_s: float = 2.0
+def build_client(*, max_connections: int = 0, keepalive_expiry_s: float = 2.0
                  ) -> httpx.AsyncClient:
     """Return an upstream client (aiohttp transport, pooled keep-alive, one retry of a
     request whose reused connection was closed under it; see the module docstring).
+
+    :param max_connections: most connections open at once; 0, the default, sets no
+        bound. A backend's generation requests each hold a lease, so admission already
+        bounds them by the backend's slots: a pool limit below that would be a second,
+        hidden queue, in no metric and under no ``max_queue_wait_s``.
 
     :param keepalive_expiry_s: idle time after which a pooled connection is closed,
         seconds; below the backend's own keep-alive timeout.

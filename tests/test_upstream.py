@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import httpx
@@ -52,3 +53,45 @@ def test_plain_httpx_errors(exc: Exception, expected: type) -> None:
     with pytest.raises(expected):
         with map_upstream_errors("b"):
             raise exc
+
+
+async def test_generation_requests_never_wait_for_a_pooled_connection() -> None:
+    """Admission bounds the requests in flight; the pool must not add a hidden queue:
+    300 requests held open by the upstream are all in flight at once (the old pool
+    limit was 256)."""
+    from aiohttp import web
+
+    release = asyncio.Event()
+    inside = 0
+    peak = 0
+
+    async def handler(request: web.Request) -> web.Response:
+        nonlocal inside, peak
+        inside += 1
+        peak = max(peak, inside)
+        await release.wait()
+        inside -= 1
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = build_client()
+    try:
+        calls = [asyncio.ensure_future(client.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions", json={}, timeout=30))
+            for _ in range(300)]
+        for _ in range(500):
+            if inside >= 300:
+                break
+            await asyncio.sleep(0.02)
+        assert inside == 300, inside
+        release.set()
+        assert all(r.status_code == 200 for r in await asyncio.gather(*calls))
+    finally:
+        await client.aclose()
+        await runner.cleanup()
