@@ -567,3 +567,75 @@ async def test_odd_headers_and_priority_fields(make: Any, fake: FakeLlamaServer)
         assert r.status_code == 400 and r.json()["error"]["param"] == "priority", bad
     r = await h.client.post(CHAT, json=chat_body(priority=None), headers=bearer(WEB_KEY))
     assert r.status_code == 200 and "priority" not in json.loads(fake.requests[-1].content)
+
+
+# -- shared cases --------------------------------------------------------------------------
+
+async def test_p11_one_high_priority_request_runs_after_thirty_low_ones_queued(
+        make: Any, fake: FakeLlamaServer) -> None:
+    """shared/cases/public.md P11, priority variant: 30 low-priority requests queued,
+    then 1 high-priority one; the high one runs next."""
+    fake.hold = asyncio.Event()
+    h = await make(slots=1)
+    running = asyncio.ensure_future(h.client.post(CHAT, json=chat_body("running"),
+                                                  headers=bearer(BATCH_KEY)))
+    await asyncio.sleep(0.05)
+    low = [asyncio.ensure_future(h.client.post(CHAT, json=chat_body(f"low {i}"),
+                                               headers=bearer(BATCH_KEY))) for i in range(30)]
+    while h.backend.stats().queued < 30:
+        await asyncio.sleep(0.01)
+    high = asyncio.ensure_future(h.client.post(CHAT, json=chat_body("high"),
+                                               headers=bearer(WEB_KEY)))
+    while h.backend.stats().queued < 31:
+        await asyncio.sleep(0.01)
+    fake.hold.set()
+    assert all(r.status_code == 200 for r in await asyncio.gather(running, high, *low))
+    order = [g["messages"][0]["content"] for g in fake.generations]
+    assert order[:2] == ["running", "high"]
+
+
+async def test_p11_a_refused_request_uses_no_other_quota(make: Any, fake: FakeLlamaServer
+                                                          ) -> None:
+    """P11: a request refused by one limit (max_queued, a full queue) takes nothing from
+    the tenant's tokens per minute."""
+    fake.hold = asyncio.Event()
+    h = await make(slots=1, admission={"max_queue": 1, "reject_predicted_timeouts": False},
+                   tenants=[{**TENANTS[0], "tokens_per_minute": 1000, "max_queued": 1},
+                            TENANTS[1]])
+    tenant = h.state.tenants.by_name["web"]
+    running = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
+                                                  headers=bearer(WEB_KEY)))
+    await asyncio.sleep(0.05)
+    queued = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
+                                                 headers=bearer(WEB_KEY)))
+    while h.backend.stats().queued < 1:
+        await asyncio.sleep(0.01)
+    held = tenant.used_tokens(h.state.clock.now())
+    refused = [await h.client.post(CHAT, json=chat_body(), headers=bearer(WEB_KEY))
+               for _ in range(5)]
+    assert {r.status_code for r in refused} <= {429, 503}
+    assert tenant.used_tokens(h.state.clock.now()) == held == 16  # two prompts of 8
+    fake.hold.set()
+    await asyncio.gather(running, queued)
+    assert tenant.used_tokens(h.state.clock.now()) == 2 * 13
+
+
+async def test_p18_priority_and_tenant_labels_never_come_from_the_client(make: Any) -> None:
+    """shared/cases/public.md P18: 200 requests with random classes, users and models
+    add no series."""
+    h = await make()
+
+    def series() -> int:
+        return sum(len(f.samples) for f in h.registry.collect())
+
+    await h.client.post(CHAT, json=chat_body(), headers=bearer(WEB_KEY))
+    await h.client.post(CHAT, json=chat_body(), headers={**bearer(WEB_KEY),
+                                                         "x-priority": "nope"})
+    await h.client.post(CHAT, json=chat_body(), headers=bearer("sk-unknown"))
+    before = series()
+    for i in range(200):
+        await h.client.post(CHAT, json=chat_body(user=f"user-{i}", model=f"m-{i}"),
+                            headers={**bearer(WEB_KEY), "x-priority": f"class-{i}"})
+        await h.client.post(CHAT, json=chat_body(priority=f"p-{i}"), headers=bearer(
+            f"sk-random-{i}"))
+    assert series() == before
