@@ -7,12 +7,14 @@ Starts (each in its own process):
   enough slots that admission never queues, so what is measured is the proxy path:
   validation, the exact-count call upstream, reservation, forwarding, metrics;
 * a load generator (aiohttp, closed loop) at 4 and at 64 connections, for a fixed time,
-  first straight at the upstream, then at the gateway.
+  first straight at the upstream, then at the gateway; then streams (``stream: true``,
+  100 events each, written one by one as llama-server writes tokens) at 64 connections.
 
 Also measured, as floors: two bare Starlette pass-through proxies, one on httpx's default
 transport and one on the httpx-aiohttp transport the gateway uses. Prints requests/s and
 p50/p99 latency for each, the latency added over a direct call, and throughput ratios.
 Figures, not asserts: the machine is noisy, compare within one run.
+``--only sse`` or ``--only json`` runs one part.
 
 Run: ``make bench`` (``python bench/bench.py --seconds 5``).
 """
@@ -31,6 +33,11 @@ import sys
 import time
 
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16}
+STREAM_EVENTS = 100  # events per streamed answer
+DELTA = b'data: {"choices":[{"index":0,"delta":{"content":"tok"},"finish_reason":null}]}\n\n'
+FINAL = (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
+         b'data: {"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":100,'
+         b'"total_tokens":110}}\n\ndata: [DONE]\n\n')
 ANSWER = json.dumps({
     "object": "chat.completion",
     "choices": [{"index": 0, "finish_reason": "stop",
@@ -48,9 +55,17 @@ def free_port() -> int:
 def run_upstream(port: int) -> None:
     from aiohttp import web
 
-    async def chat(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=ANSWER, content_type="application/json")
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if b'"stream":true' not in body.replace(b" ", b""):
+            return web.Response(body=ANSWER, content_type="application/json")
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(STREAM_EVENTS - 1):
+            await resp.write(DELTA)
+        await resp.write(FINAL)
+        await resp.write_eof()
+        return resp
 
     async def count(request: web.Request) -> web.Response:
         await request.read()
@@ -73,7 +88,7 @@ def run_bare_proxy(port: int, upstream_port: int, transport: str) -> None:
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import Response
+    from starlette.responses import Response, StreamingResponse
     from starlette.routing import Route
 
     if transport == "aiohttp":
@@ -86,6 +101,18 @@ def run_bare_proxy(port: int, upstream_port: int, transport: str) -> None:
 
     async def forward(request: Request) -> Response:
         body = await request.body()
+        if b'"stream":true' in body.replace(b" ", b""):
+            up = await client.send(client.build_request(
+                "POST", target, content=body, headers={"content-type": "application/json"}),
+                stream=True)
+
+            async def relay() -> object:
+                try:
+                    async for chunk in up.aiter_raw():
+                        yield chunk
+                finally:
+                    await up.aclose()
+            return StreamingResponse(relay(), up.status_code, media_type="text/event-stream")
         r = await client.post(target, content=body, headers={"content-type": "application/json"})
         return Response(r.content, r.status_code, media_type="application/json")
 
@@ -95,12 +122,14 @@ def run_bare_proxy(port: int, upstream_port: int, transport: str) -> None:
                 http="h11")
 
 
-async def _load(url: str, connections: int, seconds: float) -> tuple[int, list[float], int]:
+async def _load(url: str, connections: int, seconds: float, stream: bool = False
+                ) -> tuple[int, list[float], int]:
     import aiohttp
 
     latencies: list[float] = []
     errors = 0
-    body = json.dumps(CHAT).encode()
+    body = json.dumps({**CHAT, "max_tokens": STREAM_EVENTS, "stream": True} if stream
+                      else CHAT).encode()
     deadline = time.perf_counter() + seconds
     conn = aiohttp.TCPConnector(limit=connections)
     async with aiohttp.ClientSession(connector=conn) as session:
@@ -111,8 +140,8 @@ async def _load(url: str, connections: int, seconds: float) -> tuple[int, list[f
                 t0 = time.perf_counter()
                 async with session.post(url, data=body,
                                         headers={"content-type": "application/json"}) as r:
-                    await r.read()
-                    if r.status != 200:
+                    data = await r.read()
+                    if r.status != 200 or (stream and not data.endswith(b"[DONE]\n\n")):
                         errors += 1
                 latencies.append(time.perf_counter() - t0)
 
@@ -120,20 +149,22 @@ async def _load(url: str, connections: int, seconds: float) -> tuple[int, list[f
     return len(latencies), latencies, errors
 
 
-def load(url: str, connections: int, seconds: float, out: mp.Queue) -> None:  # type: ignore[type-arg]
+def load(url: str, connections: int, seconds: float, out: mp.Queue,  # type: ignore[type-arg]
+         stream: bool = False) -> None:
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    n, lat, errors = asyncio.run(_load(url, connections, seconds))
+    n, lat, errors = asyncio.run(_load(url, connections, seconds, stream))
     out.put((n, lat, errors))
 
 
-def measure(url: str, connections: int, seconds: float) -> dict[str, float]:
+def measure(url: str, connections: int, seconds: float, stream: bool = False
+            ) -> dict[str, float]:
     q: mp.Queue = mp.Queue()  # type: ignore[type-arg]
-    proc = mp.Process(target=load, args=(url, connections, seconds, q))
+    proc = mp.Process(target=load, args=(url, connections, seconds, q, stream))
     proc.start()
     n, lat, errors = q.get()
     proc.join()
@@ -162,6 +193,7 @@ def wait_http(url: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="per measurement")
+    parser.add_argument("--only", choices=["json", "sse"], help="run one part")
     args = parser.parse_args()
     up_port, gw_port = free_port(), free_port()
     upstream = mp.Process(target=run_upstream, args=(up_port,), daemon=True)
@@ -187,24 +219,28 @@ def main() -> int:
         wait_http(f"http://127.0.0.1:{gw_port}/ready")
         for port, _ in bare.values():
             wait_http(f"http://127.0.0.1:{port}/props")
-        for connections in (4, 64):
+        runs = [] if args.only == "sse" else [(4, False), (64, False)]
+        runs += [] if args.only == "json" else [(64, True)]
+        for connections, stream in runs:
             for label, port in targets:
+                if stream and label == "bare proxy, httpx":
+                    continue
                 result = measure(f"http://127.0.0.1:{port}/v1/chat/completions", connections,
-                                 args.seconds)
-                rows.append((connections, label, result))
+                                 args.seconds, stream)
+                rows.append((f"{connections}{' SSE' if stream else ''}", label, result))
     finally:
         gateway.terminate()
         gateway.wait(10)
         for _, proc in bare.values():
             proc.terminate()
         upstream.terminate()
-    print(f"{'conns':>5}  {'target':<20} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+    print(f"{'conns':>6}  {'target':<20} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "  # noqa: T201
           f"{'added p50':>9} {'added p99':>9} {'rps vs direct':>13} "
           f"{'rps vs bare aiohttp':>19} errors")
     for connections, label, r in rows:
         same = {lab: res for c, lab, res in rows if c == connections}
         d, b = same["direct"], same["bare proxy, aiohttp"]
-        print(f"{connections:>5}  {label:<20} {r['rps']:>7.0f} {r['p50_ms']:>7.2f} "  # noqa: T201
+        print(f"{connections:>6}  {label:<20} {r['rps']:>7.0f} {r['p50_ms']:>7.2f} "  # noqa: T201
               f"{r['p99_ms']:>7.2f} {r['p50_ms'] - d['p50_ms']:>9.2f} "
               f"{r['p99_ms'] - d['p99_ms']:>9.2f} {r['rps'] / d['rps']:>13.2f} "
               f"{r['rps'] / b['rps']:>19.2f} {int(r['errors'])}")

@@ -489,7 +489,8 @@ async def _load(url: str, opts: SoakOptions, report: Report,
 
 
 def _gauges(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", timeout=10,
+                     headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
     values = dict.fromkeys(GAUGES, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -500,7 +501,8 @@ def _gauges(url: str) -> dict[str, float]:
 
 def _upstream_errors(url: str, kind: str) -> float:
     """The gateway's count of backend failures of ``kind`` (all backends)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", timeout=10,
+                     headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
     return sum(sample.value for family in text_string_to_metric_families(text)
                for sample in family.samples
                if sample.name == "gateway_upstream_errors_total"
