@@ -208,6 +208,8 @@ class ProxyResponse(Response):
         self._completion: int | None = None  # completion tokens, from the usage
         self._reported_prompt: int | None = None  # the backend's usage.prompt_tokens
         self._streamed = 0  # generated events relayed (a completion count if no usage)
+        self._itl: Any = None  # gateway_itl_seconds for the backend named _itl_of
+        self._itl_of: str | None = None
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -740,10 +742,12 @@ class ProxyResponse(Response):
         try:
             with map_upstream_errors(name):
                 async for chunk in resp.aiter_raw():
-                    for raw in splitter.feed(chunk):
-                        relayed = inspect(raw, state)
-                        if relayed is not None:
-                            await emit(relayed)
+                    # The events of one upstream read go out in one write: one ASGI
+                    # message and one socket write, not one per event.
+                    out = [relayed for raw in splitter.feed(chunk)
+                           if (relayed := inspect(raw, state)) is not None]
+                    if out:
+                        await emit(out[0] if len(out) == 1 else b"".join(out))
                     if state.done and not state.errored:
                         # The last event is relayed: the answer is whole. A client that
                         # closes now (the OpenAI SDK does, at [DONE]) has not left early.
@@ -789,12 +793,14 @@ class ProxyResponse(Response):
 
     def _token_seen(self, state: _StreamState) -> None:
         now = self.clock.now()
-        name = self.x.backend.name
         self._streamed += 1
         if state.last_token is None:
-            self.metrics.ttft.labels(name).observe(now - self.x.started)
+            self.metrics.ttft.labels(self.x.backend.name).observe(now - self.x.started)
         else:
-            self.metrics.itl.labels(name).observe(now - state.last_token)
+            name = self.x.backend.name
+            if self._itl_of != name:  # the labelled child, looked up once per backend
+                self._itl, self._itl_of = self.metrics.itl.labels(name), name
+            self._itl.observe(now - state.last_token)
         state.last_token = now
 
     def _seen(self, seen: Seen, state: _StreamState) -> None:

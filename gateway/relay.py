@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import anyio.to_thread
+import orjson
 from starlette.types import Message, Send
 
 from gateway.errors import GatewayError, UpstreamRefused, anthropic_body, reshape_upstream_error
@@ -143,9 +144,11 @@ def unless_gone(send: Send, watcher: DisconnectWatcher) -> Send:
 
 
 def json_object(text: str | bytes) -> dict[str, Any] | None:
-    """``text`` parsed as a JSON object, or ``None`` when it is not one."""
+    """``text`` parsed as a JSON object, or ``None`` when it is not one (or holds what
+    orjson refuses: NaN, an integer beyond 64 bits). Used on every streamed event, so
+    parsed by orjson, several times faster than the standard library on small objects."""
     try:
-        obj = json.loads(text)
-    except ValueError:
+        obj = orjson.loads(text)
+    except ValueError:  # orjson.JSONDecodeError is one
         return None
     return obj if isinstance(obj, dict) else None

@@ -69,6 +69,9 @@ def event_data(raw: bytes) -> str | None:
 
     Comment lines (``:``) and other fields are ignored.
     """
+    if raw.startswith(b"data: ") and raw.find(b"\n") == len(raw) - 2 and raw.find(
+            b"\r") < 0:
+        return raw[6:-2].decode("utf-8", errors="replace")  # one data line: most events
     lines = []
     for line in _LINE.split(raw):
         if line.startswith(b"data:"):

@@ -219,7 +219,10 @@ async def test_event_split_across_reads_is_forwarded_whole(harness: Harness, fak
     harness.state.client._transport = httpx.MockTransport(split_stream)
     call = AsgiCall(harness, chat())
     await call.run()
-    assert call.chunks[0] == b'data: {"choices": [{"index": 0, "delta": {"content": "hello"}}]}\n\n'
+    # The event is whole in the first write (events completed by one read go out
+    # together: here the event and [DONE]).
+    assert call.chunks[0] == (b'data: {"choices": [{"index": 0, "delta": {"content": "hello"}}]}'
+                              b'\n\ndata: [DONE]\n\n')
 
 
 async def test_finished_requests_release_at_once_despite_the_grace(

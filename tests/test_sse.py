@@ -42,3 +42,12 @@ def test_event_data() -> None:
     assert event_data(b"data:x\ndata: y\n\n") == "x\ny"
     assert event_data(b": comment\n\n") is None
     assert event_data(b"event: error\ndata: boom\n\n") == "boom"
+
+
+@given(st.binary(max_size=64).filter(lambda b: b"\n" not in b and b"\r" not in b),
+       st.sampled_from([b"data: ", b"data:"]), st.sampled_from([b"\n\n", b"\r\n\r\n"]))
+def test_one_line_events_read_the_same_on_the_fast_path(payload: bytes, field: bytes,
+                                                          end: bytes) -> None:
+    got = event_data(field + payload + end)
+    value = payload[1:] if field == b"data:" and payload.startswith(b" ") else payload
+    assert got == value.decode("utf-8", errors="replace")
