@@ -215,24 +215,6 @@ async def test_a_request_may_ask_a_lower_class_never_a_higher_one(
     assert json.loads(fake.requests[-1].content)["priority"] == 3  # vLLM's own field
 
 
-async def test_an_interactive_request_goes_before_a_queue_of_batch_work(
-        make: Any, fake: FakeLlamaServer) -> None:
-    fake.hold = asyncio.Event()
-    h = await make(slots=1)
-    batch = [asyncio.ensure_future(h.client.post(
-        CHAT, json=chat_body(f"batch {i}"), headers=bearer(BATCH_KEY))) for i in range(5)]
-    while h.backend.stats().queued < 4:
-        await asyncio.sleep(0.01)
-    web = asyncio.ensure_future(h.client.post(CHAT, json=chat_body("web first"),
-                                              headers=bearer(WEB_KEY)))
-    while h.backend.stats().queued < 5:
-        await asyncio.sleep(0.01)
-    fake.hold.set()
-    assert all(r.status_code == 200 for r in await asyncio.gather(*batch, web))
-    order = [m["content"] for g in fake.generations for m in g["messages"]]
-    assert order.index("web first") == 1  # right after the one that was running
-
-
 async def test_tenants_of_one_class_alternate(make: Any, fake: FakeLlamaServer) -> None:
     fake.hold = asyncio.Event()
     tenants = [{**TENANTS[0]}, {**TENANTS[1], "priority": "interactive"}]
