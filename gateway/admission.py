@@ -550,6 +550,11 @@ class Admission:
             self._per_cap_token.append(seconds / max(1, charge.max_tokens))
 
     @property
+    def free_slots(self) -> tuple[int, ...]:
+        """Slot ids no lease holds, least recently used first."""
+        return tuple(self._free)
+
+    @property
     def held_slots(self) -> frozenset[int]:
         """Slot ids held by leases in flight (abandoned ones awaiting release included)."""
         return frozenset(self._held_slots)

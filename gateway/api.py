@@ -57,7 +57,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
                 model = None
         backend = state.pick_backend(model, "ollama")
         with map_upstream_errors(backend.name):
-            resp = await backend.client.request(
+            resp = await backend.side_client.request(
                 request.method, backend.url(request.url.path), content=body or None,
                 headers={"content-type": "application/json",
                          **backend.settings.auth_headers},
@@ -101,7 +101,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
         does not answer lists nothing."""
         async def listed(backend: Target) -> list[dict[str, Any]]:
             try:
-                resp = await backend.client.get(
+                resp = await backend.side_client.get(
                     backend.url("/v1/models"), headers=backend.settings.auth_headers,
                     timeout=min(MODELS_TIMEOUT_S, backend.settings.read_timeout_s))
                 return [e for e in resp.json().get("data", []) if isinstance(e, dict)]

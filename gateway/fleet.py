@@ -39,6 +39,7 @@ from gateway.admission import Clock, Lease, shed_error
 from gateway.capacity import Charge
 from gateway.errors import QueueFull, QueueTimeout
 from gateway.fairness import FairQueue, Party
+from gateway.prefix import AFFINITY_PROMPT_CHARS, Prefix
 from gateway.target import Target
 
 __all__ = ["AFFINITY_BONUS", "Candidate", "ModelQueue", "affinity_key", "score"]
@@ -47,8 +48,6 @@ log = logging.getLogger(__name__)
 
 # Conversations remembered per model for prefix affinity.
 AFFINITY_ENTRIES = 4096
-# How much of a completion prompt identifies its conversation, characters.
-AFFINITY_PROMPT_CHARS = 2048
 
 # Added to the score of the backend that served the conversation's prefix last: more than
 # the 2.0 the other terms can reach, so affinity wins whenever that backend fits.
@@ -94,7 +93,7 @@ class _Waiter:
     affinity: str | None = None
     reason: str = "queued"  # for gateway_route_decisions_total
     party: Party = field(default_factory=Party)
-    key: str | None = None  # the conversation's affinity key
+    prefix: Prefix | None = None  # what its prompt holds (slot affinity)
 
 
 @dataclass(eq=False)
@@ -185,24 +184,24 @@ class ModelQueue:
         return None
 
     def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
-                  party: Party | None = None, key: str | None = None
+                  party: Party | None = None, prefix: Prefix | None = None
                   ) -> tuple[Candidate, Lease] | None:
         """A lease now on the best backend where the request fits, or ``None``. A
-        backend that a request waiting ahead of it could use is not given to it. ``key``
-        (the conversation's) picks the slot there that served it last, if free."""
+        backend that a request waiting ahead of it could use is not given to it.
+        ``prefix`` picks the slot there whose cached prompt the request continues."""
         party = party or Party()
         cost = candidates[0].charge.tokens if candidates else 0
         ahead = self._queue.ahead_of(party, cost, self.clock.now()) if self._queue else []
         blocked = self._blocked(ahead)
         got = self._grant([c for c in candidates if id(c.backend) not in blocked], affinity,
-                          key=key)
+                          prefix=prefix)
         if got is not None:
             self._queue.charge(party, got[0].charge.tokens)
         return got
 
     async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
                     *, front: bool = False, party: Party | None = None,
-                    key: str | None = None) -> tuple[Candidate, Lease]:
+                    prefix: Prefix | None = None) -> tuple[Candidate, Lease]:
         """Wait, in the order of :class:`FairQueue`, for room on any backend of the
         pool; with ``front``, at the head of the queue (a request coming back after a
         backend failed it), where neither the queue bound nor others waiting hold it
@@ -214,11 +213,11 @@ class ModelQueue:
         """
         party = party or Party()
         if front:
-            got = self._grant(candidates, affinity, "failover", key)
+            got = self._grant(candidates, affinity, "failover", prefix)
             if got is not None:
                 self._queue.charge(party, got[0].charge.tokens)
         else:
-            got = self.try_admit(candidates, affinity, party, key)
+            got = self.try_admit(candidates, affinity, party, prefix)
         if got is not None:
             return got
         if len(self._queue) >= self.max_queue and not front:
@@ -232,7 +231,7 @@ class ModelQueue:
         max_wait = self.max_wait_s if party.max_wait_s is None else party.max_wait_s
         now = self.clock.now()
         waiter = _Waiter(candidates, asyncio.get_running_loop().create_future(),
-                         now, affinity, "failover" if front else "queued", party, key)
+                         now, affinity, "failover" if front else "queued", party, prefix)
         cost = candidates[0].charge.tokens if candidates else 0
         self._queue.push(waiter, party, cost, now, front=front)
         self.wake()  # it may go before waiters that wait for room it does not need
@@ -268,7 +267,7 @@ class ModelQueue:
                 self._queue.remove(waiter)
                 continue
             allowed = [c for c in waiter.candidates if id(c.backend) not in blocked]
-            got = (self._grant(allowed, waiter.affinity, waiter.reason, waiter.key)
+            got = (self._grant(allowed, waiter.affinity, waiter.reason, waiter.prefix)
                    if allowed else None)
             if got is None:
                 blocked.update(id(c.backend) for c in waiter.candidates)
@@ -301,7 +300,7 @@ class ModelQueue:
         return min((b.retry_after_s() for b in self.members), default=1.0)
 
     def _grant(self, candidates: Iterable[Candidate], affinity: str | None,
-               reason: str | None = None, key: str | None = None
+               reason: str | None = None, prefix: Prefix | None = None
                ) -> tuple[Candidate, Lease] | None:
         now = self.clock.now()
         fitting = [c for c in candidates if usable(c.backend, now)
@@ -310,7 +309,7 @@ class ModelQueue:
             return None
         best = max(fitting, key=lambda c: score(c, affinity))  # first of equals wins
         lease = best.backend.admission.try_admit(best.charge,
-                                                 prefer=best.backend.slot_for(key))
+                                                 prefer=best.backend.slot_for(prefix))
         if lease is None:  # fits_now said yes; a race is impossible on one loop
             return None
         best.backend.probe_started(now)

@@ -24,6 +24,7 @@ from gateway.errors import (
 )
 from gateway.fairness import Party
 from gateway.fleet import Candidate, ModelQueue, affinity_key
+from gateway.prefix import prefix_of
 from gateway.proxy import Exchange
 from gateway.resume import resumable
 from gateway.state import GatewayState
@@ -247,7 +248,8 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         extra.append((b"x-gateway-max-tokens-clamped", str(charge.max_tokens).encode()))
     options = req.body.get("stream_options") or {}
     admission = state.settings.admission
-    key = affinity_key(req.body) if state.settings.routing.affinity else None
+    affine = state.settings.routing.affinity
+    key = affinity_key(req.body) if affine and queue is not None else None
     return Exchange(
         backend=first.backend, route=route, body=first.body, charge=charge,
         stream=req.stream, started=started, headers=list(request.headers.raw),
@@ -259,6 +261,8 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         raw_estimate=raw_estimate, tracked=first.tracked,
         candidates=candidates if queue is not None else [], queue=queue,
         affinity_key=key, affinity=queue.affinity_for(key) if queue is not None else None,
+        prefix=prefix_of(req.body) if affine and route not in ("embeddings", "rerank")
+        else None,
         tenant=tenant, party=party, hold=hold, prompt_total=prompt_total,
         batched=batch > 1,
     )

@@ -40,6 +40,7 @@ from gateway.fairness import ANONYMOUS, Party
 from gateway.fleet import Candidate, ModelQueue
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import error_messages
+from gateway.prefix import Prefix
 from gateway.relay import (
     Started,
     Unraced,
@@ -123,6 +124,7 @@ class Exchange:
     queue: ModelQueue | None = None
     affinity: str | None = None  # the backend that served this conversation's prefix
     affinity_key: str | None = None  # the conversation's key (gateway.fleet.affinity_key)
+    prefix: Prefix | None = None  # what its prompt holds, for slot affinity
     # Who it is for (gateway.tenants): the tenant, its party in the queues, and the
     # tokens it holds in the tenant's tokens-per-minute window.
     tenant: Tenant | None = None
@@ -145,9 +147,9 @@ class Exchange:
         """A lease now (on the best backend of the model), or ``None``."""
         if self.queue is None:
             return self.backend.try_admit(self.charge, self.party,
-                                          self.backend.slot_for(self.affinity_key))
+                                          self.backend.slot_for(self.prefix))
         return self._bind(self.queue.try_admit(self.candidates, self.affinity, self.party,
-                                               self.affinity_key))
+                                               self.prefix))
 
     async def admit(self, *, front: bool = False) -> Lease:
         """Wait for a lease in FIFO order (on whichever backend of the model frees room
@@ -155,9 +157,9 @@ class Exchange:
         :meth:`gateway.admission.Admission.admit`."""
         if self.queue is None:
             return await self.backend.admit(self.charge, front=front, party=self.party,
-                                            prefer=self.backend.slot_for(self.affinity_key))
+                                            prefer=self.backend.slot_for(self.prefix))
         got = await self.queue.admit(self.candidates, self.affinity, front=front,
-                                     party=self.party, key=self.affinity_key)
+                                     party=self.party, prefix=self.prefix)
         lease = self._bind(got)
         assert lease is not None
         return lease
@@ -316,7 +318,6 @@ class ProxyResponse(Response):
             if waiting and tenant is not None:
                 tenant.waiting -= 1
         name = x.backend.name  # the backend the lease is on
-        x.backend.remember_slot(x.affinity_key, lease)
         lease.waited_s += gate_s
         m.queue_wait.labels(name, *x.who).observe(lease.waited_s)
         x.extra_headers.append((b"x-queue-wait-ms", str(round(lease.waited_s * 1000)).encode()))
@@ -456,6 +457,7 @@ class ProxyResponse(Response):
         """Forget the last attempt's upstream state and hold ``lease``; returns the clock
         time the attempt starts (for :meth:`_give_back`)."""
         self._lease, self._pending = lease, None
+        self.x.backend.remember_slot(self.x.prefix, lease)  # what its slot will cache
         self._sent = self._done = self._launched = self._again = False
         return self.clock.now()
 

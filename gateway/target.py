@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +21,7 @@ from gateway.config import AdmissionPolicy, AdmissionSettings, BackendSettings
 from gateway.errors import GatewayError
 from gateway.fairness import Party
 from gateway.predict import CompletionLengths
+from gateway.prefix import Prefix
 from gateway.slotwatch import SlotWatch, Ticket
 from gateway.validation import ParsedRequest
 
@@ -35,9 +35,6 @@ PREEMPTION_WATCH_S = 5.0  # discovery interval at most, where the server counts 
 # Overflow reports this close together are one overflow: llama-server fails every request
 # in flight at once, and each of them reports it.
 OVERFLOW_BURST_S = 2.0
-
-
-SLOT_MEMORY = 4096  # conversations whose last slot a backend remembers
 
 
 class Target:
@@ -62,6 +59,8 @@ class Target:
     ) -> None:
         self.settings = settings
         self.client = client or side_client
+        # Bounded (SIDE_CONNECTIONS): for calls no lease bounds, as model listings.
+        self.side_client = side_client
         self.name = settings.name
         self.kind = settings.kind.value
         self.dialect: BackendKind = dialect or kind_class(self.kind)(  # type: ignore[call-arg]
@@ -81,8 +80,8 @@ class Target:
         # half-open probe, and a success brings it back.
         self.failures = 0  # consecutive failed requests
         self.down_until = 0.0  # clock time; 0: up
-        # Conversation prefix key -> the slot that served it last (least recent first).
-        self._slots_by_key: OrderedDict[str, int] = OrderedDict()
+        # Slot id -> the prompt it last held (gateway.fleet.Prefix), for slot affinity.
+        self._slot_prompts: dict[int, Prefix] = {}
         self.draining = False  # takes no new requests; those in flight finish
         self.owned_clients: list[httpx.AsyncClient] = []  # closed when it is retired
         # The predictive policy needs a server whose answers the gateway can cancel and
@@ -242,22 +241,32 @@ class Target:
         """A lease now, or ``None`` (see :meth:`Admission.try_admit`)."""
         return self.admission.try_admit(charge, party=party, prefer=prefer)
 
-    def slot_for(self, key: str | None) -> int | None:
-        """The slot that last served the conversation ``key``
-        (:func:`gateway.fleet.affinity_key`), if any: llama-server keeps each slot's
-        last prompt (``cache_prompt``), so a later turn pinned there (``id_slot``)
-        computes only what is new."""
-        return None if key is None else self._slots_by_key.get(key)
+    def slot_for(self, prefix: Prefix | None) -> int | None:
+        """The free slot whose last prompt this request continues (``prefix`` extends
+        it), the longest such if several (the least recently used of equals), or
+        ``None``. llama-server keeps each slot's last
+        prompt (``cache_prompt``), so a later turn pinned there (``id_slot``) computes
+        only what is new; a slot another conversation has used since is not chosen."""
+        if prefix is None:
+            return None
+        best: tuple[int, int] | None = None
+        for slot in self.admission.free_slots:
+            held = self._slot_prompts.get(slot)
+            if held is not None and prefix.extends(held):
+                if best is None or len(held.parts) > best[0]:
+                    best = (len(held.parts), slot)
+        return None if best is None else best[1]
 
-    def remember_slot(self, key: str | None, lease: Lease) -> None:
-        """Note the slot a pinned ``lease`` of conversation ``key`` holds (the most
-        recent :data:`SLOT_MEMORY` conversations are kept)."""
-        if key is None or not lease.pinned:
+    def remember_slot(self, prefix: Prefix | None, lease: Lease) -> None:
+        """Note what the slot a pinned ``lease`` holds will have cached: this request's
+        prompt (``None``: unknown, so nothing continues there)."""
+        if not lease.pinned:
             return
-        self._slots_by_key[key] = lease.slot_ids[0]
-        self._slots_by_key.move_to_end(key)
-        while len(self._slots_by_key) > SLOT_MEMORY:
-            self._slots_by_key.popitem(last=False)
+        slot = lease.slot_ids[0]
+        if prefix is None:
+            self._slot_prompts.pop(slot, None)
+        else:
+            self._slot_prompts[slot] = prefix
 
     async def admit(self, charge: Charge, *, front: bool = False,
                     prefer: int | None = None, party: Party | None = None) -> Lease:

@@ -375,3 +375,49 @@ async def test_without_affinity_the_least_recently_used_slot_is_taken(
     for _ in range(2):
         assert (await h.chat("same conversation", max_tokens=5)).status_code == 200
     assert [g["id_slot"] for g in fake.generations] == [0, 1]
+
+
+async def test_a_slot_another_conversation_used_since_is_not_preferred(
+        harness_factory: Any, fake: Any) -> None:
+    """Slot affinity never does worse than least recently used: when another
+    conversation has taken a slot since, its cache is gone, and a turn of the first
+    conversation is not sent there (it would evict the second one's prefix too)."""
+    fake.slots = 2
+    h = await harness_factory(slots=2)
+
+    async def turn(conv: str, n: int) -> int:
+        msgs: list[dict[str, str]] = []
+        for i in range(n):
+            msgs += [{"role": "user", "content": f"{conv} question {i}"},
+                     {"role": "assistant", "content": f"{conv} answer {i}"}]
+        msgs.append({"role": "user", "content": f"{conv} question {n}"})
+        assert (await h.client.post("/v1/chat/completions", json={
+            "messages": msgs, "max_tokens": 5})).status_code == 200
+        return int(fake.generations[-1]["id_slot"])
+
+    a1, b1 = await turn("A", 0), await turn("B", 0)
+    c1 = await turn("C", 0)  # least recently used: A's slot
+    assert (a1, b1, c1) == (0, 1, 0)
+    a2 = await turn("A", 1)  # A's slot now holds C: not preferred; LRU is B's
+    assert a2 == 1
+    c2 = await turn("C", 1)  # C's slot still holds C
+    assert c2 == 0
+
+
+async def test_conversations_with_one_opening_spread_over_the_slots(harness: Any, fake: Any
+                                                                    ) -> None:
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    slots = {}
+    for conv in range(4):
+        assert (await harness.client.post("/v1/chat/completions", json={
+            "messages": [system, {"role": "user", "content": "Hi"}],
+            "max_tokens": 5})).status_code == 200
+        slots[conv] = fake.generations[-1]["id_slot"]
+    assert sorted(slots.values()) == [0, 1, 2, 3]  # not all on one slot
+    for conv in range(4):  # each second turn goes back where its first turn ran
+        assert (await harness.client.post("/v1/chat/completions", json={
+            "messages": [system, {"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Hello"},
+                         {"role": "user", "content": f"question {conv}"}],
+            "max_tokens": 5})).status_code == 200
+        assert fake.generations[-1]["id_slot"] == slots[conv]
