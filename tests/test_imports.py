@@ -23,7 +23,8 @@ def imported(path: Path) -> set[str]:
 
 
 def test_capacity_has_no_io_or_async_imports() -> None:
-    for module in ("capacity.py", "errors.py"):
+    # The admission order (fairness) and the slot prefixes are pure too.
+    for module in ("capacity.py", "errors.py", "fairness.py", "prefix.py"):
         found = {n for n in imported(PKG / module) if n in BANNED or n.split(".")[0] in BANNED}
         assert found == set(), (module, found)
 
