@@ -30,7 +30,7 @@ import hashlib
 import hmac
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gateway.admission import Clock
@@ -386,7 +386,3 @@ class Tenants:
             name = asked
         wait = self._waits[name] or self.settings.admission.max_queue_wait_s
         return Party(tenant.name, self.ranks[name], name, tenant.weight, wait)
-
-    def names(self) -> Mapping[str, Tenant]:
-        """Every tenant by name."""
-        return self.by_name
