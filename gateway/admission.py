@@ -202,6 +202,8 @@ class Admission:
         self._delayed: set[asyncio.Task[None]] = set()
         self._held_slots: set[int] = set()
         self._unpinned = 0  # unpinned leases in flight: their slots are llama-server's pick
+        self._released_at: dict[int, int] = {}  # slot -> release count when last freed
+        self._release_count = 0
         # Free slot ids, least recently used first (never-used ones in index order).
         self._free: deque[int] = deque(range(layout.slots if layout else 0))
         # Called after every change that may make room (a release, a new layout, a
@@ -516,6 +518,8 @@ class Admission:
             self._unpinned -= 1
         for slot in lease.slot_ids:
             self._held_slots.discard(slot)
+            self._release_count += 1
+            self._released_at[slot] = self._release_count
             if slot < (self._layout.slots if self._layout else 0):
                 self._free.append(slot)  # held slots are never in _free
         self._budget = capacity.release(self._budget, lease.charge)
@@ -549,10 +553,15 @@ class Admission:
         if charge is not None:
             self._per_cap_token.append(seconds / max(1, charge.max_tokens))
 
-    @property
-    def free_slots(self) -> tuple[int, ...]:
-        """Slot ids no lease holds, least recently used first."""
-        return tuple(self._free)
+    def is_free(self, slot: int) -> bool:
+        """No lease holds ``slot`` and it exists in the current layout."""
+        return slot not in self._held_slots and slot < (self._layout.slots
+                                                         if self._layout else 0)
+
+    def last_released(self, slot: int) -> int:
+        """When ``slot`` was last given back, as a count of releases (-1: never held);
+        the lower, the less recently used."""
+        return self._released_at.get(slot, -1)
 
     @property
     def held_slots(self) -> frozenset[int]:

@@ -80,8 +80,10 @@ class Target:
         # half-open probe, and a success brings it back.
         self.failures = 0  # consecutive failed requests
         self.down_until = 0.0  # clock time; 0: up
-        # Slot id -> the prompt it last held (gateway.fleet.Prefix), for slot affinity.
+        # Slot id -> the prompt it last held (gateway.prefix.Prefix), for slot affinity,
+        # and the same indexed by the prompt's parts.
         self._slot_prompts: dict[int, Prefix] = {}
+        self._slots_by_prompt: dict[tuple[str, ...], set[int]] = {}
         self.draining = False  # takes no new requests; those in flight finish
         self.owned_clients: list[httpx.AsyncClient] = []  # closed when it is retired
         # The predictive policy needs a server whose answers the gateway can cancel and
@@ -244,18 +246,23 @@ class Target:
     def slot_for(self, prefix: Prefix | None) -> int | None:
         """The free slot whose last prompt this request continues (``prefix`` extends
         it), the longest such if several (the least recently used of equals), or
-        ``None``. llama-server keeps each slot's last
-        prompt (``cache_prompt``), so a later turn pinned there (``id_slot``) computes
-        only what is new; a slot another conversation has used since is not chosen."""
+        ``None``. llama-server keeps each slot's last prompt (``cache_prompt``), so a
+        later turn pinned there (``id_slot``) computes only what is new; a slot another
+        conversation has used since is not chosen. Looked up by each shorter prefix of
+        the request (one dict lookup per message), not by scanning the slots."""
         if prefix is None:
             return None
-        best: tuple[int, int] | None = None
-        for slot in self.admission.free_slots:
-            held = self._slot_prompts.get(slot)
-            if held is not None and prefix.extends(held):
-                if best is None or len(held.parts) > best[0]:
-                    best = (len(held.parts), slot)
-        return None if best is None else best[1]
+        admission = self.admission
+        # A slot holding exactly this prompt is not extended by it (Prefix.extends): only
+        # the shorter prefixes are looked up, and any slot found under one is extended.
+        for n in range(len(prefix.parts) - 1, 0, -1):
+            slots = self._slots_by_prompt.get(prefix.parts[:n])
+            if not slots:
+                continue
+            free = [s for s in slots if admission.is_free(s)]
+            if free:
+                return min(free, key=admission.last_released)
+        return None
 
     def remember_slot(self, prefix: Prefix | None, lease: Lease) -> None:
         """Note what the slot a pinned ``lease`` holds will have cached: this request's
@@ -263,10 +270,16 @@ class Target:
         if not lease.pinned:
             return
         slot = lease.slot_ids[0]
-        if prefix is None:
-            self._slot_prompts.pop(slot, None)
-        else:
+        old = self._slot_prompts.pop(slot, None)
+        if old is not None:
+            holders = self._slots_by_prompt.get(old.parts)
+            if holders is not None:
+                holders.discard(slot)
+                if not holders:
+                    del self._slots_by_prompt[old.parts]
+        if prefix is not None:
             self._slot_prompts[slot] = prefix
+            self._slots_by_prompt.setdefault(prefix.parts, set()).add(slot)
 
     async def admit(self, charge: Charge, *, front: bool = False,
                     prefer: int | None = None, party: Party | None = None) -> Lease:
