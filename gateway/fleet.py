@@ -27,8 +27,6 @@ passed, one request probes it (half-open) and a success brings it back.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -39,7 +37,7 @@ from gateway.admission import Clock, Lease, shed_error
 from gateway.capacity import Charge
 from gateway.errors import QueueFull, QueueTimeout
 from gateway.fairness import FairQueue, Party
-from gateway.prefix import AFFINITY_PROMPT_CHARS, Prefix
+from gateway.prefix import AFFINITY_PROMPT_CHARS, Prefix, digest
 from gateway.target import Target
 
 __all__ = ["AFFINITY_BONUS", "Candidate", "ModelQueue", "affinity_key", "score"]
@@ -360,8 +358,4 @@ def affinity_key(body: dict[str, Any]) -> str | None:
         seed = body["prompt"][:AFFINITY_PROMPT_CHARS]
     else:
         return None
-    try:
-        text = json.dumps(seed, sort_keys=True, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return None
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return digest(seed, 16)

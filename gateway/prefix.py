@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AFFINITY_PROMPT_CHARS", "Prefix", "prefix_of"]
+__all__ = ["AFFINITY_PROMPT_CHARS", "Prefix", "digest", "prefix_of"]
 
 # Block size of a prompt string's fingerprint, characters (also how much of a prompt
 # keys its conversation for backend affinity, gateway.fleet.affinity_key).
@@ -41,12 +41,14 @@ class Prefix:
             len(self.parts) > n or self.length > held.length)
 
 
-def _digest(value: Any) -> str | None:
+def digest(value: Any, size: int = 8) -> str | None:
+    """A hash of ``value`` as sorted JSON (``size`` bytes, as hex), or ``None`` when it
+    is not JSON-serialisable."""
     try:
         text = json.dumps(value, sort_keys=True, ensure_ascii=False)
     except (TypeError, ValueError):
         return None
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=size).hexdigest()
 
 
 def prefix_of(body: dict[str, Any]) -> Prefix | None:
@@ -55,14 +57,14 @@ def prefix_of(body: dict[str, Any]) -> Prefix | None:
     earlier blocks); ``None`` for other bodies."""
     messages = body.get("messages") or body.get("input")
     if isinstance(messages, list) and messages:
-        parts = [_digest(body.get("system")), *(_digest(m) for m in messages)]
+        parts = [digest(body.get("system")), *(digest(m) for m in messages)]
         if None in parts:
             return None
         return Prefix(tuple(p for p in parts if p is not None))
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
         size = AFFINITY_PROMPT_CHARS
-        blocks = [_digest(prompt[i:i + size]) for i in range(0, len(prompt) - size + 1, size)]
+        blocks = [digest(prompt[i:i + size]) for i in range(0, len(prompt) - size + 1, size)]
         if not blocks:
             return None
         return Prefix(tuple(b for b in blocks if b is not None), len(prompt) // size * size)
