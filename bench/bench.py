@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16}
 STREAM_EVENTS = 100  # events per streamed answer
@@ -52,6 +53,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def add_llama_routes(app: Any) -> None:
+    """The llama-server routes besides generation that the gateway calls: ``/props``
+    (4,096 slots of 4,096 tokens, so admission never queues) and the chat count."""
+    from aiohttp import web
+
+    async def count(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"object": "response.input_tokens", "input_tokens": 10})
+
+    async def props(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"total_slots": 4096, "default_generation_settings": {"n_ctx": 4096}})
+
+    app.router.add_post("/v1/chat/completions/input_tokens", count)
+    app.router.add_get("/props", props)
+
+
 def run_upstream(port: int) -> None:
     from aiohttp import web
 
@@ -67,18 +85,9 @@ def run_upstream(port: int) -> None:
         await resp.write_eof()
         return resp
 
-    async def count(request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response({"object": "response.input_tokens", "input_tokens": 10})
-
-    async def props(request: web.Request) -> web.Response:
-        return web.json_response(
-            {"total_slots": 4096, "default_generation_settings": {"n_ctx": 4096}})
-
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/chat/completions/input_tokens", count)
-    app.router.add_get("/props", props)
+    add_llama_routes(app)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import free_port, wait_http  # noqa: E402
+from bench import add_llama_routes, free_port, wait_http  # noqa: E402
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"tok"},"finish_reason":null}]}\n\n'
 FINAL = (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
@@ -46,18 +46,9 @@ def run_slow_upstream(port: int, events: int) -> None:
         await resp.write_eof()
         return resp
 
-    async def count(request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response({"object": "response.input_tokens", "input_tokens": 10})
-
-    async def props(request: web.Request) -> web.Response:
-        return web.json_response(
-            {"total_slots": 4096, "default_generation_settings": {"n_ctx": 4096}})
-
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/chat/completions/input_tokens", count)
-    app.router.add_get("/props", props)
+    add_llama_routes(app)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None,
                 backlog=4096)
 
