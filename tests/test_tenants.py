@@ -71,6 +71,19 @@ def chat_body(content: str = "hello there", **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 20, **extra}
 
 
+def post(h: Harness, key: str, content: str = "hello there", **extra: Any
+         ) -> asyncio.Future[httpx.Response]:
+    """Send a chat with tenant ``key`` in the background."""
+    return asyncio.ensure_future(h.client.post(CHAT, json=chat_body(content, **extra),
+                                               headers=bearer(key)))
+
+
+async def until(check: Callable[[], bool]) -> None:
+    """Wait (polling) until ``check()`` holds."""
+    while not check():
+        await asyncio.sleep(0.01)
+
+
 # -- authentication ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("headers", [
@@ -219,17 +232,12 @@ async def test_tenants_of_one_class_alternate(make: Any, fake: FakeLlamaServer) 
     fake.hold = asyncio.Event()
     tenants = [{**TENANTS[0]}, {**TENANTS[1], "priority": "interactive"}]
     h = await make(slots=1, tenants=tenants)
-    first = asyncio.ensure_future(h.client.post(CHAT, json=chat_body("running"),
-                                                headers=bearer(BATCH_KEY)))
+    first = post(h, BATCH_KEY, "running")
     await asyncio.sleep(0.05)
-    tasks = [asyncio.ensure_future(h.client.post(
-        CHAT, json=chat_body(f"b{i}"), headers=bearer(BATCH_KEY))) for i in range(4)]
-    while h.backend.stats().queued < 4:
-        await asyncio.sleep(0.01)
-    tasks += [asyncio.ensure_future(h.client.post(
-        CHAT, json=chat_body(f"w{i}"), headers=bearer(WEB_KEY))) for i in range(2)]
-    while h.backend.stats().queued < 6:
-        await asyncio.sleep(0.01)
+    tasks = [post(h, BATCH_KEY, f"b{i}") for i in range(4)]
+    await until(lambda: h.backend.stats().queued >= 4)
+    tasks += [post(h, WEB_KEY, f"w{i}") for i in range(2)]
+    await until(lambda: h.backend.stats().queued >= 6)
     fake.hold.set()
     await asyncio.gather(first, *tasks)
     order = [g["messages"][0]["content"] for g in fake.generations][1:]
@@ -240,17 +248,13 @@ async def test_a_full_queue_sheds_batch_work_for_interactive(make: Any, fake: Fa
                                                              ) -> None:
     fake.hold = asyncio.Event()
     h = await make(slots=1, admission={"max_queue": 2, "reject_predicted_timeouts": False})
-    running = asyncio.ensure_future(h.client.post(CHAT, json=chat_body("run"),
-                                                  headers=bearer(BATCH_KEY)))
+    running = post(h, BATCH_KEY, "run")
     await asyncio.sleep(0.05)
-    waiting = [asyncio.ensure_future(h.client.post(
-        CHAT, json=chat_body(f"b{i}"), headers=bearer(BATCH_KEY))) for i in range(2)]
-    while h.backend.stats().queued < 2:
-        await asyncio.sleep(0.01)
+    waiting = [post(h, BATCH_KEY, f"b{i}") for i in range(2)]
+    await until(lambda: h.backend.stats().queued >= 2)
     r = await h.client.post(CHAT, json=chat_body("more batch"), headers=bearer(BATCH_KEY))
     assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"  # no shed
-    web = asyncio.ensure_future(h.client.post(CHAT, json=chat_body("web"),
-                                              headers=bearer(WEB_KEY)))
+    web = post(h, WEB_KEY, "web")
     shed = await waiting[1]  # the newest batch waiter makes room
     assert shed.status_code == 503 and shed.json()["error"]["code"] == "queue_full"
     assert "higher class" in shed.json()["error"]["message"] and shed.headers["retry-after"]
@@ -312,13 +316,10 @@ async def test_a_request_refused_after_its_hold_gives_its_tokens_back(
     clock = ManualClock()
     h = await make(slots=1, clock=clock, tenants=[{**TENANTS[0], "tokens_per_minute": 100}],
                    admission={"max_queue_wait_s": 5})
-    running = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
-                                                  headers=bearer(WEB_KEY)))
+    running = post(h, WEB_KEY)
     await asyncio.sleep(0.05)
-    waiting = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
-                                                  headers=bearer(WEB_KEY)))
-    while h.backend.stats().queued < 1:
-        await asyncio.sleep(0.01)
+    waiting = post(h, WEB_KEY)
+    await until(lambda: h.backend.stats().queued >= 1)
     clock.advance(6)
     assert (await waiting).status_code == 503  # queue_timeout: never forwarded
     fake.hold.set()
@@ -332,20 +333,15 @@ async def test_max_queued_refuses_one_more_waiting_request(make: Any, fake: Fake
                                                            ) -> None:
     fake.hold = asyncio.Event()
     h = await make(slots=1, tenants=[{**TENANTS[0], "max_queued": 1}, TENANTS[1]])
-    running = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
-                                                  headers=bearer(WEB_KEY)))
+    running = post(h, WEB_KEY)
     await asyncio.sleep(0.05)
-    queued = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
-                                                 headers=bearer(WEB_KEY)))
-    while h.backend.stats().queued < 1:
-        await asyncio.sleep(0.01)
+    queued = post(h, WEB_KEY)
+    await until(lambda: h.backend.stats().queued >= 1)
     r = await h.client.post(CHAT, json=chat_body(), headers=bearer(WEB_KEY))
     assert r.status_code == 429 and "max_queued" in r.json()["error"]["message"]
     assert h.sample("gateway_rejections_total", reason="max_queued") == 1
-    other = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
-                                                headers=bearer(BATCH_KEY)))
-    while h.backend.stats().queued < 2:  # another tenant still queues
-        await asyncio.sleep(0.01)
+    other = post(h, BATCH_KEY)
+    await until(lambda: h.backend.stats().queued >= 2)  # another tenant still queues
     fake.hold.set()
     assert [x.status_code for x in await asyncio.gather(running, queued, other)] == [200] * 3
 
@@ -354,19 +350,15 @@ async def test_max_inflight_holds_a_tenant_at_its_gate_not_in_the_queue(
         make: Any, fake: FakeLlamaServer) -> None:
     fake.hold = asyncio.Event()
     h = await make(slots=2, tenants=[{**TENANTS[0], "max_inflight": 1}, TENANTS[1]])
-    first = asyncio.ensure_future(h.client.post(CHAT, json=chat_body("w1"),
-                                                headers=bearer(WEB_KEY)))
+    first = post(h, WEB_KEY, "w1")
     await asyncio.sleep(0.05)
-    second = asyncio.ensure_future(h.client.post(CHAT, json=chat_body("w2"),
-                                                 headers=bearer(WEB_KEY)))
+    second = post(h, WEB_KEY, "w2")
     await asyncio.sleep(0.05)
     assert h.backend.stats().inflight == 1 and h.backend.stats().queued == 0
     tenant = h.state.tenants.by_name["web"]
     assert (tenant.inflight, tenant.waiting) == (1, 1)
-    other = asyncio.ensure_future(h.client.post(CHAT, json=chat_body("b1"),
-                                                headers=bearer(BATCH_KEY)))
-    while h.backend.stats().inflight < 2:  # the free slot goes to the other tenant
-        await asyncio.sleep(0.01)
+    other = post(h, BATCH_KEY, "b1")
+    await until(lambda: h.backend.stats().inflight >= 2)  # the free slot goes to the other tenant
     fake.hold.set()
     assert [x.status_code for x in await asyncio.gather(first, second, other)] == [200] * 3
     assert (tenant.inflight, tenant.waiting) == (0, 0)
@@ -378,11 +370,9 @@ async def test_a_gate_wait_past_the_class_limit_is_a_429(make: Any, fake: FakeLl
     clock = ManualClock()
     h = await make(tenants=[{**TENANTS[0], "max_inflight": 1}], clock=clock,
                    admission={"max_queue_wait_s": 5})
-    first = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
-                                                headers=bearer(WEB_KEY)))
+    first = post(h, WEB_KEY)
     await asyncio.sleep(0.05)
-    second = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
-                                                 headers=bearer(WEB_KEY)))
+    second = post(h, WEB_KEY)
     await asyncio.sleep(0.05)
     clock.advance(6)
     r = await second
@@ -479,8 +469,7 @@ async def test_a_completion_counts_from_when_it_was_generated(make: Any, fake: F
     fake.hold = asyncio.Event()
     clock = ManualClock()
     h = await make(tenants=[{**TENANTS[0], "tokens_per_minute": 400}], clock=clock)
-    long = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
-                                               headers=bearer(WEB_KEY)))
+    long = post(h, WEB_KEY)
     await asyncio.sleep(0.05)
     clock.advance(61)  # the prompt, held at arrival, has left the window
     fake.hold.set()
@@ -492,16 +481,13 @@ async def test_a_reload_that_raises_max_inflight_lets_waiters_through(
         make: Any, fake: FakeLlamaServer) -> None:
     fake.hold = asyncio.Event()
     h = await make(tenants=[{**TENANTS[0], "max_inflight": 1}])
-    calls = [asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
-                                                 headers=bearer(WEB_KEY))) for _ in range(3)]
+    calls = [post(h, WEB_KEY) for _ in range(3)]
     tenant = h.state.tenants.by_name["web"]
-    while tenant.waiting < 2:
-        await asyncio.sleep(0.01)
+    await until(lambda: tenant.waiting >= 2)
     new = h.state.settings.model_copy(update={"tenants": load_settings(
         classes=CLASSES, tenants=[{**TENANTS[0], "max_inflight": 3}]).tenants})
     assert "tenants" in await h.state.reload(new)
-    while h.backend.stats().inflight < 3:  # the two at the gate went on at once
-        await asyncio.sleep(0.01)
+    await until(lambda: h.backend.stats().inflight >= 3)  # the two at the gate went on at once
     assert h.state.tenants.by_name["web"] is tenant and tenant.waiting == 0
     fake.hold.set()
     assert [r.status_code for r in await asyncio.gather(*calls)] == [200] * 3
@@ -513,13 +499,10 @@ async def test_a_refusing_drain_refuses_requests_at_a_gate(make: Any, fake: Fake
     fake.hold = asyncio.Event()
     h = await make(tenants=[{**TENANTS[0], "max_inflight": 1}],
                    server={"drain_queued": "refuse", "drain_timeout_s": 5})
-    first = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
-                                                headers=bearer(WEB_KEY)))
+    first = post(h, WEB_KEY)
     await asyncio.sleep(0.05)
-    gated = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
-                                                headers=bearer(WEB_KEY)))
-    while h.state.tenants.by_name["web"].waiting < 1:
-        await asyncio.sleep(0.01)
+    gated = post(h, WEB_KEY)
+    await until(lambda: h.state.tenants.by_name["web"].waiting >= 1)
     drain = asyncio.ensure_future(h.state.drain())
     r = await gated
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
@@ -559,17 +542,12 @@ async def test_p11_one_high_priority_request_runs_after_thirty_low_ones_queued(
     then 1 high-priority one; the high one runs next."""
     fake.hold = asyncio.Event()
     h = await make(slots=1)
-    running = asyncio.ensure_future(h.client.post(CHAT, json=chat_body("running"),
-                                                  headers=bearer(BATCH_KEY)))
+    running = post(h, BATCH_KEY, "running")
     await asyncio.sleep(0.05)
-    low = [asyncio.ensure_future(h.client.post(CHAT, json=chat_body(f"low {i}"),
-                                               headers=bearer(BATCH_KEY))) for i in range(30)]
-    while h.backend.stats().queued < 30:
-        await asyncio.sleep(0.01)
-    high = asyncio.ensure_future(h.client.post(CHAT, json=chat_body("high"),
-                                               headers=bearer(WEB_KEY)))
-    while h.backend.stats().queued < 31:
-        await asyncio.sleep(0.01)
+    low = [post(h, BATCH_KEY, f"low {i}") for i in range(30)]
+    await until(lambda: h.backend.stats().queued >= 30)
+    high = post(h, WEB_KEY, "high")
+    await until(lambda: h.backend.stats().queued >= 31)
     fake.hold.set()
     assert all(r.status_code == 200 for r in await asyncio.gather(running, high, *low))
     order = [g["messages"][0]["content"] for g in fake.generations]
@@ -585,13 +563,10 @@ async def test_p11_a_refused_request_uses_no_other_quota(make: Any, fake: FakeLl
                    tenants=[{**TENANTS[0], "tokens_per_minute": 1000, "max_queued": 1},
                             TENANTS[1]])
     tenant = h.state.tenants.by_name["web"]
-    running = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
-                                                  headers=bearer(WEB_KEY)))
+    running = post(h, WEB_KEY)
     await asyncio.sleep(0.05)
-    queued = asyncio.ensure_future(h.client.post(CHAT, json=chat_body(),
-                                                 headers=bearer(WEB_KEY)))
-    while h.backend.stats().queued < 1:
-        await asyncio.sleep(0.01)
+    queued = post(h, WEB_KEY)
+    await until(lambda: h.backend.stats().queued >= 1)
     held = tenant.used_tokens(h.state.clock.now())
     refused = [await h.client.post(CHAT, json=chat_body(), headers=bearer(WEB_KEY))
                for _ in range(5)]
