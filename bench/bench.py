@@ -78,6 +78,8 @@ def run_upstream(port: int) -> None:
         if b'"stream":true' not in body.replace(b" ", b""):
             return web.Response(body=ANSWER, content_type="application/json")
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        resp.force_close()  # as llama-server does after every stream (so the floor pays
+        # a new upstream connection per stream too, as it would in front of llama-server)
         await resp.prepare(request)
         for _ in range(STREAM_EVENTS - 1):
             await resp.write(DELTA)

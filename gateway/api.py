@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import RouteNotFound
 from gateway.fleet import usable
@@ -28,14 +29,24 @@ __all__ = ["MODELS_TIMEOUT_S", "register_routes"]
 MODELS_TIMEOUT_S = 5.0  # GET /v1/models waits this long for each backend's list
 
 
-def register_routes(app: FastAPI, state: GatewayState) -> None:
-    """Attach every route of the gateway to ``app``."""
+def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
+    """Attach every route of the gateway to ``app``, and return the generation routes
+    as plain ASGI callables (``POST`` path → callable), for
+    :class:`~gateway.middleware.RequestAccounting` to serve without the framework's
+    routing layers. The same routes stay registered on ``app``, which answers their
+    other methods (405)."""
 
     async def handle(request: Request, route: str) -> Response:
         exchange = await prepare_exchange(state, request, route)
         kind = TrackedResponse if exchange.tracked else ProxyResponse
         return kind(exchange, client=exchange.backend.client, metrics=state.metrics,
                     clock=state.clock, cut=state.cut)
+
+    def direct(route: str) -> ASGIApp:
+        async def serve(scope: Scope, receive: Receive, send: Send) -> None:
+            response = await handle(Request(scope, receive), route)
+            await response(scope, receive, send)
+        return serve
 
     @app.post("/api/chat")
     async def ollama_chat(request: Request) -> Response:
@@ -77,6 +88,9 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
 
     for path, route in FORWARDED.items():
         app.add_api_route(path, forward(route), methods=["POST"])
+    served_directly = {path: direct(route) for path, route in
+                       (*FORWARDED.items(), ("/api/chat", "ollama_chat"),
+                        ("/api/generate", "ollama_generate"))}
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
@@ -225,3 +239,5 @@ def register_routes(app: FastAPI, state: GatewayState) -> None:
                               "GET /api/tags", "GET /api/version", "GET /api/ps"])
         raise RouteNotFound(f"{request.method} {request.url.path}: {exc.detail}. The gateway "
                             f"serves {served}.", status_code=exc.status_code)
+
+    return served_directly

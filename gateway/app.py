@@ -24,7 +24,7 @@ from gateway.config import AdmissionSettings, BackendSettings, Settings
 from gateway.connection import guarded_protocol
 from gateway.errors import GatewayError, render, shape_of
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import RequestAccounting
+from gateway.middleware import RequestAccounting, count_rejection
 from gateway.state import GatewayState
 from gateway.target import Target
 from gateway.tenants import OPEN_PATHS, Tenants, check_admin_key
@@ -140,21 +140,16 @@ def create_app(
         openapi_url=None, redirect_slashes=False,
     )
     app.state.gateway = state
+    direct = register_routes(app, state)
     app.add_middleware(RequestAccounting, metrics=state.metrics,
                        keepalive_timeout_s=settings.server.keepalive_timeout_s,
-                       authenticate=authenticate)
+                       authenticate=authenticate, routes=direct)
 
     @app.exception_handler(GatewayError)
     async def _render(request: Request, exc: GatewayError) -> Response:
-        backend = getattr(request.state, "backend", "none")
-        if exc.rejection_reason:
-            tenant = getattr(request.state, "tenant", None)
-            state.metrics.rejections.labels(
-                backend, exc.rejection_reason, getattr(tenant, "name", "none"),
-                getattr(request.state, "priority", None) or "none").inc()
+        count_rejection(state.metrics, request.scope.get("state", {}), exc)
         status, headers, body = render(exc, shape_of(request.url.path))
         raw = {k.decode(): v.decode() for k, v in headers if k != b"content-length"}
         return Response(body, status, headers=raw)
 
-    register_routes(app, state)
     return app

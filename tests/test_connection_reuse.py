@@ -182,3 +182,101 @@ async def test_a_reused_connection_that_breaks_after_work_began_is_not_retried()
         assert upstream.paths.count("/v1/chat/completions") == 2  # sent once each
         assert client._transport.retried == 0
     await upstream.stop()
+
+
+class StreamingUpstream:
+    """Streams every chat answer as SSE in chunked encoding and keeps the connection
+    open, as vLLM (uvicorn) and Ollama (Go's net/http) do; the chunked terminator comes
+    ``tail_s`` after ``[DONE]``. Records, per generation request, the connection it
+    came on and its ``Connection`` header."""
+
+    ANSWERS = {
+        "/props": b'{"total_slots": 2, "default_generation_settings": {"n_ctx": 4096}}',
+        "/v1/models": b'{"data": [{"id": "m", "max_model_len": 4096}]}',
+        "/health": b"{}", "/slots": b"[]",
+        "/tokenize": b'{"count": 5, "tokens": [1, 2, 3, 4, 5]}',
+        "/v1/chat/completions/input_tokens": b'{"input_tokens": 5}',
+    }
+
+    def __init__(self, tail_s: float = 0.02) -> None:
+        self.tail_s = tail_s
+        self.connections = 0
+        self.generations: list[tuple[int, str | None]] = []
+        self.server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        conn = self.connections
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode()
+                lines = head.split("\r\n")
+                fields = {k.strip().lower(): v.strip() for k, _, v in
+                          (h.partition(":") for h in lines[1:] if h)}
+                await reader.readexactly(int(fields.get("content-length", 0)))
+                path = lines[0].split()[1]
+                if path in self.ANSWERS:  # discovery and counting, for either kind
+                    status, payload = (b"200 OK", self.ANSWERS[path])
+                    writer.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s"
+                                 % (status, len(payload), payload))
+                    continue
+                if path != "/v1/chat/completions":
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    continue
+                self.generations.append((conn, fields.get("connection")))
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n")
+                for event in (b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n',
+                              b'data: {"choices":[{"index":0,"delta":{},'
+                              b'"finish_reason":"stop"}],"usage":{"prompt_tokens":5,'
+                              b'"completion_tokens":1,"total_tokens":6}}\n\n',
+                              b"data: [DONE]\n\n"):
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+                await asyncio.sleep(self.tail_s)
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.mark.parametrize(("kind", "reused"), [("vllm", True), ("llama.cpp", False)])
+async def test_streams_reuse_connections_unless_the_server_closes_them(
+        kind: str, reused: bool) -> None:
+    # A stream is whole at [DONE]; the gateway then still reads the chunked terminator
+    # that follows, so that the connection goes back to the pool: closing it unread cost
+    # a new TCP connection per stream. llama-server closes the connection after every
+    # stream, so the gateway asks for that close instead of pooling a dead connection.
+    upstream = StreamingUpstream()
+    url = await upstream.start()
+    settings = load_settings(backends=[{"name": "b", "url": url, "kind": kind, "slots": 2,
+                                        "keepalive_expiry_s": 60}])
+    app = create_app(settings, registry=CollectorRegistry(), discover=False)
+    async with app.router.lifespan_context(app):
+        await app.state.gateway.backends["b"].discover()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gateway") as client:
+            for _ in range(3):
+                reply = await client.post("/v1/chat/completions", json={
+                    "model": "m", "stream": True, "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "hi"}]})
+                assert reply.status_code == 200 and reply.text.endswith("data: [DONE]\n\n")
+    await upstream.stop()
+    assert len(upstream.generations) == 3
+    connections = {conn for conn, _ in upstream.generations}
+    headers = {header for _, header in upstream.generations}
+    if reused:
+        assert len(connections) == 1 and "close" not in headers
+    else:
+        assert headers == {"close"}

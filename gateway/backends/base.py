@@ -128,6 +128,10 @@ class BackendKind(Protocol):
     counts_exactly: ClassVar[bool]  # count_prompt is the server's own count
     stop_margin: ClassVar[int]  # tokens of the context a request cannot use (Layout)
     usage_covers_one_choice: ClassVar[bool]  # whole answers report one choice of n > 1
+    # The server closes the connection after a streamed answer, whatever it announces
+    # (llama-server does): the gateway asks for the close, so that the connection is
+    # never pooled for a next request that would then fail.
+    closes_streams: ClassVar[bool]
     unpinned_routes: ClassVar[frozenset[str]]  # routes whose requests cannot be pinned
     default_caps: ClassVar[Mapping[str, int]]  # the server's own cap for an uncapped route
     # Routes whose streams the gateway can cancel and continue where they stopped (the

@@ -81,6 +81,9 @@ class LlamaCpp(ExactCount):
     unpinned_routes: ClassVar[frozenset[str]] = frozenset({"messages"})
     resumable_routes: ClassVar[frozenset[str]] = frozenset({"chat", "completions"})
     usage_covers_one_choice: ClassVar[bool] = True  # a whole n > 1 answer reports one choice
+    # cpp-httplib ends the connection after a chunked answer while announcing keep-alive
+    # (measured: the next request on it gets no answer).
+    closes_streams: ClassVar[bool] = True
     stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
     default_caps: ClassVar[dict[str, int]] = {}  # no cap of its own: the gateway's default
 

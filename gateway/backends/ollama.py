@@ -106,6 +106,7 @@ class Ollama(WithoutSlots):
     unpinned_routes: ClassVar[frozenset[str]] = frozenset()
     resumable_routes: ClassVar[frozenset[str]] = frozenset()
     usage_covers_one_choice: ClassVar[bool] = False
+    closes_streams: ClassVar[bool] = False  # Go's net/http keeps the connection open
     stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
     default_caps: ClassVar[dict[str, int]] = {}  # no cap of its own: the gateway's default
 

@@ -116,6 +116,7 @@ class Vllm(WithoutSlots, ExactCount):
     unpinned_routes: ClassVar[frozenset[str]] = frozenset()
     resumable_routes: ClassVar[frozenset[str]] = frozenset()
     usage_covers_one_choice: ClassVar[bool] = False  # completion_tokens sums every choice
+    closes_streams: ClassVar[bool] = False  # uvicorn keeps the connection open
     stop_margin: ClassVar[int] = 0  # prompt + max_tokens <= max_model_len, strictly
     # vLLM's own cap when a request sets none, per route (None: the room left).
     default_caps: ClassVar[dict[str, int]] = {"completions": 16}
