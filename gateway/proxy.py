@@ -57,7 +57,7 @@ from gateway.target import Target
 from gateway.tenants import Tenant, TokenHold
 from gateway.upstream import map_upstream_errors, never_reached
 from gateway.watcher import DisconnectWatcher
-from gateway.wire import Seen, read_event
+from gateway.wire import Seen, quick_token, read_event
 
 __all__ = ["Exchange", "ProxyResponse"]
 
@@ -74,6 +74,7 @@ _FORWARD_REQUEST_HEADERS = {
 _PASS_RESPONSE_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
 # Times a whole answer failed by an overflow is sent again (predictive policy).
 MAX_OVERFLOW_RESTARTS = 2
+_QUICK_ROUTES = frozenset({"chat", "completions"})  # streams quick_token can read
 STREAM_DRAIN_S = 0.25  # how long a finished stream's tail is read for connection reuse
 _NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"x-accel-buffering", b"no")]
 _SSE_HEADERS = [
@@ -848,6 +849,10 @@ class ProxyResponse(Response):
         client did not ask for; a ``[DONE]`` after an error, which stays the final
         event). An upstream error event on an OpenAI route is relayed in the OpenAI
         shape."""
+        if self.x.route in _QUICK_ROUTES and (token := quick_token(raw)) is not None:
+            if token:  # a plain chunk: no usage, no error, nothing to change
+                self._token_seen(state)
+            return raw
         data = event_data(raw)
         if data is None:
             return raw

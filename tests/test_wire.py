@@ -3,11 +3,14 @@ shapes, and multi-choice token counts."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from gateway.wire import has_token
+from gateway.wire import has_token, quick_token
 
 
 @pytest.mark.parametrize("choices,seen", [
@@ -252,3 +255,78 @@ async def test_a_stream_is_whole_at_its_last_event(harness: Any, fake: Any) -> N
                           code="200") == 1
     assert harness.backend.stats().reserved_tokens == 0
     fake.after_done.set()
+
+
+# -- quick_token: the byte-level reading of plain chunks agrees with the parsed one -----
+
+_TEXTS = st.one_of(st.none(), st.just(""), st.text(max_size=12),
+                   st.sampled_from(['"content":"x', 'a": "b', '\\"text\\":\\"', "usage",
+                                    "error", "\n", "data: {}", "é😀"]))
+_DELTAS = st.fixed_dictionaries({}, optional={
+    "role": st.just("assistant"), "content": _TEXTS, "reasoning_content": _TEXTS,
+    "reasoning": _TEXTS,
+    "tool_calls": st.lists(st.fixed_dictionaries({"index": st.just(0), "function": (
+        st.fixed_dictionaries({"arguments": _TEXTS.filter(lambda t: t is not None)}))}),
+        max_size=1),
+})
+_CHOICES = st.fixed_dictionaries({"index": st.integers(0, 2)}, optional={
+    "delta": _DELTAS, "text": _TEXTS, "finish_reason": st.sampled_from([None, "stop"]),
+    "logprobs": st.one_of(st.none(), st.fixed_dictionaries({"content": st.lists(
+        st.fixed_dictionaries({"token": _TEXTS.filter(lambda t: t is not None),
+                               "logprob": st.floats(-5, 0)}), max_size=2)})),
+})
+_CHUNKS = st.fixed_dictionaries({"choices": st.lists(_CHOICES, max_size=2)}, optional={
+    "id": st.just("chatcmpl-1"), "object": st.just("chat.completion.chunk"),
+    "usage": st.none(), "model": _TEXTS,
+})
+
+
+@given(chunk=_CHUNKS, compact=st.booleans(), ascii_only=st.booleans())
+def test_quick_token_agrees_with_the_parsed_reading(chunk: dict[str, Any], compact: bool,
+                                                    ascii_only: bool) -> None:
+    separators = (",", ":") if compact else (", ", ": ")
+    raw = b"data: " + json.dumps(chunk, separators=separators,
+                                 ensure_ascii=ascii_only).encode() + b"\n\n"
+    quick = quick_token(raw)
+    assert quick is None or quick is has_token(chunk["choices"])
+
+
+@pytest.mark.parametrize("raw,quick", [
+    (b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n', True),
+    (b'data: {"choices":[{"index":0,"delta":{"content":"\\"Hi"}}]}\n\n', True),
+    (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n',
+     False),
+    (b'data: {"choices":[{"index":0,"delta":{"content":""},"finish_reason":null}]}\n\n',
+     False),
+    (b'data: {"choices":[{"index":0,"text":"once"}]}\n\n', True),
+    # what must be parsed: usage, errors, tool calls, spacing, several lines, [DONE]
+    (b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n', None),
+    (b'data: {"error":{"message":"boom"}}\n\n', None),
+    (b'data: {"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}\n\n', None),
+    (b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n', None),
+    (b'data: {"choices":\ndata: [{"delta":{"content":"Hi"}}]}\n\n', None),
+    (b"data: [DONE]\n\n", None),
+    (b'data: {"choices":[{"delta":{"content":"Hi"}}]}\r\n\r\n', None),
+])
+def test_quick_token_reads_plain_chunks_and_leaves_the_rest(raw: bytes,
+                                                            quick: bool | None) -> None:
+    assert quick_token(raw) is quick
+
+
+_PLAIN_TEXTS = st.one_of(st.none(), st.just(""), st.text(max_size=12).filter(
+    lambda t: "usage" not in t and "error" not in t))
+
+
+@given(chunk=st.fixed_dictionaries({"choices": st.lists(st.fixed_dictionaries(
+    {"index": st.integers(0, 2)}, optional={
+        "delta": st.fixed_dictionaries({}, optional={
+            "role": st.just("assistant"), "content": _PLAIN_TEXTS,
+            "reasoning_content": _PLAIN_TEXTS}),
+        "text": _PLAIN_TEXTS, "finish_reason": st.sampled_from([None, "stop"])}),
+    max_size=2)}, optional={"id": st.just("c1"), "model": _PLAIN_TEXTS}))
+def test_quick_token_settles_every_plain_chunk(chunk: dict[str, Any]) -> None:
+    # Compact chunks of text deltas (what llama-server and vLLM send for each token) are
+    # read from their bytes, and read as the parser reads them.
+    raw = b"data: " + json.dumps(chunk, separators=(",", ":"),
+                                 ensure_ascii=False).encode() + b"\n\n"
+    assert quick_token(raw) is has_token(chunk["choices"])
