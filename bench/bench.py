@@ -8,7 +8,11 @@ Starts (each in its own process):
   validation, the exact-count call upstream, reservation, forwarding, metrics;
 * a load generator (aiohttp, closed loop) at 4 and at 64 connections, for a fixed time,
   first straight at the upstream, then at the gateway; then streams (``stream: true``,
-  100 events each, written one by one as llama-server writes tokens) at 64 connections.
+  100 events each, written one by one as llama-server writes tokens, and the connection
+  closed after each, as llama-server closes it) at 64 connections. Each is run twice:
+  ``kept``, one prompt sent again and again (the gateway counts it once, then reuses
+  the count: gateway/countcache.py), and ``new``, a new prompt in every request (each
+  counted by a second upstream call).
 
 Also measured, as floors: two bare Starlette pass-through proxies, one on httpx's default
 transport and one on the httpx-aiohttp transport the gateway uses. Prints requests/s and
@@ -133,49 +137,56 @@ def run_bare_proxy(port: int, upstream_port: int, transport: str) -> None:
                 http="h11")
 
 
-async def _load(url: str, connections: int, seconds: float, stream: bool = False
-                ) -> tuple[int, list[float], int]:
+async def _load(url: str, connections: int, seconds: float, stream: bool = False,
+                unique: bool = False) -> tuple[int, list[float], int]:
     import aiohttp
 
     latencies: list[float] = []
     errors = 0
-    body = json.dumps({**CHAT, "max_tokens": STREAM_EVENTS, "stream": True} if stream
-                      else CHAT).encode()
+    chat = {**CHAT, "max_tokens": STREAM_EVENTS, "stream": True} if stream else CHAT
+    body = json.dumps(chat).encode()
     deadline = time.perf_counter() + seconds
     conn = aiohttp.TCPConnector(limit=connections)
     async with aiohttp.ClientSession(connector=conn) as session:
 
-        async def worker() -> None:
+        async def worker(number: int) -> None:
             nonlocal errors
+            sent = 0
             while time.perf_counter() < deadline:
+                if unique:  # a prompt never sent before: the gateway must count it
+                    sent += 1
+                    body_now = json.dumps({**chat, "messages": [{
+                        "role": "user", "content": f"hello there {number}.{sent}"}]}).encode()
+                else:
+                    body_now = body
                 t0 = time.perf_counter()
-                async with session.post(url, data=body,
+                async with session.post(url, data=body_now,
                                         headers={"content-type": "application/json"}) as r:
                     data = await r.read()
                     if r.status != 200 or (stream and not data.endswith(b"[DONE]\n\n")):
                         errors += 1
                 latencies.append(time.perf_counter() - t0)
 
-        await asyncio.gather(*(worker() for _ in range(connections)))
+        await asyncio.gather(*(worker(n) for n in range(connections)))
     return len(latencies), latencies, errors
 
 
 def load(url: str, connections: int, seconds: float, out: mp.Queue,  # type: ignore[type-arg]
-         stream: bool = False) -> None:
+         stream: bool = False, unique: bool = False) -> None:
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    n, lat, errors = asyncio.run(_load(url, connections, seconds, stream))
+    n, lat, errors = asyncio.run(_load(url, connections, seconds, stream, unique))
     out.put((n, lat, errors))
 
 
-def measure(url: str, connections: int, seconds: float, stream: bool = False
-            ) -> dict[str, float]:
+def measure(url: str, connections: int, seconds: float, stream: bool = False,
+            unique: bool = False) -> dict[str, float]:
     q: mp.Queue = mp.Queue()  # type: ignore[type-arg]
-    proc = mp.Process(target=load, args=(url, connections, seconds, q, stream))
+    proc = mp.Process(target=load, args=(url, connections, seconds, q, stream, unique))
     proc.start()
     n, lat, errors = q.get()
     proc.join()
@@ -230,28 +241,35 @@ def main() -> int:
         wait_http(f"http://127.0.0.1:{gw_port}/ready")
         for port, _ in bare.values():
             wait_http(f"http://127.0.0.1:{port}/props")
-        runs = [] if args.only == "sse" else [(4, False), (64, False)]
-        runs += [] if args.only == "json" else [(64, True)]
-        for connections, stream in runs:
+        # (row, connections, stream, a new prompt per request)
+        runs = [] if args.only == "sse" else [
+            ("JSON 4 kept", 4, False, False), ("JSON 64 kept", 64, False, False),
+            ("JSON 4 new", 4, False, True), ("JSON 64 new", 64, False, True)]
+        runs += [] if args.only == "json" else [("SSE 64 kept", 64, True, False),
+                                                ("SSE 64 new", 64, True, True)]
+        for row, connections, stream, unique in runs:
             for label, port in targets:
-                if stream and label == "bare proxy, httpx":
-                    continue
+                if (stream or unique) and label == "bare proxy, httpx":
+                    continue  # the httpx floor once, for reference
                 result = measure(f"http://127.0.0.1:{port}/v1/chat/completions", connections,
-                                 args.seconds, stream)
-                rows.append((f"{connections}{' SSE' if stream else ''}", label, result))
+                                 args.seconds, stream, unique)
+                rows.append((row, label, result))
     finally:
         gateway.terminate()
         gateway.wait(10)
         for _, proc in bare.values():
             proc.terminate()
         upstream.terminate()
-    print(f"{'conns':>6}  {'target':<20} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "  # noqa: T201
+    print("kept: one prompt, sent again and again (the gateway counts it once and reuses "  # noqa: T201
+          "the count);\nnew: a new prompt every request (each counted by the upstream, a "
+          "second call).")
+    print(f"{'run':>12}  {'target':<20} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "  # noqa: T201
           f"{'added p50':>9} {'added p99':>9} {'rps vs direct':>13} "
           f"{'rps vs bare aiohttp':>19} errors")
     for connections, label, r in rows:
         same = {lab: res for c, lab, res in rows if c == connections}
         d, b = same["direct"], same["bare proxy, aiohttp"]
-        print(f"{connections:>6}  {label:<20} {r['rps']:>7.0f} {r['p50_ms']:>7.2f} "  # noqa: T201
+        print(f"{connections:>12}  {label:<20} {r['rps']:>7.0f} {r['p50_ms']:>7.2f} "  # noqa: T201
               f"{r['p99_ms']:>7.2f} {r['p50_ms'] - d['p50_ms']:>9.2f} "
               f"{r['p99_ms'] - d['p99_ms']:>9.2f} {r['rps'] / d['rps']:>13.2f} "
               f"{r['rps'] / b['rps']:>19.2f} {int(r['errors'])}")

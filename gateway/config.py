@@ -156,6 +156,9 @@ class AdmissionSettings(_Strict):
     overlong: OverlongPolicy = OverlongPolicy.reject
     # Multiplier applied to the local tiktoken estimate when the backend cannot count.
     estimate_margin: float = Field(1.25, ge=1.0)
+    # Exact prompt counts kept per backend (gateway/countcache.py), so that a prompt the
+    # backend already counted is not sent to be counted again; 0 turns this off.
+    count_cache_entries: int = Field(4096, ge=0)
     # How long a reservation outlives an upstream request the gateway abandoned when the
     # backend cannot show its slots (llama-server --no-slots): then llama-server notices
     # the closed connection only when it next writes or polls. With /slots (the default)

@@ -124,7 +124,9 @@ class GatewayMetrics:
             ["backend", "kind"], registry=registry,
         )
         self.token_count_source = Counter(
-            "gateway_token_count_source", "Where prompt counts came from: backend or estimate.",
+            "gateway_token_count_source",
+            "Where prompt counts came from: backend (exact), cache (exact, kept from an "
+            "earlier count of the same prompt) or estimate.",
             ["backend", "source"], registry=registry,
         )
         self.default_max_tokens_applied = Counter(

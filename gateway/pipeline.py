@@ -102,18 +102,34 @@ async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest
     """Prompt tokens as the backend counts them (the longest prompt of a batch), else a
     local estimate; as (charged, raw estimate or ``None`` when counted exactly).
 
+    A prompt the backend already counted is not sent again: its count comes from the
+    backend's :class:`~gateway.countcache.CountCache` (``source="cache"`` in
+    ``gateway_token_count_source_total`` when every prompt of the request was kept).
+
     :raises InvalidRequest: the backend refused the body as a client error (4xx).
     :raises UpstreamUnavailable: the backend cannot be reached (counted as ``connect``).
     """
+    cached = 0  # prompts whose count was kept from an earlier request
     try:
         if not req.prompts:  # chat, messages, responses, infill: the body as a whole
-            counted = await backend.count_prompt(req.route, req.body)
+            queries = [(req.route, req.body)]
         else:  # completions, embeddings, rerank: each prompt, the longest charged
             route = req.route if req.route in ("embeddings", "rerank") else "completions"
             model = {"model": req.body["model"]} if "model" in req.body else {}
-            counts = [await backend.count_prompt(route, {"prompt": list(p)
-                      if isinstance(p, tuple) else p, **model}) for p in req.prompts]
-            counted = None if None in counts else max(c for c in counts if c is not None)
+            queries = [(route, {"prompt": list(p) if isinstance(p, tuple) else p, **model})
+                       for p in req.prompts]
+        counts: list[int | None] = []
+        for route, body in queries:
+            key = backend.counts.key(route, body)
+            count = backend.counts.get(key)
+            if count is None:
+                count = await backend.count_prompt(route, body)
+                if count is not None:
+                    backend.counts.put(key, count)
+            else:
+                cached += 1
+            counts.append(count)
+        counted = None if None in counts else max(c for c in counts if c is not None)
     except BackendNotReady:
         raise
     except Exception as exc:
@@ -124,7 +140,8 @@ async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest
     raw = None
     if counted is None:
         counted, raw = await estimate_prompt(state, backend, req)
-    source = "backend" if raw is None else "estimate"
+    source = "estimate" if raw is not None else "cache" if cached == len(queries) \
+        else "backend"
     state.metrics.token_count_source.labels(backend.name, source).inc()
     return counted, raw
 

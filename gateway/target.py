@@ -18,6 +18,7 @@ from gateway.admission import Admission, AdmissionStats, Clock, Lease, Monotonic
 from gateway.backends import BackendKind, Discovered, SideCalls, kind_class
 from gateway.capacity import Charge, Layout
 from gateway.config import AdmissionPolicy, AdmissionSettings, BackendSettings
+from gateway.countcache import CountCache
 from gateway.errors import GatewayError
 from gateway.fairness import Party
 from gateway.predict import CompletionLengths
@@ -90,6 +91,10 @@ class Target:
         # continue (llama-server); other kinds are charged as under strict.
         self._predictive = (admission_settings.policy is AdmissionPolicy.predictive
                             and bool(self.dialect.resumable_routes))
+        # Exact counts already answered, reused for the same prompt (none are kept for a
+        # kind that only estimates).
+        self.counts = CountCache(admission_settings.count_cache_entries
+                                 if self.dialect.counts_exactly else 0)
         self.lengths = CompletionLengths(admission_settings.predict_quantile,
                                          admission_settings.predict_min_history)
         self.admission = Admission(
@@ -176,6 +181,7 @@ class Target:
         now)."""
         self.settings = entry
         self.dialect.settings = entry  # type: ignore[misc]
+        self.counts.clear()
         side = getattr(self.dialect, "side", None)
         if isinstance(side, SideCalls):
             side.configure(entry)
@@ -396,11 +402,17 @@ class Target:
             self.reachable = False
             self.problem = exc.message
             raise
-        self.reachable, self.problem = True, None
+        was_reachable, self.reachable, self.problem = self.reachable, True, None
         self._warn_disagreement(found)
         restarted = self.discovered is not None and (
             found.slots, found.ctx_per_slot, found.pool_tokens) != (
             self.discovered.slots, self.discovered.ctx_per_slot, self.discovered.pool_tokens)
+        if not was_reachable or restarted or self.discovered is None or (
+                found.model_id, found.n_vocab) != (self.discovered.model_id,
+                                                   self.discovered.n_vocab):
+            # The server may have come back with another model or template: its counts
+            # are asked again.
+            self.counts.clear()
         if restarted:
             self._pool_penalty = 0  # a restarted server: what was learnt of the old is moot
         self._recover_pool()

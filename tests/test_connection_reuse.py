@@ -97,9 +97,10 @@ async def test_a_reused_connection_closed_under_a_request_is_retried_once() -> N
         await target.discover()  # /props then /v1/models: the second reuses a connection
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://gateway") as client:
+            # Three prompts, so that each is counted by the upstream (none is cached).
             replies = [await client.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-                for _ in range(3)]
+                "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 4})
+                for i in range(3)]
         registry = app.state.gateway.metrics.registry
         assert [r.status_code for r in replies] == [200, 200, 200]
         assert all(r.headers["x-gateway-prompt-tokens"] == "17" for r in replies)  # exact

@@ -78,7 +78,7 @@ async def test_a_pool_penalty_easing_off_keeps_what_the_slot_watch_holds() -> No
     from tests.fakes import ManualClock
 
     class Quiet:
-        unified_pool, stop_margin = True, 1
+        unified_pool, stop_margin, counts_exactly = True, 1, True
 
         async def discover(self) -> Discovered:
             return Discovered(slots=4, ctx_per_slot=4096)

@@ -82,6 +82,12 @@ def test_gateway_count_equals_backend_usage(
         r = httpx.post(gw.url + path, json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert int(r.headers["x-gateway-prompt-tokens"]) == r.json()["usage"]["prompt_tokens"], kind
+        # The same prompt sampled otherwise: its count is the one kept, and still exact.
+        r = httpx.post(gw.url + path, json={**body, "max_tokens": 3, "temperature": 0.5},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert int(r.headers["x-gateway-prompt-tokens"]) == r.json()["usage"]["prompt_tokens"], kind
+        assert gw.metric("gateway_token_count_source_total", source="cache") == 1
         assert gw.metric("gateway_token_count_source_total", source="backend") == 1
 
 
