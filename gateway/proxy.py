@@ -55,7 +55,13 @@ from gateway.slotwatch import Ticket
 from gateway.sse import EventSplitter, EventTooLarge, event_data
 from gateway.target import Target
 from gateway.tenants import Tenant, TokenHold
-from gateway.upstream import map_upstream_errors, never_reached
+from gateway.upstream import (
+    json_bytes,
+    map_upstream_errors,
+    never_reached,
+    send_upstream,
+    upstream_request,
+)
 from gateway.watcher import DisconnectWatcher
 from gateway.wire import Seen, quick_token, read_event
 
@@ -539,10 +545,8 @@ class ProxyResponse(Response):
             # keep-alive; reusing that pooled connection would fail the next request.
             headers.append((b"connection", b"close"))
         body = x.body if self._lease is None else x.backend.pin(x.body, self._lease)
-        return self.client.build_request(
-            "POST", x.backend.route_url(x.route), headers=headers,
-            content=json.dumps(body).encode(), timeout=x.backend.timeout,
-        )
+        return upstream_request("POST", x.backend.route_url(x.route), headers=headers,
+                                content=json_bytes(body), timeout=x.backend.timeout)
 
     async def _forward(self, watcher: DisconnectWatcher, send: Send) -> None:
         x, m, name = self.x, self.metrics, self.x.backend.name
@@ -550,7 +554,8 @@ class ProxyResponse(Response):
             with map_upstream_errors(name):
                 request = self._upstream_request()
                 self._sent = self._forwarded = True
-                sending = asyncio.ensure_future(self.client.send(request, stream=True))
+                sending = asyncio.ensure_future(
+                    send_upstream(self.client, request, stream=True))
                 try:
                     resp = await watcher.race(self._begun(sending))
                 except BaseException:

@@ -37,7 +37,7 @@ from gateway.proxy import _SSE_HEADERS, ProxyResponse, _StreamState
 from gateway.relay import body_message, json_object, reshaped
 from gateway.resume import CAP_FIELDS, Continuation, Reassembler
 from gateway.sse import EventSplitter, EventTooLarge, event_data
-from gateway.upstream import map_upstream_errors
+from gateway.upstream import json_bytes, map_upstream_errors, send_upstream, upstream_request
 from gateway.watcher import DisconnectWatcher
 
 __all__ = ["MAX_RESUMES", "TrackedResponse"]
@@ -264,14 +264,15 @@ class TrackedResponse(ProxyResponse):
         x, m, name = self.x, self.metrics, self.x.backend.name
         headers = self._forward_headers()
         headers.append((b"connection", b"close"))  # see ProxyResponse._upstream_request
-        request = self.client.build_request(
+        request = upstream_request(
             "POST", x.backend.route_url(x.route), headers=headers,
-            content=json.dumps(x.backend.pin(self._upstream_body(), lease)).encode(),
+            content=json_bytes(x.backend.pin(self._upstream_body(), lease)),
             timeout=x.backend.timeout)
         try:
             with map_upstream_errors(name):
                 self._sent = self._forwarded = True
-                sending = asyncio.ensure_future(self.client.send(request, stream=True))
+                sending = asyncio.ensure_future(
+                    send_upstream(self.client, request, stream=True))
                 try:
                     resp = await self._begun(sending)
                 except BaseException:

@@ -203,6 +203,7 @@ class StreamingUpstream:
         self.tail_s = tail_s
         self.connections = 0
         self.generations: list[tuple[int, str | None]] = []
+        self.cookies: list[str] = []  # Cookie headers received
         self.server: asyncio.base_events.Server | None = None
 
     async def start(self) -> str:
@@ -223,18 +224,21 @@ class StreamingUpstream:
                 fields = {k.strip().lower(): v.strip() for k, _, v in
                           (h.partition(":") for h in lines[1:] if h)}
                 await reader.readexactly(int(fields.get("content-length", 0)))
+                if "cookie" in fields:
+                    self.cookies.append(fields["cookie"])
                 path = lines[0].split()[1]
                 if path in self.ANSWERS:  # discovery and counting, for either kind
-                    status, payload = (b"200 OK", self.ANSWERS[path])
-                    writer.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n"
-                                 b"Content-Length: %d\r\n\r\n%s"
-                                 % (status, len(payload), payload))
+                    payload = self.ANSWERS[path]
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Set-Cookie: session=first-client; Path=/\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
                     continue
                 if path != "/v1/chat/completions":
                     writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
                     continue
                 self.generations.append((conn, fields.get("connection")))
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                             b"Set-Cookie: session=first-client; Path=/\r\n"
                              b"Transfer-Encoding: chunked\r\n\r\n")
                 for event in (b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n',
                               b'data: {"choices":[{"index":0,"delta":{},'
@@ -260,7 +264,8 @@ async def test_streams_reuse_connections_unless_the_server_closes_them(
     # a new TCP connection per stream. llama-server closes the connection after every
     # stream, so the gateway asks for that close instead of pooling a dead connection.
     upstream = StreamingUpstream()
-    url = await upstream.start()
+    # By name: aiohttp's default jar keeps no cookie from a bare IP address.
+    url = (await upstream.start()).replace("127.0.0.1", "localhost")
     settings = load_settings(backends=[{"name": "b", "url": url, "kind": kind, "slots": 2,
                                         "keepalive_expiry_s": 60}])
     app = create_app(settings, registry=CollectorRegistry(), discover=False)
@@ -281,3 +286,6 @@ async def test_streams_reuse_connections_unless_the_server_closes_them(
         assert len(connections) == 1 and "close" not in headers
     else:
         assert headers == {"close"}
+    # Every answer set a cookie; none went out again with a later request (it would
+    # carry one client's session to the next client).
+    assert upstream.cookies == []

@@ -29,6 +29,7 @@ from gateway.errors import (
     UpstreamRefused,
 )
 from gateway.slotwatch import SlotsUnsupported, SlotView
+from gateway.upstream import json_bytes, send_upstream, upstream_request
 from gateway.validation import ParsedRequest
 
 __all__ = ["BackendKind", "Discovered", "ExactCount", "SideCalls", "WithoutSlots",
@@ -106,13 +107,14 @@ class SideCalls:
         if timeout_s is not None:
             timeout = httpx.Timeout(min(timeout_s, self.settings.read_timeout_s),
                                     connect=self.settings.connect_timeout_s)
-        return await self.client.get(self.url(path), timeout=timeout,
-                                     headers=self.settings.auth_headers)
+        return await send_upstream(self.client, upstream_request(
+            "GET", self.url(path), headers=self.settings.auth_headers, timeout=timeout))
 
     async def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         """``POST path`` with a JSON body. Raises httpx transport errors."""
-        return await self.client.post(self.url(path), json=body, timeout=self.timeout,
-                                      headers=self.settings.auth_headers)
+        return await send_upstream(self.client, upstream_request(
+            "POST", self.url(path), content=json_bytes(body), timeout=self.timeout,
+            headers={"content-type": "application/json", **self.settings.auth_headers}))
 
 
 class BackendKind(Protocol):
