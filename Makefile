@@ -31,8 +31,9 @@ lint: install             ## ruff over the code and tests
 demo: backend             ## the shared-KV overflow, straight vs through the gateway
 	$(PY) scripts/demo.py
 
-bench: install            ## gateway overhead vs a direct call, fixed-response upstream
+bench: install            ## gateway vs the bare-proxy floor: JSON, SSE, then 2,000 open streams
 	$(PY) bench/bench.py
+	$(PY) bench/streams.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

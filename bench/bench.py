@@ -97,8 +97,11 @@ def run_upstream(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-def run_bare_proxy(port: int, upstream_port: int, transport: str) -> None:
-    """A bare Starlette pass-through proxy: the floor any httpx-based gateway starts from."""
+def run_bare_proxy(port: int, upstream_port: int, transport: str,
+                   unbounded: bool = False) -> None:
+    """A bare Starlette pass-through proxy: the floor any httpx-based gateway starts from.
+    ``unbounded``: no connection limit and no timeout (aiohttp's default pool holds 100
+    connections, and httpx times out after 5 s), for thousands of open streams."""
     import httpx
     import uvicorn
     from starlette.applications import Starlette
@@ -109,7 +112,14 @@ def run_bare_proxy(port: int, upstream_port: int, transport: str) -> None:
     if transport == "aiohttp":
         from httpx_aiohttp import AiohttpTransport
 
-        client = httpx.AsyncClient(transport=AiohttpTransport())
+        if unbounded:
+            import aiohttp
+
+            client = httpx.AsyncClient(timeout=None, transport=AiohttpTransport(
+                client=lambda: aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0))))
+        else:
+            client = httpx.AsyncClient(transport=AiohttpTransport())
     else:
         client = httpx.AsyncClient(limits=httpx.Limits(max_connections=256))
     target = f"http://127.0.0.1:{upstream_port}/v1/chat/completions"

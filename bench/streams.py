@@ -1,13 +1,22 @@
 """Many open streams at once: the gateway's memory and time to first event.
 
 Starts an upstream shaped like llama-server that streams slowly (one event a second,
-``--events`` events per answer), the gateway in front of it (``gateway serve``, room for
-every stream: 4,096 slots, no queue wait), and ``--streams`` clients that open their
-streams together. Prints the time to the first event (p50/p95/max, from the request to
-the first ``data:`` line), how many streams finished whole, and the gateway's RSS before,
-at its peak while every stream is open, and after; the difference per open stream.
+``--events`` events per answer, the connection closed after each answer as llama-server
+does), the gateway in front of it (``gateway serve``, room for every stream: 4,096 slots,
+no queue wait), and ``--streams`` clients. The clients start over ``--ramp-s`` seconds
+(a burst of 2,000 requests in the same millisecond measures the length of the burst, not
+the gateway), and each opens a new stream as soon as its last one ends, until
+``--minutes`` have passed: so ``--streams`` streams stay open the whole time, and the
+gateway serves ``streams × minutes × 60 / events`` requests.
 
-Usage: .venv/bin/python bench/streams.py [--streams 2000] [--events 10]
+Prints, for the gateway and for the bare pass-through proxy of bench.py (the floor,
+in the same run): the time to the first event (p50/p95/max, from the request to the
+first ``data:`` line), how many streams finished whole, and the RSS before, at its
+peak, one minute into the run (or at the end of the ramp, in a shorter run) and at the
+end, with the RSS per open stream and the growth from that first reading to the end.
+
+Usage: .venv/bin/python bench/streams.py [--streams 2000] [--events 20] [--ramp-s 10]
+[--minutes 1]; the issue's memory check is ``--minutes 5``.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import add_llama_routes, free_port, wait_http  # noqa: E402
+from bench import add_llama_routes, free_port, run_bare_proxy, wait_http  # noqa: E402
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"tok"},"finish_reason":null}]}\n\n'
 FINAL = (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
@@ -38,6 +47,7 @@ def run_slow_upstream(port: int, events: int) -> None:
     async def chat(request: web.Request) -> web.StreamResponse:
         await request.read()
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        resp.force_close()  # as llama-server does after a stream
         await resp.prepare(request)
         for _ in range(events):
             await resp.write(EVENT)
@@ -60,61 +70,86 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-async def open_streams(url: str, streams: int, pid: int) -> dict[str, float]:
+async def hold_streams(url: str, streams: int, ramp_s: float, seconds: float, pid: int
+                       ) -> dict[str, float]:
+    """``streams`` clients, started over ``ramp_s``, each streaming again and again
+    until ``seconds`` have passed; the RSS of ``pid`` is read every second."""
     import aiohttp
 
     body = json.dumps({"messages": [{"role": "user", "content": "hello there"}],
                        "max_tokens": 16, "stream": True}).encode()
     ttft: list[float] = []
-    whole = 0
-    peak = 0.0
+    whole = failed = 0
+    rss: list[tuple[float, float]] = []
+    start = time.perf_counter()
+    deadline = start + seconds
     done = asyncio.Event()
 
     async def sample() -> None:
-        nonlocal peak
         while not done.is_set():
-            peak = max(peak, rss_mib(pid))
-            await asyncio.sleep(0.2)
+            rss.append((time.perf_counter() - start, rss_mib(pid)))
+            await asyncio.sleep(1.0)
 
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
 
-        async def one() -> None:
-            nonlocal whole
-            t0 = time.perf_counter()
-            first = None
-            data = b""
-            async with session.post(url, data=body,
-                                    headers={"content-type": "application/json"}) as r:
-                async for line in r.content:
-                    if first is None and line.startswith(b"data:"):
-                        first = time.perf_counter() - t0
-                    data += line
-            if first is not None:
-                ttft.append(first)
-            if r.status == 200 and data.rstrip().endswith(b"[DONE]"):
-                whole += 1
+        async def client(number: int) -> None:
+            nonlocal whole, failed
+            await asyncio.sleep(ramp_s * number / streams)
+            while time.perf_counter() < deadline:
+                t0 = time.perf_counter()
+                first = None
+                data = b""
+                try:
+                    async with session.post(url, data=body, headers={
+                            "content-type": "application/json"}) as r:
+                        async for line in r.content:
+                            if first is None and line.startswith(b"data:"):
+                                first = time.perf_counter() - t0
+                            data += line
+                except (TimeoutError, aiohttp.ClientError):
+                    failed += 1
+                    continue
+                if first is not None:
+                    ttft.append(first)
+                if r.status == 200 and data.rstrip().endswith(b"[DONE]"):
+                    whole += 1
+                else:
+                    failed += 1
 
         sampler = asyncio.ensure_future(sample())
-        results = await asyncio.gather(*(one() for _ in range(streams)),
-                                       return_exceptions=True)
+        await asyncio.gather(*(client(n) for n in range(streams)))
         done.set()
         await sampler
     ttft.sort()
-    errors = sum(isinstance(r, BaseException) for r in results)
+    steady_at = min(60.0, ramp_s + 5.0)  # the first reading with every stream open
+    steady = next((m for t, m in rss if t >= steady_at), rss[-1][1])
+    end = max(m for t, m in rss if t >= seconds - 5) if len(rss) > 5 else rss[-1][1]
     return {"ttft_p50_s": statistics.median(ttft) if ttft else float("nan"),
             "ttft_p95_s": ttft[int(len(ttft) * 0.95) - 1] if ttft else float("nan"),
             "ttft_max_s": ttft[-1] if ttft else float("nan"),
-            "whole": whole, "errors": errors, "peak_mib": peak}
+            "whole": whole, "failed": failed, "peak_mib": max(m for _, m in rss),
+            "steady_mib": steady, "steady_at_s": steady_at, "end_mib": end}
+
+
+def run(label: str, url: str, pid: int, args: argparse.Namespace) -> dict[str, float]:
+    wait_http(url.rsplit("/v1/", 1)[0] + ("/ready" if label == "gateway" else "/props"))
+    before = rss_mib(pid)
+    out = asyncio.run(hold_streams(url, args.streams, args.ramp_s, args.minutes * 60, pid))
+    out["before_mib"] = before
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=2000)
-    parser.add_argument("--events", type=int, default=10, help="events per stream, 1/s")
+    parser.add_argument("--events", type=int, default=20, help="events per stream, 1/s")
+    parser.add_argument("--ramp-s", type=float, default=10.0, help="clients start over this")
+    parser.add_argument("--minutes", type=float, default=1.0, help="length of the run")
+    parser.add_argument("--no-floor", action="store_true", help="the gateway only")
     args = parser.parse_args()
-    up_port, gw_port = free_port(), free_port()
+    up_port, gw_port, bare_port = free_port(), free_port(), free_port()
     upstream = mp.Process(target=run_slow_upstream, args=(up_port, args.events), daemon=True)
     upstream.start()
     wait_http(f"http://127.0.0.1:{up_port}/props")
@@ -125,24 +160,40 @@ def main() -> int:
         GATEWAY_BACKENDS=json.dumps([{"name": "bench", "url": f"http://127.0.0.1:{up_port}",
                                       "kv_unified": False}]),
     )
-    gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env=env)
+    results = {}
     try:
-        wait_http(f"http://127.0.0.1:{gw_port}/ready")
-        before = rss_mib(gateway.pid)
-        out = asyncio.run(open_streams(f"http://127.0.0.1:{gw_port}/v1/chat/completions",
-                                       args.streams, gateway.pid))
-        time.sleep(1)
-        after = rss_mib(gateway.pid)
+        if not args.no_floor:
+            bare = mp.Process(target=run_bare_proxy,
+                              args=(bare_port, up_port, "aiohttp", True), daemon=True)
+            bare.start()
+            results["bare proxy, aiohttp"] = run(
+                "bare", f"http://127.0.0.1:{bare_port}/v1/chat/completions", bare.pid, args)
+            bare.terminate()
+        gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env=env)
+        try:
+            results["gateway"] = run(
+                "gateway", f"http://127.0.0.1:{gw_port}/v1/chat/completions", gateway.pid,
+                args)
+        finally:
+            gateway.terminate()
+            gateway.wait(10)
     finally:
-        gateway.terminate()
-        gateway.wait(10)
         upstream.terminate()
-    per_stream_kib = (out["peak_mib"] - before) * 1024 / args.streams
-    print(f"{args.streams} streams of {args.events} events (1/s), opened together")  # noqa: T201
-    print(f"TTFT p50 {out['ttft_p50_s']:.2f} s, p95 {out['ttft_p95_s']:.2f} s, "  # noqa: T201
-          f"max {out['ttft_max_s']:.2f} s; whole {out['whole']}, errors {out['errors']}")
-    print(f"gateway RSS {before:.0f} MiB before, {out['peak_mib']:.0f} MiB at peak, "  # noqa: T201
-          f"{after:.0f} MiB after; {per_stream_kib:.0f} KiB per open stream")
+    print(f"{args.streams} streams open at once for {args.minutes:g} min (each "  # noqa: T201
+          f"{args.events} events, 1/s, then a new one), clients started over "
+          f"{args.ramp_s:g} s")
+    print(f"{'target':<20} {'TTFT p50':>8} {'p95':>6} {'max':>6} {'whole':>6} "  # noqa: T201
+          f"{'failed':>6} {'RSS MiB: before':>15} {'peak':>5} {'steady':>6} {'end':>5} "
+          f"{'KiB/stream':>10} {'growth MiB':>10}")
+    for label, r in results.items():
+        per_stream = (r["steady_mib"] - r["before_mib"]) * 1024 / args.streams
+        print(f"{label:<20} {r['ttft_p50_s']:>8.3f} {r['ttft_p95_s']:>6.3f} "  # noqa: T201
+              f"{r['ttft_max_s']:>6.2f} {int(r['whole']):>6} {int(r['failed']):>6} "
+              f"{r['before_mib']:>15.0f} {r['peak_mib']:>5.0f} {r['steady_mib']:>6.0f} "
+              f"{r['end_mib']:>5.0f} {per_stream:>10.0f} "
+              f"{r['end_mib'] - r['steady_mib']:>+10.1f}")
+    print("steady: the RSS once every stream is open (at the end of the ramp, or one "  # noqa: T201
+          "minute in for a longer run); growth: from there to the end")
     return 0
 
 

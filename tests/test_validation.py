@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequest
 from gateway.validation import parse_body
@@ -119,3 +121,61 @@ def test_ids_mixed_with_texts_are_one_prompt() -> None:
     assert batch.prompts == ((1, "a"), "b", (3, 4))
     with pytest.raises(InvalidRequest):
         parse_body("completions", b'{"prompt": [1, -5, "a"]}')
+
+
+# -- body decoding: orjson first, the standard library for what it cannot settle -------
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                max_size=3),
+    max_leaves=12)
+
+
+def _stdlib_reading(raw: bytes) -> Any:
+    """What the gateway read before orjson: the standard library with its hooks."""
+    from gateway.validation import _INT_RANGE
+
+    def bounded(text: str) -> int:
+        value = int(text)
+        if not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+            raise InvalidRequest("out of range")
+        return value
+
+    return json.loads(raw, parse_int=bounded)
+
+
+@given(value=_JSON)
+def test_bodies_read_as_the_standard_library_reads_them(value: Any) -> None:
+    from gateway.validation import _decode
+
+    raw = json.dumps({"v": value}).encode()
+    try:
+        expected = _stdlib_reading(raw)
+    except InvalidRequest:
+        with pytest.raises(InvalidRequest):
+            _decode(raw)
+        return
+    decoded = _decode(raw)
+    assert decoded == expected
+    assert json.dumps(decoded) == json.dumps(expected)  # ints stay ints, floats floats
+
+
+@pytest.mark.parametrize("raw,ok", [
+    (b'{"n": 18446744073709551615}', True),  # 2**64 - 1: the largest accepted
+    (b'{"n": 18446744073709551616}', False),
+    (b'{"n": 123456789012345678901234567890}', False),  # orjson alone: a float
+    (b'{"n": -9223372036854775808}', True),
+    (b'{"n": 1e999}', False), (b'{"n": NaN}', False),
+    (b'{"s": "\\ud800"}', False), (b'{"s": "\\ud83d\\ude00"}', True),
+    (b'\xef\xbb\xbf{}', False), (b'{"a": 1, "a": 2}', True),
+])
+def test_what_each_reader_refuses_is_refused(raw: bytes, ok: bool) -> None:
+    from gateway.validation import _decode
+
+    if ok:
+        assert _decode(raw) == json.loads(raw)
+    else:
+        with pytest.raises(InvalidRequest):
+            _decode(raw)
