@@ -155,7 +155,7 @@ def main() -> int:
     wait_http(f"http://127.0.0.1:{up_port}/props")
     env = dict(
         os.environ, GATEWAY_SERVER__PORT=str(gw_port), GATEWAY_SERVER__LOG_LEVEL="warning",
-        GATEWAY_SERVER__MAX_CONNECTIONS=str(args.streams + 100),
+        GATEWAY_SERVER__MAX_CONNECTIONS=str(2 * args.streams + 100),  # (with reconnects)
         GATEWAY_ADMISSION__MAX_QUEUE="100000", GATEWAY_ADMISSION__MAX_QUEUE_WAIT_S="600",
         GATEWAY_BACKENDS=json.dumps([{"name": "bench", "url": f"http://127.0.0.1:{up_port}",
                                       "kv_unified": False}]),

@@ -5,14 +5,15 @@ Counting a prompt exactly costs a round trip to the backend: about a fifth of th
 gateway's CPU time per request in ``make bench``, and the backend's own time to template
 and tokenize it. The count of a prompt depends only on the fields that build it and on
 the backend's model and template, so a count once answered can be reused for a request
-that differs only in how it is sampled or delivered (``max_tokens``, ``temperature``,
-``seed``, ``stream``...): a retry, the same prompt sampled again, an evaluation that runs
-each prompt several times.
+that differs only in how it is sampled (``max_tokens``, ``temperature``, ``seed``...):
+a retry, the same prompt sampled again, an evaluation that runs each prompt several
+times.
 
 The key is a 16-byte BLAKE2b digest of the route and the body without those fields,
 serialised with sorted keys (so that key order does not matter). The owner clears the
-cache when the backend may have changed its model or template (see
-:meth:`gateway.target.Target.discover`).
+cache when the backend may have changed its model or template: it was unreachable, it
+shows another model, template or build (:meth:`gateway.target.Target.discover`), or it
+reported a prompt count other than the exact one charged (``ProxyResponse``).
 """
 
 from __future__ import annotations
@@ -25,14 +26,17 @@ import orjson
 
 __all__ = ["UNSHAPING_FIELDS", "CountCache"]
 
-# Request fields that do not change the prompt a backend builds: sampling, output length,
-# delivery, and the gateway's own. Every other field is part of the key, so an unknown
-# field can only cost a miss, never a wrong count.
+# Request fields that do not change the prompt a backend builds (sampling, output length,
+# the gateway's own) and that its counting call checks in no combination with others.
+# (llama-server's ``oaicompat_chat_params_parse`` refuses logprobs with tools and
+# stream, and top_logprobs without logprobs, so those stay in the key: such a request is
+# sent to be counted, and refused there.) Every other field is part of the key, so an
+# unknown field can only cost a miss, never a wrong count.
 UNSHAPING_FIELDS = frozenset({
     "max_tokens", "max_completion_tokens", "n_predict", "temperature", "top_p", "top_k",
-    "min_p", "typical_p", "seed", "stream", "stream_options", "presence_penalty",
-    "frequency_penalty", "repeat_penalty", "logit_bias", "logprobs", "top_logprobs", "n",
-    "stop", "user", "priority", "id_slot", "cache_prompt", "timings_per_token",
+    "min_p", "typical_p", "seed", "presence_penalty", "frequency_penalty",
+    "repeat_penalty", "logit_bias", "stop", "user", "priority", "id_slot", "cache_prompt",
+    "timings_per_token",
 })
 
 

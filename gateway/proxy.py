@@ -190,18 +190,31 @@ class Exchange:
         return lease
 
 
-async def drain(chunks: AsyncIterator[bytes]) -> None:
-    """Read what is left of a finished upstream stream (its chunked-encoding terminator,
-    usually already buffered) for at most :data:`STREAM_DRAIN_S` seconds, so that the
-    connection goes back to the pool. A stream closed with unread bytes closes its
-    connection (aiohttp's ``ClientResponse.release``), and every later request would
-    then pay a new TCP connection: a tenth of the relay's CPU time in ``make bench``."""
-    try:
-        async with asyncio.timeout(STREAM_DRAIN_S):
-            async for _ in chunks:
-                pass
-    except (TimeoutError, httpx.HTTPError):
-        pass  # the connection is closed instead of reused; nothing is lost
+_DRAINING: set[asyncio.Task[None]] = set()  # drains under way (held against collection)
+
+
+def close_after_drain(chunks: AsyncIterator[bytes], resp: httpx.Response) -> None:
+    """Close ``resp``, a finished stream, once what is left of it (its chunked-encoding
+    terminator, often not yet arrived) is read, for at most :data:`STREAM_DRAIN_S`
+    seconds, so that its connection goes back to the pool. A stream closed with unread
+    bytes closes its connection (aiohttp's ``ClientResponse.release``), and every later
+    request then pays a new TCP connection: a tenth of the relay's CPU time in ``make
+    bench``. Runs in the background: the answer is over, its lease is given back at
+    once, and the client's request is not held. Not used for a server that closes the
+    connection after a stream anyway (``closes_streams``)."""
+    async def drain() -> None:
+        try:
+            async with asyncio.timeout(STREAM_DRAIN_S):
+                async for _ in chunks:
+                    pass
+        except (TimeoutError, httpx.HTTPError):
+            pass  # the connection is closed instead of reused; nothing is lost
+        finally:
+            await resp.aclose()
+
+    task = asyncio.ensure_future(drain())
+    _DRAINING.add(task)
+    task.add_done_callback(_DRAINING.discard)
 
 
 class ProxyResponse(Response):
@@ -582,13 +595,13 @@ class ProxyResponse(Response):
                 x.backend.request_served()  # a stream: once its first event comes
             if streaming:
                 await watcher.race(self._relay_stream(send, resp, ndjson=ndjson))
-                if self._tail is not None:
-                    # Outside the race: the client may close as soon as it has the end.
-                    await drain(self._tail)
             else:
                 await self._relay_whole(watcher, send, resp)
         finally:
-            await resp.aclose()
+            if self._tail is not None:
+                close_after_drain(self._tail, resp)
+            else:
+                await resp.aclose()
 
     async def _read_all(self, watcher: DisconnectWatcher, resp: httpx.Response) -> bytes:
         """Read the whole upstream body. Counts and re-raises upstream failures."""
@@ -712,6 +725,11 @@ class ProxyResponse(Response):
                         "backend %s counted %d prompt tokens, the gateway charged %d",
                         name, reported, prompt,
                     )
+                if reported != prompt and self.x.raw_estimate is None and self.x.route in (
+                        "chat", "messages", "responses"):
+                    # An exact count the backend disagrees with: it may count otherwise
+                    # now (a new template, unseen by discovery); count afresh.
+                    self.x.backend.counts.clear()
                 self._calibrate(reported)
                 prompt = self._reported_prompt = reported
         self.metrics.prompt_tokens.labels(name, *who).observe(prompt)
@@ -806,8 +824,8 @@ class ProxyResponse(Response):
             usage = {**usage, "completion_tokens": state.final_completion}
         self._record_usage(usage)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        if state.done and not state.errored:
-            self._tail = chunks
+        if state.done and not state.errored and not x.backend.dialect.closes_streams:
+            self._tail = chunks  # read to its end in the background, to pool the connection
 
     def _inspect_line(self, raw: bytes, state: _StreamState) -> bytes | None:
         """Read one NDJSON line of an Ollama stream; every line is relayed."""

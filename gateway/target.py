@@ -408,8 +408,9 @@ class Target:
             found.slots, found.ctx_per_slot, found.pool_tokens) != (
             self.discovered.slots, self.discovered.ctx_per_slot, self.discovered.pool_tokens)
         if not was_reachable or restarted or self.discovered is None or (
-                found.model_id, found.n_vocab) != (self.discovered.model_id,
-                                                   self.discovered.n_vocab):
+                found.model_id, found.n_vocab, found.fingerprint) != (
+                self.discovered.model_id, self.discovered.n_vocab,
+                self.discovered.fingerprint):
             # The server may have come back with another model or template: its counts
             # are asked again.
             self.counts.clear()

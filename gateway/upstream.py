@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from types import SimpleNamespace
 from typing import Any
 
@@ -137,7 +138,11 @@ def build_client(*, max_connections: int = 0, keepalive_expiry_s: float = 2.0
     """
     pooled = AiohttpTransport(client=lambda: _session(max_connections, keepalive_expiry_s))
     fresh = AiohttpTransport(client=lambda: _session(max_connections, None))
-    return httpx.AsyncClient(transport=ReuseRetry(pooled, fresh), timeout=None)
+    # A jar that accepts no cookie (no domain is allowed): as the aiohttp sessions, the
+    # client must not send one client's cookie with another's request.
+    refuse_all = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+    return httpx.AsyncClient(transport=ReuseRetry(pooled, fresh), timeout=None,
+                             cookies=refuse_all)
 
 
 def json_bytes(body: Any) -> bytes:

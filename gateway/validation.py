@@ -47,7 +47,7 @@ _INT_FIELDS: dict[str, tuple[int, int]] = {
 # Any integer in a body must fit what a JSON parser in C++ reads exactly (int64/uint64);
 # llama-server's parser refuses larger ones (nlohmann::json reads them as doubles).
 _INT_RANGE = (-(2**63), 2**64 - 1)
-_LONG_DIGITS = re.compile(rb"\d{20}")  # a number that may be beyond _INT_RANGE
+_LONG_DIGITS = re.compile(rb"\d{19}")  # a number that may be beyond _INT_RANGE
 MAX_DEPTH = 64  # objects and arrays nested deeper than this are refused
 
 
@@ -295,7 +295,7 @@ def _decode(raw: bytes) -> Any:
     """The body's JSON. orjson reads most bodies several times faster than the standard
     library and refuses what the gateway refuses (invalid UTF-8, NaN and infinities,
     unpaired surrogate escapes), except integers beyond 64 bits, which it reads as
-    floats: a body with a run of 20 digits, and any body orjson refuses, is read by the
+    floats: a body with a run of 19 digits, and any body orjson refuses, is read by the
     standard library, whose hooks give the precise 400."""
     if _LONG_DIGITS.search(raw) is None:
         try:

@@ -67,7 +67,7 @@ def has_token(choices: Any) -> bool:
 
 # Each key has_token reads, with the start of its value when that value settles the
 # question: null or "" (no output) or a non-empty string (output).
-_OUTPUT_KEY = re.compile(rb'"(?:content|reasoning_content|reasoning|text|tool_calls|'
+_OUTPUT_KEY = re.compile(rb'(?<!\\)"(?:content|reasoning_content|reasoning|text|tool_calls|'
                          rb'function_call)"\s*:(null|""|"[^"])?')
 
 
@@ -79,9 +79,11 @@ def quick_token(raw: bytes) -> bool | None:
     one compact ``data:`` line, or an output key has a value other than null or a
     string, such as tool calls).
 
-    Sound because a JSON string cannot hold an unescaped quote: ``"content":"x`` in the
-    bytes can only be a key and the start of its value. Most events of a stream are one
-    token each, and this reads them several times faster than parsing them.
+    A JSON string cannot hold an unescaped quote, so ``"content":"x`` in the bytes,
+    its first quote not escaped, is a key and the start of its value. Keys are read as
+    written: one spelled with escapes (``"\u0063ontent"``), which no backend sends, is
+    not recognised. Most events of a stream are one token each, and this reads them
+    several times faster than parsing them.
     """
     if not (raw.startswith(b"data: {") and raw.endswith(b"}\n\n")) or raw.count(b"\n") != 2 \
             or b"\r" in raw or b'"usage"' in raw or b'"error"' in raw:

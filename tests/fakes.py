@@ -79,6 +79,7 @@ class FakeLlamaServer:
     hide_slots: bool = False  # /slots shows every slot idle and without params
     after_done: asyncio.Event | None = None  # streams stay open after [DONE] until set
     count_fails: bool = False
+    props_extra: dict[str, Any] = field(default_factory=dict)  # more /props fields
     requests: list[httpx.Request] = field(default_factory=list)
     generations: list[dict[str, Any]] = field(default_factory=list)
     active: int = 0
@@ -120,6 +121,7 @@ class FakeLlamaServer:
             return httpx.Response(200, json={
                 "total_slots": self.slots,
                 "default_generation_settings": {"n_ctx": self.n_ctx, "params": {}},
+                **self.props_extra,
             })
         if path == "/slots":
             if not self.slots_route:

@@ -277,3 +277,17 @@ async def test_ready_reports_the_layout(harness_factory: Any) -> None:
     h = await harness_factory(kv_unified=False)
     body = (await h.client.get("/ready")).json()["backends"]["local"]
     assert body["kv_unified"] is False and body["capacity_tokens"] == 4 * 2048
+
+
+@pytest.mark.parametrize("prompt", [["a b", "c d"], "a b"])
+async def test_a_whole_stream_whose_upstream_stays_open_counts_as_served(
+        harness: Harness, fake: Any, prompt: Any) -> None:
+    # llama-server writes the chunked terminator after the last event; a stream whole at
+    # [DONE] is served (200), batch (unpinned) or not, however late the tail comes.
+    fake.after_done = asyncio.Event()
+    r = await harness.client.post("/v1/completions", json={
+        "prompt": prompt, "max_tokens": 4, "stream": True})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert harness.sample("gateway_requests_total", code="200") == 1
+    assert harness.sample("gateway_requests_total", code="499") == 0
+    fake.after_done.set()

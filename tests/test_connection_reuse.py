@@ -278,6 +278,7 @@ async def test_streams_reuse_connections_unless_the_server_closes_them(
                     "model": "m", "stream": True, "max_tokens": 4,
                     "messages": [{"role": "user", "content": "hi"}]})
                 assert reply.status_code == 200 and reply.text.endswith("data: [DONE]\n\n")
+                await asyncio.sleep(upstream.tail_s * 5)  # the tail is read meanwhile
     await upstream.stop()
     assert len(upstream.generations) == 3
     connections = {conn for conn, _ in upstream.generations}
@@ -289,3 +290,34 @@ async def test_streams_reuse_connections_unless_the_server_closes_them(
     # Every answer set a cookie; none went out again with a later request (it would
     # carry one client's session to the next client).
     assert upstream.cookies == []
+
+
+async def test_a_late_stream_tail_holds_neither_the_slot_nor_the_request() -> None:
+    # The chunked terminator comes a second after [DONE]. The answer is whole at [DONE]:
+    # the slot is given back then, the next request does not wait for the tail, and the
+    # served request counts as served (200), not as a client that left.
+    upstream = StreamingUpstream(tail_s=1.0)
+    url = (await upstream.start()).replace("127.0.0.1", "localhost")  # cookies kept by name
+    settings = load_settings(backends=[{"name": "b", "url": url, "kind": "vllm", "slots": 1,
+                                        "keepalive_expiry_s": 60}])
+    app = create_app(settings, registry=CollectorRegistry(), discover=False)
+    body = {"model": "m", "stream": True, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}]}
+    async with app.router.lifespan_context(app):
+        await app.state.gateway.backends["b"].discover()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gateway") as client:
+            first, second = await asyncio.gather(
+                client.post("/v1/chat/completions", json=body),
+                client.post("/v1/chat/completions", json=body))
+            listed = await client.get("/v1/models")
+            listed = await client.get("/v1/models")
+    await upstream.stop()
+    assert first.status_code == second.status_code == listed.status_code == 200
+    waits = sorted(int(r.headers["x-queue-wait-ms"]) for r in (first, second))
+    assert waits[1] < 500  # one waited for the other's answer, not for its tail
+    registry = app.state.gateway.metrics.registry
+    assert registry.get_sample_value("gateway_requests_total", {
+        "backend": "b", "route": "chat", "code": "200", "tenant": "anonymous",
+        "priority": "default"}) == 2
+    assert upstream.cookies == []  # the listing route keeps no cookie either

@@ -22,14 +22,16 @@ def test_keys_ignore_key_order_and_sampling_but_not_the_prompt() -> None:
     assert key is not None
     assert cache.key("chat", {"model": "m", "messages": base["messages"]}) == key
     assert cache.key("chat", {**base, "max_tokens": 9, "temperature": 0.2, "seed": 4,
-                              "stream": True, "stream_options": {"include_usage": True}}) \
-        == key
+                              "stop": ["\n"]}) == key
+    # llama-server's count checks logprobs against stream and tools: those stay keyed
+    assert cache.key("chat", {**base, "stream": True}) != key
+    assert cache.key("chat", {**base, "logprobs": True}) != key
     assert cache.key("chat", {**base, "messages": [{"role": "user", "content": "hi!"}]}) \
         != key
     assert cache.key("chat", {**base, "tools": []}) != key  # unknown to the list: kept
     assert cache.key("chat", {**base, "model": "other"}) != key
     assert cache.key("messages", base) != key  # another route builds another prompt
-    assert cache.key("chat", {**base, "n": 2**70}) == key  # (n is not part of the key)
+    assert cache.key("chat", {**base, "seed": 2**70}) == key  # (seed is not part of it)
     assert cache.key("chat", {**base, "extra": 2**70}) is None  # orjson refuses it
     assert CountCache(0).key("chat", base) is None
 
@@ -106,3 +108,33 @@ async def test_the_cache_can_be_turned_off(harness_factory: Any) -> None:
     for _ in range(3):
         assert (await h.chat("same", max_tokens=4)).status_code == 200
     assert count_calls(h) == 3
+
+
+async def test_a_count_the_backend_disagrees_with_is_asked_again(harness: Harness,
+                                                                  monkeypatch: Any) -> None:
+    # The backend now counts otherwise (a new chat template, say, that discovery did not
+    # see): its usage disagrees with the kept count, and the prompt is counted afresh.
+    import tests.fakes
+
+    assert (await harness.chat("same", max_tokens=4)).status_code == 200
+    counting = tests.fakes.count_words
+    monkeypatch.setattr(tests.fakes, "count_words", lambda text: counting(text) + 100)
+    kept = await harness.chat("same", max_tokens=4)  # charged the old count, once
+    again = await harness.chat("same", max_tokens=4)
+    assert int(again.headers["x-gateway-prompt-tokens"]) == \
+        int(kept.headers["x-gateway-prompt-tokens"]) + 100
+    assert count_calls(harness) == 2
+
+
+async def test_counts_are_asked_again_when_the_template_changes(harness: Harness) -> None:
+    # llama-server shows its model file, chat template and build in /props.
+    harness.fake.props_extra = {"chat_template": "one", "model_path": "m.gguf"}
+    await harness.backend.discover()
+    assert (await harness.chat("same", max_tokens=4)).status_code == 200
+    await harness.backend.discover()  # the same template: the count is kept
+    assert (await harness.chat("same", max_tokens=4)).status_code == 200
+    assert count_calls(harness) == 1
+    harness.fake.props_extra = {"chat_template": "two", "model_path": "m.gguf"}
+    await harness.backend.discover()
+    assert (await harness.chat("same", max_tokens=4)).status_code == 200
+    assert count_calls(harness) == 2

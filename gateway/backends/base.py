@@ -61,6 +61,9 @@ class Discovered:
         ``vllm:num_preemptions_total``), when it shows one.
     :param model_id: the id of the model it serves (the first in ``GET /v1/models``),
         when known: the name clients use for it unless ``backends[].model`` is set.
+    :param fingerprint: a digest of what it shows of its model file, chat template and
+        build, when it shows them (llama-server's ``/props``): when it changes, prompts
+        may count otherwise.
     """
 
     slots: int
@@ -70,6 +73,7 @@ class Discovered:
     block_size: int = 1
     preemptions: int | None = None
     model_id: str | None = None
+    fingerprint: str | None = None
 
 
 class SideCalls:

@@ -36,6 +36,7 @@ from gateway.errors import (
     UpstreamContextOverflow,
     UpstreamError,
 )
+from gateway.prefix import digest
 from gateway.slotwatch import SlotsUnsupported, SlotView, parse_slots
 from gateway.upstream import map_upstream_errors
 from gateway.validation import ParsedRequest
@@ -123,8 +124,10 @@ class LlamaCpp(ExactCount):
             ) from exc
         if self.n_vocab is None or self.model_id is None:
             await self._read_model()
+        shown = [props.get(k) for k in ("model_path", "chat_template", "build_info")]
         return Discovered(slots=slots, ctx_per_slot=ctx, n_vocab=self.n_vocab,
-                          model_id=self.model_id)
+                          model_id=self.model_id,
+                          fingerprint=digest(shown) if any(shown) else None)
 
     async def _read_model(self) -> None:
         """``id`` and ``meta.n_vocab`` of the model in ``GET /v1/models``, where shown."""
