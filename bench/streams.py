@@ -126,7 +126,9 @@ async def hold_streams(url: str, streams: int, ramp_s: float, seconds: float, pi
     steady_at = min(60.0, ramp_s + 5.0)  # the first reading with every stream open
     steady = next((m for t, m in rss if t >= steady_at), rss[-1][1])
     end = max(m for t, m in rss if t >= seconds - 5) if len(rss) > 5 else rss[-1][1]
+    minutes = [m for t, m in rss if t >= steady_at][::60]  # one reading a minute
     return {"ttft_p50_s": statistics.median(ttft) if ttft else float("nan"),
+            "by_minute": minutes,
             "ttft_p95_s": ttft[int(len(ttft) * 0.95) - 1] if ttft else float("nan"),
             "ttft_max_s": ttft[-1] if ttft else float("nan"),
             "whole": whole, "failed": failed, "peak_mib": max(m for _, m in rss),
@@ -194,6 +196,9 @@ def main() -> int:
               f"{r['end_mib'] - r['steady_mib']:>+10.1f}")
     print("steady: the RSS once every stream is open (at the end of the ramp, or one "  # noqa: T201
           "minute in for a longer run); growth: from there to the end")
+    for label, r in results.items():
+        print(f"{label}: RSS MiB from steady on, a minute apart: "  # noqa: T201
+              + ", ".join(f"{m:.0f}" for m in r["by_minute"]))
     return 0
 
 

@@ -67,7 +67,9 @@ def has_token(choices: Any) -> bool:
 
 # Each key has_token reads, with the start of its value when that value settles the
 # question: null or "" (no output) or a non-empty string (output).
-_OUTPUT_KEY = re.compile(rb'(?<!\\)"(?:content|reasoning_content|reasoning|text|tool_calls|'
+# (No lookbehind for an escaped opening quote: it makes the search several times slower;
+# quick_token looks at the byte before each match instead.)
+_OUTPUT_KEY = re.compile(rb'"(?:content|reasoning_content|reasoning|text|tool_calls|'
                          rb'function_call)"\s*:(null|""|"[^"])?')
 
 
@@ -91,7 +93,7 @@ def quick_token(raw: bytes) -> bool | None:
     token = False
     for match in _OUTPUT_KEY.finditer(raw):
         value = match.group(1)
-        if value is None:
+        if value is None or raw[match.start() - 1] == 0x5C:  # 0x5C: an escaped quote
             return None
         token = token or value not in (b"null", b'""')
     return token
