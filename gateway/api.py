@@ -104,7 +104,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
         backend = state.pick_backend(req.body.get("model"), route="count_tokens")
         request.state.backend = backend.name
         require_ready(backend)
-        counted, _raw = await count_prompt(state, backend, req)
+        counted, _raw, _forget = await count_prompt(state, backend, req)
         return JSONResponse({"input_tokens": counted})
 
     @app.get("/v1/models")

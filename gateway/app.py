@@ -25,6 +25,7 @@ from gateway.connection import guarded_protocol
 from gateway.errors import GatewayError, render, shape_of
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestAccounting, count_rejection
+from gateway.proxy import stop_drains
 from gateway.state import GatewayState
 from gateway.target import Target
 from gateway.tenants import OPEN_PATHS, Tenants, check_admin_key
@@ -130,6 +131,7 @@ def create_app(
             for task in (*state.tasks, *state._retirements):
                 task.cancel()
             await asyncio.gather(*state.tasks, *state._retirements, return_exceptions=True)
+            await stop_drains()
             for backend in (*state.backends.values(), *state.retiring):
                 await backend.close()
                 for owned in backend.owned_clients:

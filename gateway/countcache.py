@@ -13,7 +13,8 @@ The key is a 16-byte BLAKE2b digest of the route and the body without those fiel
 serialised with sorted keys (so that key order does not matter). The owner clears the
 cache when the backend may have changed its model or template: it was unreachable, it
 shows another model, template or build (:meth:`gateway.target.Target.discover`), or it
-reported a prompt count other than the exact one charged (``ProxyResponse``).
+reported a prompt count other than the exact one charged (then that prompt's count
+only is dropped: ``ProxyResponse``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ class CountCache:
         self._counts.move_to_end(key)
         while len(self._counts) > self.size:
             self._counts.popitem(last=False)
+
+    def forget(self, key: bytes) -> None:
+        """Drop the count kept under ``key``, if any (the backend disagreed with it)."""
+        self._counts.pop(key, None)
 
     def clear(self) -> None:
         """Forget every count (the backend may count differently now)."""

@@ -7,7 +7,9 @@ here waits for capacity (that is the :class:`~gateway.proxy.ProxyResponse`'s job
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -98,9 +100,11 @@ async def estimate_prompt(state: GatewayState, backend: Target, req: ParsedReque
 
 
 async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest
-                       ) -> tuple[int, int | None]:
+                       ) -> tuple[int, int | None, Callable[[], None] | None]:
     """Prompt tokens as the backend counts them (the longest prompt of a batch), else a
-    local estimate; as (charged, raw estimate or ``None`` when counted exactly).
+    local estimate; as (charged, raw estimate or ``None`` when counted exactly, and for
+    a single prompt counted exactly, how to drop its kept count should the backend's
+    usage disagree with it).
 
     A prompt the backend already counted is not sent again: its count comes from the
     backend's :class:`~gateway.countcache.CountCache` (``source="cache"`` in
@@ -119,8 +123,10 @@ async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest
             queries = [(route, {"prompt": list(p) if isinstance(p, tuple) else p, **model})
                        for p in req.prompts]
         counts: list[int | None] = []
+        keys: list[bytes | None] = []
         for route, body in queries:
             key = backend.counts.key(route, body)
+            keys.append(key)
             count = backend.counts.get(key)
             if count is None:
                 count = await backend.count_prompt(route, body)
@@ -143,7 +149,8 @@ async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest
     source = "estimate" if raw is not None else "cache" if cached == len(queries) \
         else "backend"
     state.metrics.token_count_source.labels(backend.name, source).inc()
-    return counted, raw
+    key = keys[0] if raw is None and len(keys) == 1 else None
+    return counted, raw, None if key is None else partial(backend.counts.forget, key)
 
 
 def _prompt_floor(req: ParsedRequest) -> int:
@@ -238,8 +245,8 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
             refusals.append((_slot_of(backend), exc))
     if not fitting:
         raise max(refusals, key=lambda r: r[0])[1]
-    prompt_tokens, raw_estimate, fitting = await _count_on_one(state, request, req, fitting,
-                                                               queue)
+    prompt_tokens, raw_estimate, forget_count, fitting = await _count_on_one(
+        state, request, req, fitting, queue)
     # Followed live only when every backend can follow it: one response class for all.
     track = all(_trackable(backend, req, route, batch) for backend in fitting)
     candidates = []
@@ -275,7 +282,7 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         progress_s=admission.queue_progress_s if req.stream and req.api != "ollama"
         and request.headers.get(
             "x-queue-progress", "").strip().lower() in ("1", "true", "yes") else 0.0,
-        raw_estimate=raw_estimate, tracked=first.tracked,
+        raw_estimate=raw_estimate, forget_count=forget_count, tracked=first.tracked,
         candidates=candidates if queue is not None else [], queue=queue,
         affinity_key=key, affinity=queue.affinity_for(key) if queue is not None else None,
         prefix=prefix_of(req.body) if affine and route not in ("embeddings", "rerank")
@@ -311,10 +318,11 @@ def _party(state: GatewayState, request: Request, tenant: Tenant, body: dict[str
 
 async def _count_on_one(state: GatewayState, request: Request, req: ParsedRequest,
                         backends: list[Target], queue: ModelQueue | None
-                        ) -> tuple[int, int | None, list[Target]]:
+                        ) -> tuple[int, int | None, Callable[[], None] | None, list[Target]]:
     """Count the prompt on the first of ``backends`` that answers; one that cannot be
     reached, or is loading its model, is marked down and left out. Returns the count,
-    the raw estimate (see :func:`count_prompt`) and the backends still in play.
+    the raw estimate and how to forget the count (see :func:`count_prompt`), and the
+    backends still in play.
 
     :raises GatewayError: as :func:`count_prompt`, from the last backend tried.
     """
@@ -322,8 +330,8 @@ async def _count_on_one(state: GatewayState, request: Request, req: ParsedReques
     for i, counter in enumerate(backends):
         request.state.backend = counter.name
         try:
-            counted, raw = await count_prompt(state, counter, req)
-            return counted, raw, backends[i:]
+            counted, raw, forget = await count_prompt(state, counter, req)
+            return counted, raw, forget, backends[i:]
         except GatewayError as exc:
             passed_over = never_reached(exc) or isinstance(exc, BackendNotReady)
             if not (routing.failover and passed_over and i + 1 < len(backends)):

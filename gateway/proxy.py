@@ -123,6 +123,9 @@ class Exchange:
     tag: tuple[str, int] | None = None
     api: str = "openai"
     raw_estimate: int | None = None
+    # Drops the kept count of this request's prompt (on the backend that counted it),
+    # should the backend's usage disagree with it; None when none was kept.
+    forget_count: Callable[[], None] | None = None
     progress_s: float = 0.0  # SSE progress comments while queued, every this many s
     tracked: bool = False  # followed token by token, preemptible (gateway.tracked)
     # With several backends for the model: the request as planned on each, and the
@@ -207,14 +210,25 @@ def close_after_drain(chunks: AsyncIterator[bytes], resp: httpx.Response) -> Non
             async with asyncio.timeout(STREAM_DRAIN_S):
                 async for _ in chunks:
                     pass
-        except (TimeoutError, httpx.HTTPError):
-            pass  # the connection is closed instead of reused; nothing is lost
+        except Exception as exc:  # a timeout, a broken or closed connection (aiohttp
+            # raises a bare RuntimeError when its session closes): the connection is
+            # closed instead of reused, and nothing is lost, the answer being whole
+            log.debug("a finished stream's tail was not read: %r", exc)
         finally:
             await resp.aclose()
 
     task = asyncio.ensure_future(drain())
     _DRAINING.add(task)
     task.add_done_callback(_DRAINING.discard)
+
+
+async def stop_drains() -> None:
+    """Cancel the tails still being read (at shutdown, before the clients close): their
+    responses are closed, and their connections with them."""
+    tasks = list(_DRAINING)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class ProxyResponse(Response):
@@ -725,11 +739,11 @@ class ProxyResponse(Response):
                         "backend %s counted %d prompt tokens, the gateway charged %d",
                         name, reported, prompt,
                     )
-                if reported != prompt and self.x.raw_estimate is None and self.x.route in (
-                        "chat", "messages", "responses"):
-                    # An exact count the backend disagrees with: it may count otherwise
-                    # now (a new template, unseen by discovery); count afresh.
-                    self.x.backend.counts.clear()
+                if reported != prompt and self.x.forget_count is not None and \
+                        self.x.route in ("chat", "messages", "responses", "completions"):
+                    # An exact count the backend disagrees with (it may count otherwise
+                    # now: a new template, unseen by discovery): count it afresh.
+                    self.x.forget_count()
                 self._calibrate(reported)
                 prompt = self._reported_prompt = reported
         self.metrics.prompt_tokens.labels(name, *who).observe(prompt)

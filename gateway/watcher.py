@@ -32,9 +32,12 @@ class DisconnectWatcher:
         self.disconnected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._cut = cut  # set when a drain runs out of time: work in hand is cut
+        self._cut_seen: asyncio.Task[bool] | None = None  # one wait on it, for every race
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._watch())
+        if self._cut is not None:
+            self._cut_seen = asyncio.ensure_future(self._cut.wait())
 
     async def _watch(self) -> None:
         while True:
@@ -44,12 +47,13 @@ class DisconnectWatcher:
                 return
 
     async def stop(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._task, self._cut_seen):
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
 
     async def race(self, work: Awaitable[T], *, cancel: bool = True) -> T:
         """Await ``work``; raise :class:`ClientDisconnected` if the client goes away
@@ -60,8 +64,7 @@ class DisconnectWatcher:
             (pass a task you keep, to hand it on).
         """
         task = asyncio.ensure_future(work)
-        watcher = self._task
-        cut = asyncio.ensure_future(self._cut.wait()) if self._cut is not None else None
+        watcher, cut = self._task, self._cut_seen
         try:
             if watcher is None or self.disconnected.is_set():
                 raise ClientDisconnected()
@@ -75,8 +78,6 @@ class DisconnectWatcher:
                 raise ClientDisconnected()
             raise _cut_off()
         finally:
-            if cut is not None:
-                cut.cancel()
             if cancel and not task.done():
                 task.cancel()
                 try:

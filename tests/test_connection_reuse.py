@@ -321,3 +321,23 @@ async def test_a_late_stream_tail_holds_neither_the_slot_nor_the_request() -> No
         "backend": "b", "route": "chat", "code": "200", "tenant": "anonymous",
         "priority": "default"}) == 2
     assert upstream.cookies == []  # the listing route keeps no cookie either
+
+
+async def test_tails_still_read_at_shutdown_are_stopped() -> None:
+    from gateway import proxy
+
+    upstream = StreamingUpstream(tail_s=5.0)
+    url = await upstream.start()
+    settings = load_settings(backends=[{"name": "b", "url": url, "kind": "vllm", "slots": 1,
+                                        "keepalive_expiry_s": 60}])
+    app = create_app(settings, registry=CollectorRegistry(), discover=False)
+    async with app.router.lifespan_context(app):
+        await app.state.gateway.backends["b"].discover()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gateway") as client:
+            reply = await client.post("/v1/chat/completions", json={
+                "model": "m", "stream": True, "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 200 and len(proxy._DRAINING) == 1  # the tail waits
+    assert not proxy._DRAINING  # stopped with the app, its response closed
+    await upstream.stop()

@@ -126,6 +126,33 @@ async def test_a_count_the_backend_disagrees_with_is_asked_again(harness: Harnes
     assert count_calls(harness) == 2
 
 
+async def test_only_the_disagreed_count_is_dropped(harness: Harness) -> None:
+    # One prompt whose usage differs (vLLM's truncate_prompt_tokens, say) is counted
+    # afresh each time; the other prompts' counts stay kept.
+    for text in ("one", "two", "three"):
+        assert (await harness.chat(text, max_tokens=4)).status_code == 200
+    key = harness.backend.counts.key("chat", {"messages": [
+        {"role": "user", "content": "one"}], "max_tokens": 4})
+    harness.backend.counts.put(key, 999)
+    assert (await harness.chat("one", max_tokens=4)).status_code == 200
+    assert len(harness.backend.counts) == 2 and harness.backend.counts.get(key) is None
+    for text in ("two", "three"):
+        assert (await harness.chat(text, max_tokens=4)).status_code == 200
+    assert count_calls(harness) == 3
+
+
+async def test_a_completion_count_is_checked_against_its_usage(harness: Harness) -> None:
+    async def complete() -> Any:
+        return await harness.client.post("/v1/completions", json={
+            "prompt": "one two three", "max_tokens": 4})
+
+    true_count = int((await complete()).headers["x-gateway-prompt-tokens"])
+    key = next(iter(harness.backend.counts._counts))
+    harness.backend.counts.put(key, true_count + 700)
+    assert int((await complete()).headers["x-gateway-prompt-tokens"]) == true_count + 700
+    assert int((await complete()).headers["x-gateway-prompt-tokens"]) == true_count
+
+
 async def test_counts_are_asked_again_when_the_template_changes(harness: Harness) -> None:
     # llama-server shows its model file, chat template and build in /props.
     harness.fake.props_extra = {"chat_template": "one", "model_path": "m.gguf"}

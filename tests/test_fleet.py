@@ -672,3 +672,27 @@ async def test_a_model_named_by_the_gateway_reaches_the_backend_by_its_own_id(
     for name in ("gemma", "g3"):
         assert (await fleet.chat(model=name, max_tokens=3)).status_code == 200
     assert [g.get("model") for g in fakes["a"].generations] == ["fake.gguf", "fake.gguf"]
+
+
+async def test_a_disagreed_count_is_forgotten_where_it_was_kept(make_fleet: Any) -> None:
+    # The prompt is counted on the first backend of the pool (a) and may run on another
+    # (b). When the usage disagrees with a kept count, the count a kept is dropped, so
+    # the next request of that prompt is counted afresh.
+    hold = asyncio.Event()
+    fakes = {"a": FakeLlamaServer(slots=1, hold=hold), "b": FakeLlamaServer(slots=1)}
+    fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
+    busy = asyncio.ensure_future(fleet.chat("keep a busy", model="m", max_tokens=5))
+    await asyncio.sleep(0.05)
+    a = fleet.state.backends["a"]
+    first = await fleet.chat("the prompt", model="m", max_tokens=5)  # counted on a, run on b
+    assert first.status_code == 200 and fleet.served_by()["b"] == 1
+    true_count = int(first.headers["x-gateway-prompt-tokens"])
+    key = next(iter(k for k in a.counts._counts if a.counts._counts[k] == true_count))
+    a.counts.put(key, true_count + 500)  # as if the backend now counted otherwise
+    wrong = await fleet.chat("the prompt", model="m", max_tokens=5)
+    right = await fleet.chat("the prompt", model="m", max_tokens=5)
+    assert int(wrong.headers["x-gateway-prompt-tokens"]) == true_count + 500
+    assert int(right.headers["x-gateway-prompt-tokens"]) == true_count
+    assert len(a.counts) == 2  # the other prompt's count is kept
+    hold.set()
+    assert (await busy).status_code == 200
