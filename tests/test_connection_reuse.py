@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -256,6 +258,33 @@ class StreamingUpstream:
             writer.close()
 
 
+STREAM = {"model": "m", "stream": True, "max_tokens": 4,
+          "messages": [{"role": "user", "content": "hi"}]}
+
+
+@asynccontextmanager
+async def gateway_over(upstream: StreamingUpstream, kind: str, slots: int, *,
+                       by_name: bool = False) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+    """The app, with its real upstream clients, over ``upstream`` (discovered), and a
+    client that calls it in-process; the upstream is stopped at the end. ``by_name``:
+    address the upstream as localhost (aiohttp's default jar keeps no cookie from a bare
+    IP address)."""
+    url = await upstream.start()
+    if by_name:
+        url = url.replace("127.0.0.1", "localhost")
+    settings = load_settings(backends=[{"name": "b", "url": url, "kind": kind,
+                                        "slots": slots, "keepalive_expiry_s": 60}])
+    app = create_app(settings, registry=CollectorRegistry(), discover=False)
+    try:
+        async with app.router.lifespan_context(app):
+            await app.state.gateway.backends["b"].discover()
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://gateway") as client:
+                yield app, client
+    finally:
+        await upstream.stop()
+
+
 @pytest.mark.parametrize(("kind", "reused"), [("vllm", True), ("llama.cpp", False)])
 async def test_streams_reuse_connections_unless_the_server_closes_them(
         kind: str, reused: bool) -> None:
@@ -264,22 +293,11 @@ async def test_streams_reuse_connections_unless_the_server_closes_them(
     # a new TCP connection per stream. llama-server closes the connection after every
     # stream, so the gateway asks for that close instead of pooling a dead connection.
     upstream = StreamingUpstream()
-    # By name: aiohttp's default jar keeps no cookie from a bare IP address.
-    url = (await upstream.start()).replace("127.0.0.1", "localhost")
-    settings = load_settings(backends=[{"name": "b", "url": url, "kind": kind, "slots": 2,
-                                        "keepalive_expiry_s": 60}])
-    app = create_app(settings, registry=CollectorRegistry(), discover=False)
-    async with app.router.lifespan_context(app):
-        await app.state.gateway.backends["b"].discover()
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://gateway") as client:
-            for _ in range(3):
-                reply = await client.post("/v1/chat/completions", json={
-                    "model": "m", "stream": True, "max_tokens": 4,
-                    "messages": [{"role": "user", "content": "hi"}]})
-                assert reply.status_code == 200 and reply.text.endswith("data: [DONE]\n\n")
-                await asyncio.sleep(upstream.tail_s * 5)  # the tail is read meanwhile
-    await upstream.stop()
+    async with gateway_over(upstream, kind, 2, by_name=True) as (_app, client):
+        for _ in range(3):
+            reply = await client.post("/v1/chat/completions", json=STREAM)
+            assert reply.status_code == 200 and reply.text.endswith("data: [DONE]\n\n")
+            await asyncio.sleep(upstream.tail_s * 5)  # the tail is read meanwhile
     assert len(upstream.generations) == 3
     connections = {conn for conn, _ in upstream.generations}
     headers = {header for _, header in upstream.generations}
@@ -297,22 +315,12 @@ async def test_a_late_stream_tail_holds_neither_the_slot_nor_the_request() -> No
     # the slot is given back then, the next request does not wait for the tail, and the
     # served request counts as served (200), not as a client that left.
     upstream = StreamingUpstream(tail_s=1.0)
-    url = (await upstream.start()).replace("127.0.0.1", "localhost")  # cookies kept by name
-    settings = load_settings(backends=[{"name": "b", "url": url, "kind": "vllm", "slots": 1,
-                                        "keepalive_expiry_s": 60}])
-    app = create_app(settings, registry=CollectorRegistry(), discover=False)
-    body = {"model": "m", "stream": True, "max_tokens": 4,
-            "messages": [{"role": "user", "content": "hi"}]}
-    async with app.router.lifespan_context(app):
-        await app.state.gateway.backends["b"].discover()
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://gateway") as client:
-            first, second = await asyncio.gather(
-                client.post("/v1/chat/completions", json=body),
-                client.post("/v1/chat/completions", json=body))
-            listed = await client.get("/v1/models")
-            listed = await client.get("/v1/models")
-    await upstream.stop()
+    async with gateway_over(upstream, "vllm", 1, by_name=True) as (app, client):
+        first, second = await asyncio.gather(
+            client.post("/v1/chat/completions", json=STREAM),
+            client.post("/v1/chat/completions", json=STREAM))
+        listed = await client.get("/v1/models")
+        listed = await client.get("/v1/models")
     assert first.status_code == second.status_code == listed.status_code == 200
     waits = sorted(int(r.headers["x-queue-wait-ms"]) for r in (first, second))
     assert waits[1] < 500  # one waited for the other's answer, not for its tail
@@ -327,17 +335,7 @@ async def test_tails_still_read_at_shutdown_are_stopped() -> None:
     from gateway import proxy
 
     upstream = StreamingUpstream(tail_s=5.0)
-    url = await upstream.start()
-    settings = load_settings(backends=[{"name": "b", "url": url, "kind": "vllm", "slots": 1,
-                                        "keepalive_expiry_s": 60}])
-    app = create_app(settings, registry=CollectorRegistry(), discover=False)
-    async with app.router.lifespan_context(app):
-        await app.state.gateway.backends["b"].discover()
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://gateway") as client:
-            reply = await client.post("/v1/chat/completions", json={
-                "model": "m", "stream": True, "max_tokens": 4,
-                "messages": [{"role": "user", "content": "hi"}]})
+    async with gateway_over(upstream, "vllm", 1) as (_app, client):
+        reply = await client.post("/v1/chat/completions", json=STREAM)
         assert reply.status_code == 200 and len(proxy._DRAINING) == 1  # the tail waits
     assert not proxy._DRAINING  # stopped with the app, its response closed
-    await upstream.stop()
