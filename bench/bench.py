@@ -74,6 +74,37 @@ def add_llama_routes(app: Any) -> None:
     app.router.add_get("/props", props)
 
 
+async def stream_answer(request: Any, event: bytes, count: int, final: bytes,
+                        gap_s: float = 0.0) -> Any:
+    """Answer ``request`` with ``count`` copies of the SSE ``event`` (each followed by
+    ``gap_s`` seconds of silence), then ``final``, and close the connection after it, as
+    llama-server does after every stream."""
+    from aiohttp import web
+
+    resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    resp.force_close()  # so the floor pays a new upstream connection per stream too
+    await resp.prepare(request)
+    for _ in range(count):
+        await resp.write(event)
+        if gap_s:
+            await asyncio.sleep(gap_s)
+    await resp.write(final)
+    await resp.write_eof()
+    return resp
+
+
+def serve_upstream(chat: Any, port: int, backlog: int = 128) -> None:
+    """Serve ``chat`` on ``/v1/chat/completions``, with the other llama-server routes the
+    gateway calls (:func:`add_llama_routes`), on 127.0.0.1:``port``, until killed."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    add_llama_routes(app)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None,
+                backlog=backlog)
+
+
 def run_upstream(port: int) -> None:
     from aiohttp import web
 
@@ -81,20 +112,9 @@ def run_upstream(port: int) -> None:
         body = await request.read()
         if b'"stream":true' not in body.replace(b" ", b""):
             return web.Response(body=ANSWER, content_type="application/json")
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        resp.force_close()  # as llama-server does after every stream (so the floor pays
-        # a new upstream connection per stream too, as it would in front of llama-server)
-        await resp.prepare(request)
-        for _ in range(STREAM_EVENTS - 1):
-            await resp.write(DELTA)
-        await resp.write(FINAL)
-        await resp.write_eof()
-        return resp
+        return await stream_answer(request, DELTA, STREAM_EVENTS - 1, FINAL)
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    add_llama_routes(app)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    serve_upstream(chat, port)
 
 
 def run_bare_proxy(port: int, upstream_port: int, transport: str,

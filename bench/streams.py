@@ -33,7 +33,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import add_llama_routes, free_port, run_bare_proxy, wait_http  # noqa: E402
+from bench import (  # noqa: E402
+    free_port,
+    run_bare_proxy,
+    serve_upstream,
+    stream_answer,
+    wait_http,
+)
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"tok"},"finish_reason":null}]}\n\n'
 FINAL = (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
@@ -46,21 +52,9 @@ def run_slow_upstream(port: int, events: int) -> None:
 
     async def chat(request: web.Request) -> web.StreamResponse:
         await request.read()
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        resp.force_close()  # as llama-server does after a stream
-        await resp.prepare(request)
-        for _ in range(events):
-            await resp.write(EVENT)
-            await asyncio.sleep(1.0)
-        await resp.write(FINAL)
-        await resp.write_eof()
-        return resp
+        return await stream_answer(request, EVENT, events, FINAL, gap_s=1.0)
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    add_llama_routes(app)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None,
-                backlog=4096)
+    serve_upstream(chat, port, backlog=4096)
 
 
 def rss_mib(pid: int) -> float:
