@@ -126,6 +126,7 @@ class AdmissionStats:
     preemptions: int = 0  # filled in by the backend: server preemptions it caused
     live_tokens: int = 0  # KV cells the leases in flight hold now, as observed
     up: bool = True  # filled in by the backend: not marked down after a failure
+    queue_capacity: int = 0  # most requests that may wait (max_queue)
 
 
 @dataclass(eq=False)
@@ -292,6 +293,7 @@ class Admission:
             layout_changes=self._layout_changes,
             admitted=self._admitted,
             live_tokens=sum(lease.live_tokens for lease in self._active.values()),
+            queue_capacity=self._max_queue,
         )
 
     def retry_after_s(self) -> float:

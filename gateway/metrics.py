@@ -35,6 +35,8 @@ class _AdmissionCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         families = {
             "queue_depth": ("Requests waiting in the admission queue.", lambda s: s.queued),
+            "queue_capacity": ("Requests the admission queue holds at most "
+                               "(admission.max_queue).", lambda s: s.queue_capacity),
             "inflight_requests": ("Requests holding a lease (forwarded).", lambda s: s.inflight),
             "kv_reserved_tokens": (
                 "KV tokens reserved by requests in flight (prompt + output cap, or under "

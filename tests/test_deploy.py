@@ -1,0 +1,56 @@
+"""The deployment files (issue 12), checked with the real tools: Prometheus's promtool
+for the scrape config and the alert rules, whose unit tests (deploy/prometheus/
+alerts_test.yml) make each alert fire where it should and stay quiet where it should
+not. .ci/run installs promtool (Debian's prometheus package); without it those tests
+are skipped. The metric names the rules use are checked against the gateway's own
+/metrics, so that a renamed metric cannot leave a rule that never fires."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Harness
+
+pytestmark = pytest.mark.anyio
+
+PROMETHEUS = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
+promtool = pytest.mark.skipif(shutil.which("promtool") is None,
+                              reason="promtool is not installed (Debian: prometheus)")
+
+
+def run_promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=120,
+                          cwd=PROMETHEUS, check=False)
+
+
+@promtool
+def test_the_prometheus_config_and_its_rules_are_valid() -> None:
+    done = run_promtool("check", "config", "prometheus.yml")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "6 rules found" in done.stdout
+
+
+@promtool
+def test_each_alert_fires_where_it_should_and_only_there() -> None:
+    done = run_promtool("test", "rules", "alerts_test.yml")
+    assert done.returncode == 0, done.stdout + done.stderr
+    tested = set(re.findall(r"alertname: (\w+)", (PROMETHEUS / "alerts_test.yml").read_text()))
+    rules = set(re.findall(r"- alert: (\w+)", (PROMETHEUS / "alerts.yml").read_text()))
+    assert rules and tested == rules  # every rule has its test
+
+
+async def test_the_rules_use_metrics_the_gateway_exports(harness: Harness) -> None:
+    # One request of each outcome the rules read, so that every family has samples.
+    await harness.chat("hello", max_tokens=4, stream=True)
+    text = (await harness.client.get("/metrics")).text
+    exported = set(re.findall(r"^# TYPE (\w+) ", text, flags=re.MULTILINE))
+    used = set(re.findall(r"\b(gateway_\w+)", (PROMETHEUS / "alerts.yml").read_text()))
+    suffixes = ("_bucket", "_total", "_count", "_sum")
+    missing = {name for name in used if name not in exported and not any(
+        name.endswith(s) and name[: -len(s)] in exported for s in suffixes)}
+    assert used and not missing, missing
