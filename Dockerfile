@@ -1,13 +1,31 @@
-# The gateway alone; point it at your llama-server with a mounted config.
+# syntax=docker/dockerfile:1
+# The gateway alone, in front of a llama-server (or Ollama, vLLM) you run elsewhere.
 #   docker build -t llm-admission-gateway .
-#   docker run -p 8000:8000 -v $PWD/config.toml:/etc/gateway/config.toml llm-admission-gateway
-FROM python:3.11-slim
-WORKDIR /app
+#   docker run -p 8000:8000 -v "$PWD/config.toml:/etc/gateway/config.toml:ro" llm-admission-gateway
+# The configuration is read from /etc/gateway/config.toml (mount yours there; the
+# example's is the default); GATEWAY_* variables override it (README, "Configuration").
+
+# Build stage: the gateway and its dependencies as wheels, at the versions pyproject.toml
+# allows (resolved by pip at build time).
+FROM python:3.11-slim AS build
+WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
-RUN pip install --no-cache-dir .
+RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+
+# Run stage: the wheels installed, no build tools, an unprivileged user.
+FROM python:3.11-slim
+# Installing the wheels built above: their versions were resolved in the build stage.
+# hadolint ignore=DL3013
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --no-index --find-links=/wheels llm-admission-gateway \
+    && useradd --system --no-create-home --uid 10001 gateway
 COPY config.example.toml /etc/gateway/config.toml
-ENV GATEWAY_SERVER__HOST=0.0.0.0
+ENV GATEWAY_SERVER__HOST=0.0.0.0 \
+    PYTHONUNBUFFERED=1
+USER 10001
 EXPOSE 8000
-USER nobody
-CMD ["gateway", "serve", "--config", "/etc/gateway/config.toml"]
+HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
+    CMD ["python", "-c", "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2).status != 200)"]
+ENTRYPOINT ["gateway", "serve"]
+CMD ["--config", "/etc/gateway/config.toml"]

