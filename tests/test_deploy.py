@@ -78,3 +78,57 @@ def test_the_dockerfile_passes_hadolint() -> None:
     assert re.search(r"^USER \d+$", text, re.MULTILINE)  # not root, by number
     assert "HEALTHCHECK" in text and "/health" in text
     assert "/etc/gateway/config.toml" in text
+
+
+def _tool(name: str, package: str) -> Path:
+    """A command from the test extras (beside this interpreter), or on PATH; else skip."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return beside
+    found = shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} is not installed ({package})")
+    return Path(found)
+
+
+def test_the_kubernetes_manifests_validate_and_carry_a_working_config(
+        tmp_path: Path) -> None:
+    from gateway.config import load_settings
+
+    k8s = PROMETHEUS.parent / "k8s"
+    manifests = sorted(str(p) for p in k8s.glob("*.yaml"))
+    done = subprocess.run([str(_tool("kubernetes-validate", "kubernetes-validate")),
+                           "--strict", *manifests], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0 and len(manifests) == 3, done.stdout + done.stderr
+    deployment = (k8s / "deployment.yaml").read_text()
+    assert re.search(r"readinessProbe:\s+httpGet:\s+path: /ready", deployment)
+    assert re.search(r"livenessProbe:\s+httpGet:\s+path: /health", deployment)
+    assert "runAsNonRoot: true" in deployment and "mountPath: /etc/gateway" in deployment
+    # The ConfigMap's config.toml is one the gateway loads.
+    text = (k8s / "configmap.yaml").read_text().split("config.toml: |\n", 1)[1]
+    config = tmp_path / "config.toml"
+    config.write_text("\n".join(line[4:] for line in text.splitlines()))
+    settings = load_settings(config)
+    assert settings.backends[0].url == "http://llama-server:8080"
+    assert settings.server.host == "0.0.0.0"
+
+
+def test_the_systemd_unit_verifies_and_is_hardened(tmp_path: Path) -> None:
+    analyze = _tool("systemd-analyze", "systemd")
+    unit = (PROMETHEUS.parent / "systemd" / "gateway.service").read_text()
+    for setting in ("DynamicUser=yes", "NoNewPrivileges=yes", "ProtectSystem=strict",
+                    "--config /etc/llm-gateway/config.toml", "ExecReload=/bin/kill -HUP"):
+        assert setting in unit, setting
+    # verify checks that ExecStart exists: point it at this installation's gateway
+    installed = Path(sys.executable).parent / "gateway"
+    local = tmp_path / "llm-gateway.service"
+    local.write_text(unit.replace("/opt/llm-gateway/venv/bin/gateway", str(installed)))
+    done = subprocess.run([str(analyze), "verify", str(local)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = subprocess.run([str(analyze), "security", "--offline=true", str(local)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    exposure = re.search(r"Overall exposure level for \S+: ([\d.]+)", done.stdout)
+    assert exposure is not None, done.stdout + done.stderr
+    assert float(exposure.group(1)) <= 2.5  # systemd rates up to 2.0 or so "OK"
