@@ -2,8 +2,10 @@
 # The gateway alone, in front of a llama-server (or Ollama, vLLM) you run elsewhere.
 #   docker build -t llm-admission-gateway .
 #   docker run -p 8000:8000 -v "$PWD/config.toml:/etc/gateway/config.toml:ro" llm-admission-gateway
-# The configuration is read from /etc/gateway/config.toml (mount yours there; the
-# example's is the default); GATEWAY_* variables override it (README, "Configuration").
+# The configuration is read from /etc/gateway/config.toml: mount yours there. The example
+# baked in points at 127.0.0.1:8080, which inside the container is the container itself:
+# set the backends' url to an address the container reaches. GATEWAY_* variables override
+# the file (README, "Configuration").
 
 # Build stage: the gateway and its dependencies as wheels, at the versions pyproject.toml
 # allows (resolved by pip at build time).
@@ -19,13 +21,14 @@ FROM python:3.11-slim
 # hadolint ignore=DL3013
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --find-links=/wheels llm-admission-gateway \
-    && useradd --system --no-create-home --uid 10001 gateway
+    && groupadd --system --gid 10001 gateway \
+    && useradd --system --no-create-home --uid 10001 --gid 10001 gateway
 COPY config.example.toml /etc/gateway/config.toml
 ENV GATEWAY_SERVER__HOST=0.0.0.0 \
     PYTHONUNBUFFERED=1
-USER 10001
+USER 10001:10001
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-    CMD ["python", "-c", "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2).status != 200)"]
+    CMD ["python", "-c", "import os,sys,urllib.request as u; port = os.environ.get('GATEWAY_SERVER__PORT', '8000'); sys.exit(u.urlopen(f'http://127.0.0.1:{port}/health', timeout=2).status != 200)"]
 ENTRYPOINT ["gateway", "serve"]
 CMD ["--config", "/etc/gateway/config.toml"]
