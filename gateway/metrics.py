@@ -53,7 +53,8 @@ class _AdmissionCollector(Collector):
                 "KV tokens the backend can hold: the unified pool, or slots x ctx_per_slot.",
                 lambda s: s.capacity_tokens,
             ),
-            "slots_total": ("Slots of the backend.", lambda s: s.slots),
+            "slots": ("Slots of the backend (was gateway_slots_total, a gauge with a "
+                      "counter's suffix).", lambda s: s.slots),
             "slots_busy": ("Slots held by requests in flight.", lambda s: s.busy_slots),
             "backend_ctx_per_slot": ("Context of one slot, tokens.", lambda s: s.ctx_per_slot),
             "abandoned_reservations": (

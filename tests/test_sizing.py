@@ -32,6 +32,17 @@ def test_recommendation_from_recorded_metrics() -> None:
     assert r["current_slots"] == 4 and r["current_ctx_per_slot"] == 4096
 
 
+def test_the_slots_gauge_is_read_under_its_new_and_its_old_name() -> None:
+    # The recording holds the old name, gateway_slots_total; a newer gateway exports
+    # gateway_slots (a gauge must not carry a counter's suffix).
+    old = RECORDED.read_text()
+    assert "gateway_slots_total{" in old
+    new = old.replace("gateway_slots_total", "gateway_slots").replace(
+        'gateway_slots{backend="local"} 4.0', 'gateway_slots{backend="local"} 6.0')
+    assert recommend(old)["local"]["current_slots"] == 4
+    assert recommend(new)["local"]["current_slots"] == 6
+
+
 def test_margin_changes_the_recommendation() -> None:
     r = recommend(RECORDED.read_text(), margin=0.5)["local"]
     assert r["recommended_ctx_per_slot"] == 3840  # ceil(2560 x 1.5) = 3840

@@ -58,9 +58,11 @@ def read_histograms(text: str) -> dict[str, dict[str, Any]]:
                     (float(s.labels["le"]), s.value))
             elif s.name.endswith("_count") and s.name[: -len("_count")] in HISTOGRAMS:
                 out[backend][s.name] = s.value
-            elif s.name in ("gateway_kv_capacity_tokens", "gateway_slots_total",
+            elif s.name in ("gateway_kv_capacity_tokens", "gateway_slots",
                             "gateway_backend_ctx_per_slot"):
                 out[backend][s.name] = s.value
+            elif s.name == "gateway_slots_total":  # its name before it was renamed
+                out[backend].setdefault("gateway_slots", s.value)
     for data in out.values():
         for name in data["buckets"]:
             data["buckets"][name].sort()
@@ -92,7 +94,7 @@ def recommend(text: str, *, margin: float = 0.1) -> dict[str, Any]:
             "margin": margin,
             "recommended_ctx_per_slot": ctx,
             "kv_capacity_tokens": capacity,
-            "current_slots": data.get("gateway_slots_total"),
+            "current_slots": data.get("gateway_slots"),
             "current_ctx_per_slot": data.get("gateway_backend_ctx_per_slot"),
             "recommended_slots": max(1, int(capacity // ctx)) if capacity else None,
         }

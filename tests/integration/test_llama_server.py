@@ -147,7 +147,7 @@ def test_discovery_reads_layout_from_the_backend(default_server: LlamaServer) ->
     with GatewayThread({"url": default_server.url}) as gw:
         ready = httpx.get(gw.url + "/ready", timeout=5).json()["backends"]["local"]
         assert (ready["slots"], ready["ctx_per_slot"], ready["capacity_tokens"]) == (4, 2048, 2048)
-        assert gw.metric("gateway_slots_total") == 4
+        assert gw.metric("gateway_slots") == 4
         # Admission uses the discovered slot: 1000 prompt-ish + 1500 cap cannot fit 2048.
         r = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
             "messages": [{"role": "user", "content": long_prompt(40)}], "max_tokens": 1500})

@@ -89,7 +89,7 @@ def test_restarted_backend_changes_the_model_without_gateway_restart(
                         break
                     time.sleep(0.2)
                 assert gw.metric("gateway_kv_capacity_tokens") == 4096
-                assert gw.metric("gateway_slots_total") == 2
+                assert gw.metric("gateway_slots") == 2
                 assert gw.metric("gateway_backend_layout_changes_total") == 1
                 r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
                     "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3000})
