@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,16 +16,14 @@ __all__ = ["main"]
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.app import create_app
+    from gateway.logs import configure_logging
     from gateway.serving import serve
 
     settings = load_settings(args.config)
     server = settings.server.model_copy(
         update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     )
-    logging.basicConfig(
-        level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per upstream call
+    configure_logging(server)
     serve(create_app(settings), settings, host=server.host, port=server.port,
           config_path=args.config)
     return 0

@@ -27,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestAccounting, count_rejection
 from gateway.proxy import stop_drains
 from gateway.state import GatewayState
+from gateway.status import STATUS_PATHS, register_status
 from gateway.target import Target
 from gateway.tenants import OPEN_PATHS, Tenants, check_admin_key
 from gateway.upstream import build_client
@@ -103,12 +104,13 @@ def create_app(
     state.tenants = Tenants(settings)
 
     def authenticate(scope: Any) -> None:
-        """Who the request is for (before its body is read): probes and admin routes
-        pass (the admin routes check their own key); ``/metrics`` needs the admin key
-        when one is set, unless ``server.metrics_public``; every other path needs a
-        tenant's key when tenants are configured (:meth:`Tenants.authenticate`)."""
+        """Who the request is for (before its body is read): probes, the admin routes
+        and the status page pass (those check the admin key themselves, never a
+        tenant's); ``/metrics`` needs the admin key when one is set, unless
+        ``server.metrics_public``; every other path needs a tenant's key when tenants
+        are configured (:meth:`Tenants.authenticate`)."""
         path: str = scope["path"]
-        if path in OPEN_PATHS or path.startswith("/admin/"):
+        if path in OPEN_PATHS or path in STATUS_PATHS or path.startswith("/admin/"):
             return
         server = state.settings.server
         if path == "/metrics":
@@ -143,13 +145,14 @@ def create_app(
     )
     app.state.gateway = state
     direct = register_routes(app, state)
+    register_status(app, state)
     app.add_middleware(RequestAccounting, metrics=state.metrics,
                        keepalive_timeout_s=settings.server.keepalive_timeout_s,
                        authenticate=authenticate, routes=direct)
 
     @app.exception_handler(GatewayError)
     async def _render(request: Request, exc: GatewayError) -> Response:
-        count_rejection(state.metrics, request.scope.get("state", {}), exc)
+        count_rejection(state.metrics, request.scope.setdefault("state", {}), exc)
         status, headers, body = render(exc, shape_of(request.url.path))
         raw = {k.decode(): v.decode() for k, v in headers if k != b"content-length"}
         return Response(body, status, headers=raw)

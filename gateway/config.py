@@ -89,7 +89,15 @@ class ServerSettings(_Strict):
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
-    @field_validator("log_level", mode="before")
+    # Every log line, the gateway's and uvicorn's, as "text" (one line, the access line's
+    # fields as key=value) or "json" (one object per line). gateway/logs.py
+    log_format: Literal["text", "json"] = "text"
+    # One access line per request (logger gateway.access): what the gateway decided,
+    # timings and token counts, never prompt or completion text nor keys. Probes,
+    # /metrics and the status page are logged at DEBUG only.
+    access_log: bool = True
+
+    @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _lower_level(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value

@@ -99,12 +99,14 @@ async def estimate_prompt(state: GatewayState, backend: Target, req: ParsedReque
     return await _estimate(req, factor), await _estimate(req, 1.0)
 
 
-async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest
+async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest,
+                       note: Any = None,
                        ) -> tuple[int, int | None, Callable[[], None] | None]:
     """Prompt tokens as the backend counts them (the longest prompt of a batch), else a
     local estimate; as (charged, raw estimate or ``None`` when counted exactly, and for
     a single prompt counted exactly, how to drop its kept count should the backend's
-    usage disagree with it).
+    usage disagree with it). ``note`` (a request's ``state``), if given, gets the
+    count's source as ``count_source``, for the access line.
 
     A prompt the backend already counted is not sent again: its count comes from the
     backend's :class:`~gateway.countcache.CountCache` (``source="cache"`` in
@@ -149,6 +151,8 @@ async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest
     source = "estimate" if raw is not None else "cache" if cached == len(queries) \
         else "backend"
     state.metrics.token_count_source.labels(backend.name, source).inc()
+    if note is not None:
+        note.count_source = source
     key = keys[0] if raw is None and len(keys) == 1 else None
     return counted, raw, None if key is None else partial(backend.counts.forget, key)
 
@@ -260,6 +264,7 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         raise max(refusals, key=lambda r: r[0])[1]
     first = candidates[0]
     charge = first.charge
+    request.state.prompt_tokens, request.state.max_tokens = prompt_tokens, charge.max_tokens
     prompt_total = prompt_tokens * batch  # a batch's prompts, each at most the longest
     hold = tenant.hold_tokens(state.clock.now(), prompt_total)  # 429 over the quota
     extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]
@@ -330,7 +335,7 @@ async def _count_on_one(state: GatewayState, request: Request, req: ParsedReques
     for i, counter in enumerate(backends):
         request.state.backend = counter.name
         try:
-            counted, raw, forget = await count_prompt(state, counter, req)
+            counted, raw, forget = await count_prompt(state, counter, req, request.state)
             return counted, raw, forget, backends[i:]
         except GatewayError as exc:
             passed_over = never_reached(exc) or isinstance(exc, BackendNotReady)

@@ -143,6 +143,11 @@ class Exchange:
     hold: TokenHold | None = None
     prompt_total: int = 0  # the prompt tokens of all its prompts (a batch: an upper bound)
     batched: bool = False  # several prompts: the backend's usage gives their true sum
+    # For the access line (gateway.logs): seconds queued, seconds to the first token,
+    # and the reason it was refused after it reached the queue.
+    queue_wait_s: float | None = None
+    ttft_s: float | None = None
+    reason: str | None = None
 
     @property
     def who(self) -> tuple[str, str]:
@@ -280,6 +285,9 @@ class ProxyResponse(Response):
             state = scope.setdefault("state", {})
             state["final_status"] = x.status or 499
             state["backend"] = x.backend.name
+            state["queue_wait_s"], state["ttft_s"] = x.queue_wait_s, x.ttft_s
+            if x.reason is not None:
+                state["reason"] = x.reason
             self.metrics.duration.labels(x.backend.name).observe(self.clock.now() - x.started)
 
     async def _send_error(self, send: Send, exc: GatewayError) -> None:
@@ -358,10 +366,12 @@ class ProxyResponse(Response):
             elif lease is None:
                 lease = await watcher.race(x.admit())
         except ClientDisconnected:
-            m.rejections.labels(name, "client_disconnected", *x.who).inc()
+            x.reason = "client_disconnected"
+            m.rejections.labels(name, x.reason, *x.who).inc()
             return None, send
         except GatewayError as exc:
-            m.rejections.labels(name, exc.rejection_reason or "other", *x.who).inc()
+            x.reason = exc.rejection_reason or "other"
+            m.rejections.labels(name, x.reason, *x.who).inc()
             await self._send_error(send, exc)
             return None, send
         finally:
@@ -369,6 +379,7 @@ class ProxyResponse(Response):
                 tenant.waiting -= 1
         name = x.backend.name  # the backend the lease is on
         lease.waited_s += gate_s
+        x.queue_wait_s = lease.waited_s
         m.queue_wait.labels(name, *x.who).observe(lease.waited_s)
         x.extra_headers.append((b"x-queue-wait-ms", str(round(lease.waited_s * 1000)).encode()))
         if lease.predicted_wait_s is not None:
@@ -458,8 +469,8 @@ class ProxyResponse(Response):
         except ClientDisconnected:
             x.status = 499
         except GatewayError as refused:
-            m.rejections.labels(failed.name, refused.rejection_reason or "other",
-                                *x.who).inc()
+            x.reason = refused.rejection_reason or "other"
+            m.rejections.labels(failed.name, x.reason, *x.who).inc()
             await self._send_error(send, refused)
         return None
 
@@ -857,7 +868,10 @@ class ProxyResponse(Response):
         now = self.clock.now()
         self._streamed += 1
         if state.last_token is None:
-            self.metrics.ttft.labels(self.x.backend.name).observe(now - self.x.started)
+            ttft = now - self.x.started
+            if self.x.ttft_s is None:  # a resumed answer's first token is not its first
+                self.x.ttft_s = ttft
+            self.metrics.ttft.labels(self.x.backend.name).observe(ttft)
         else:
             name = self.x.backend.name
             if self._itl_of != name:  # the labelled child, looked up once per backend

@@ -124,7 +124,8 @@ def serve(app: Any, settings: Settings, *, host: str | None = None,
     warn_if_open(settings, host or server.host)
     config = uvicorn.Config(
         app, host=host or server.host, port=port if port is not None else server.port,
-        log_level=server.log_level, loop="uvloop", **uvicorn_options(settings))
+        log_level=server.log_level, loop="uvloop", log_config=None, access_log=False,
+        **uvicorn_options(settings))
     DrainingServer(config).run()
 
 
