@@ -129,6 +129,16 @@ def test_the_kubernetes_manifests_validate_and_carry_a_working_config(
     assert settings.server.host == "0.0.0.0"
 
 
+def test_every_deploy_yaml_file_passes_yamllint() -> None:
+    deploy = PROMETHEUS.parent
+    files = sorted(str(p) for p in deploy.rglob("*.y*ml"))
+    assert any("k8s" in f for f in files) and any("prometheus" in f for f in files)
+    done = subprocess.run([str(_tool("yamllint", "yamllint")), "--strict", "-f", "parsable",
+                           "-c", str(deploy / ".yamllint"), *files], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_the_systemd_unit_verifies_and_is_hardened(tmp_path: Path) -> None:
     analyze = _tool("systemd-analyze", "systemd")
     unit = (PROMETHEUS.parent / "systemd" / "llm-gateway.service").read_text()
