@@ -14,7 +14,8 @@ OpenAI-shaped 500 for anything that escapes the handlers.
 * turns a client that disconnects while its body is read into a quiet 499, and any
   other unhandled exception into a logged 500 in the OpenAI error shape;
 * gives each request an id (its ``X-Request-Id`` when plain, else a new one), returned
-  in the ``x-request-id`` response header, and writes its one access line
+  in the ``x-request-id`` response header and sent upstream in the same header (as
+  ``scope["state"]["request_id"]``, bytes), and writes its one access line
   (:func:`gateway.logs.log_access`) from what the handlers left in ``scope["state"]``;
 * serves the generation routes itself (``routes``: ``POST`` path → ASGI callable),
   without the web framework's routing, dependency and exception layers, which cost
@@ -110,7 +111,7 @@ class RequestAccounting:
         state: dict[str, Any] = scope.setdefault("state", {})
         status = 0
         began = time.monotonic()
-        request_id = request_id_of(scope["headers"])
+        request_id = state["request_id"] = request_id_of(scope["headers"])
 
         async def tracking_send(message: Message) -> None:
             nonlocal status

@@ -56,7 +56,7 @@ async def test_one_access_line_per_request_with_what_the_gateway_decided(
 
 
 async def test_a_plain_client_request_id_is_kept_and_a_bad_one_replaced(
-        harness: Harness, caplog: pytest.LogCaptureFixture) -> None:
+        harness: Harness, fake: Any, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     kept = await harness.client.post("/v1/chat/completions", json=body,
@@ -68,6 +68,10 @@ async def test_a_plain_client_request_id_is_kept_and_a_bad_one_replaced(
         assert r.headers["x-request-id"] != bad and len(r.headers["x-request-id"]) == 32
     ids = [rec.request_id for rec in access_records(caplog)]
     assert ids[0] == "trace-42.a:b" and len(set(ids)) == 4
+    # the backend is sent the same id, once, in place of the client's
+    sent = [r.headers.get_list("x-request-id") for r in fake.requests
+            if r.url.path == "/v1/chat/completions"]
+    assert sent == [[i] for i in ids]
 
 
 async def test_rejections_carry_their_reason(
