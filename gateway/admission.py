@@ -296,6 +296,12 @@ class Admission:
             queue_capacity=self._max_queue,
         )
 
+    def oldest_wait_s(self) -> float:
+        """How long the request waiting longest in this queue has waited so far,
+        seconds (0.0 when none waits). For the status page."""
+        now = self._clock.now()
+        return max((now - waiter.since for waiter in self._queue), default=0.0)
+
     def retry_after_s(self) -> float:
         """Estimate when a request sent now could start, in seconds (1–60).
 

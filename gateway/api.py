@@ -236,7 +236,8 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
         served = ", ".join(["POST " + p for p in (*FORWARDED, "/v1/messages/count_tokens",
                                                    "/api/chat", "/api/generate", "/api/show")]
                            + ["GET /v1/models", "GET /health", "GET /ready", "GET /metrics",
-                              "GET /api/tags", "GET /api/version", "GET /api/ps"])
+                              "GET /status", "GET /status.json", "GET /api/tags",
+                              "GET /api/version", "GET /api/ps"])
         raise RouteNotFound(f"{request.method} {request.url.path}: {exc.detail}. The gateway "
                             f"serves {served}.", status_code=exc.status_code)
 
