@@ -1,0 +1,265 @@
+"""The live status page: ``GET /status`` (one HTML page, no build step, nothing fetched
+from elsewhere) and ``GET /status.json`` (what the page shows, read again every
+:data:`REFRESH_MS` milliseconds by the page itself).
+
+The figures are those of ``/metrics``, read from the same sources at the moment of the
+call: each backend's admission stats (:meth:`gateway.target.Target.stats`) and the
+``gateway_rejections_total`` counter. The page and the JSON are guarded by
+``server.admin_key`` when one is set (see :func:`status_authorized`), and open otherwise,
+as ``/metrics`` is.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import re
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from importlib.resources import files
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import Counter
+
+from gateway.admission import Clock
+from gateway.errors import Unauthorized, render
+from gateway.middleware import count_rejection
+from gateway.state import GatewayState
+from gateway.target import Target
+from gateway.tenants import check_admin_key
+
+__all__ = ["RECENT_WINDOW_S", "REFRESH_MS", "STATUS_PATHS", "RejectionLog", "backend_status",
+           "register_status", "status_authorized", "status_page"]
+
+STATUS_PATHS = frozenset({"/status", "/status.json"})
+REFRESH_MS = 1500  # how often the page reads /status.json, milliseconds
+RECENT_WINDOW_S = 300.0  # "recent" rejections: those of about the last five minutes
+SAMPLE_EVERY_S = 5.0  # at most one snapshot of the rejection counter per this, seconds
+REALM = "llm-gateway"  # the HTTP Basic realm a browser shows when it asks for the key
+
+_INLINE = re.compile(rb"<(script|style)>(.*?)</\1>", re.DOTALL)
+
+
+def status_page() -> bytes:
+    """The page (UTF-8 HTML, a few KB), as packaged in ``gateway/static/status.html``;
+    its ``data-refresh-ms`` is set to :data:`REFRESH_MS`."""
+    page = files("gateway").joinpath("static/status.html").read_bytes()
+    return page.replace(b'data-refresh-ms="1500"', f'data-refresh-ms="{REFRESH_MS}"'.encode())
+
+
+def _content_security_policy(page: bytes) -> str:
+    """A policy that lets the page run only its own inline script and style (by their
+    SHA-256) and talk only to the gateway it came from."""
+    hashes: dict[bytes, list[str]] = {b"script": [], b"style": []}
+    for kind, body in _INLINE.findall(page):
+        digest = base64.b64encode(hashlib.sha256(body).digest()).decode()
+        hashes[kind].append(f"'sha256-{digest}'")
+    script = " ".join(hashes[b"script"]) or "'none'"
+    style = " ".join(hashes[b"style"]) or "'none'"
+    return (f"default-src 'none'; script-src {script}; style-src {style}; "
+            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
+            "form-action 'none'; frame-ancestors 'none'")
+
+
+def status_authorized(headers: Iterable[tuple[bytes, bytes]], admin_key: str) -> bool:
+    """True when the request carries the admin key, as ``Authorization: Bearer <key>``
+    (scripts, like the ``/admin`` routes) or as HTTP Basic with the key as the password
+    and any user name (browsers: they ask for it after a 401 with ``WWW-Authenticate:
+    Basic``). Tenants' keys, ``x-api-key`` and two ``Authorization`` headers are not
+    accepted. Keys are compared in constant time."""
+    auths = [v for k, v in headers if k.lower() == b"authorization"]
+    if len(auths) != 1:
+        return False
+    scheme, _, rest = auths[0].decode("latin-1").strip().partition(" ")
+    if scheme.lower() == "bearer":
+        try:
+            check_admin_key([(b"authorization", auths[0])], admin_key, "")
+        except Unauthorized:
+            return False
+        return True
+    if scheme.lower() != "basic":
+        return False
+    try:
+        decoded = base64.b64decode(rest.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return False
+    _user, colon, password = decoded.partition(":")
+    if not colon:
+        return False
+    given = hashlib.sha256(password.encode("utf-8", "surrogatepass")).digest()
+    expected = hashlib.sha256(admin_key.strip().encode("utf-8", "surrogatepass")).digest()
+    return hmac.compare_digest(given, expected)
+
+
+class RejectionLog:
+    """``gateway_rejections_total`` summed by (backend, reason) over tenants and
+    priorities, and what it rose by recently.
+
+    "Recently" is measured against snapshots of the totals taken when the status is
+    read (at most one per ``sample_every_s`` seconds; the first when the log is made,
+    with every count at 0): the baseline is the newest snapshot at least ``window_s``
+    seconds old, else the first. While the page is open that covers ``window_s`` to
+    ``window_s + sample_every_s`` seconds; after nobody looked for a while it covers
+    more, and :meth:`read` says how much.
+
+    :param counter: the ``gateway_rejections`` counter (labels backend, reason, tenant,
+        priority).
+    :param clock: time source, seconds.
+    """
+
+    def __init__(self, counter: Counter, clock: Clock, *, window_s: float = RECENT_WINDOW_S,
+                 sample_every_s: float = SAMPLE_EVERY_S) -> None:
+        self._counter = counter
+        self._clock = clock
+        self._window_s = window_s
+        self._every_s = sample_every_s
+        self._samples: deque[tuple[float, dict[tuple[str, str], int]]] = deque(
+            [(clock.now(), {})])
+
+    def totals(self) -> dict[tuple[str, str], int]:
+        """Rejections since start by (backend, reason); ``backend`` is ``"none"`` for
+        those refused before a backend was chosen."""
+        found: dict[tuple[str, str], int] = {}
+        for family in self._counter.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = (sample.labels["backend"], sample.labels["reason"])
+                    found[key] = found.get(key, 0) + int(sample.value)
+        return found
+
+    def read(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int], float]:
+        """(totals since start, the rise since the baseline, how many seconds back the
+        baseline is); only counts above zero are given in the rise."""
+        now, totals = self._clock.now(), self.totals()
+        if now - self._samples[-1][0] >= self._every_s:
+            self._samples.append((now, totals))
+        while len(self._samples) > 1 and self._samples[1][0] <= now - self._window_s:
+            self._samples.popleft()
+        since, base = self._samples[0]
+        recent = {k: v - base.get(k, 0) for k, v in totals.items() if v > base.get(k, 0)}
+        return totals, recent, now - since
+
+
+def _by_reason(counts: Mapping[tuple[str, str], int], backend: str) -> dict[str, int]:
+    return {reason: n for (b, reason), n in sorted(counts.items()) if b == backend}
+
+
+def backend_status(backend: Target, now: float, *, gateway_draining: bool = False,
+                   retiring: bool = False) -> dict[str, Any]:
+    """One backend's row of ``/status.json`` (rejections are added by the caller).
+
+    ``state`` is ``"not_ready"`` (unreachable, loading, or capacity not known;
+    ``problem`` says why), ``"down"`` (marked down after a failed request, for
+    ``down_for_s`` more seconds), ``"retiring"`` (removed by a reload, finishing its
+    requests), ``"draining"`` (the backend or the whole gateway takes no new requests)
+    or ``"up"``. ``layout`` is ``"unified"`` (one KV pool of ``pool_tokens`` cells
+    shared by the slots), ``"per_slot"`` (each slot its own ``ctx_per_slot`` tokens) or
+    ``None`` while unknown. Token figures are KV cells (tokens); ``capacity_tokens``,
+    ``reserved_tokens``, ``live_tokens``, ``slots``, ``busy_slots``, ``inflight``,
+    ``queued`` and ``queue_capacity`` equal the ``/metrics`` gauges of the same backend;
+    ``oldest_wait_s`` is how long the longest waiter of its own queue has waited.
+    """
+    stats, layout = backend.stats(), backend.layout
+    if not backend.ready:
+        state = "not_ready"
+    elif not backend.up:
+        state = "down"
+    elif retiring:
+        state = "retiring"
+    elif backend.draining or gateway_draining:
+        state = "draining"
+    else:
+        state = "up"
+    return {
+        "name": backend.name, "model": backend.model, "kind": backend.kind, "state": state,
+        "ready": backend.ready, "up": backend.up, "draining": backend.draining,
+        "retiring": retiring, "problem": backend.problem,
+        "down_for_s": round(max(0.0, backend.down_until - now), 3),
+        "layout": None if layout is None else "unified" if layout.unified else "per_slot",
+        "slots": stats.slots, "busy_slots": stats.busy_slots,
+        "ctx_per_slot": stats.ctx_per_slot,
+        "pool_tokens": None if layout is None else layout.pool_tokens,
+        "capacity_tokens": stats.capacity_tokens, "reserved_tokens": stats.reserved_tokens,
+        "live_tokens": stats.live_tokens, "inflight": stats.inflight,
+        "queued": stats.queued, "queue_capacity": stats.queue_capacity,
+        "oldest_wait_s": round(backend.admission.oldest_wait_s(), 3),
+    }
+
+
+def register_status(app: FastAPI, state: GatewayState) -> None:
+    """Add ``GET /status`` and ``GET /status.json`` to ``app``.
+
+    ``/status.json`` is::
+
+        {"generated_at": float,       # Unix time of the reading, seconds
+         "draining": bool,            # the gateway is stopping
+         "refresh_ms": int,           # how often the page reads this, milliseconds
+         "recent_window_s": float,    # how far back "recent" counts go, seconds
+         "backends": [backend_status(...) + {"rejections": {"total": {reason: n},
+                                                            "recent": {reason: n}}}],
+         "pools": [{"model": str, "backends": [str], "queued": int,
+                    "queue_capacity": int, "oldest_wait_s": float}],
+         "unassigned_rejections": {"total": {...}, "recent": {...}}}
+
+    ``pools`` lists the shared queues of models served by several backends (their
+    requests wait there, not in a backend's own queue); ``unassigned_rejections`` the
+    rejections counted with ``backend="none"`` (refused before a backend was chosen).
+    Authentication: :func:`status_authorized` when ``server.admin_key`` is set.
+    """
+    page = status_page()
+    page_headers = {"cache-control": "no-store", "x-content-type-options": "nosniff",
+                    "referrer-policy": "no-referrer",
+                    "content-security-policy": _content_security_policy(page)}
+    rejections = RejectionLog(state.metrics.rejections, state.clock)
+
+    def refused(request: Request) -> Response | None:
+        """``None`` when the caller may see the status; else the 401 to send."""
+        request.state.route = "status"
+        key = state.settings.server.admin_key
+        if key is None or status_authorized(request.headers.raw, key.get_secret_value()):
+            return None
+        exc = Unauthorized("The status page needs server.admin_key: send it as "
+                           "Authorization: Bearer <admin_key>, or as the password of HTTP "
+                           "Basic authentication (any user name).")
+        count_rejection(state.metrics, request.scope.setdefault("state", {}), exc)
+        status, raw, body = render(exc)
+        headers = {k.decode(): v.decode() for k, v in raw if k != b"content-length"}
+        headers["www-authenticate"] = f'Basic realm="{REALM}", charset="UTF-8"'
+        return Response(body, status, headers=headers)
+
+    @app.get("/status")
+    async def status_html(request: Request) -> Response:
+        return refused(request) or Response(page, media_type="text/html; charset=utf-8",
+                                            headers=page_headers)
+
+    @app.get("/status.json")
+    async def status_json(request: Request) -> Response:
+        denied = refused(request)
+        if denied is not None:
+            return denied
+        now = state.clock.now()
+        totals, recent, span = rejections.read()
+        rows = []
+        for backend, retiring in (*((b, False) for b in state.backends.values()),
+                                  *((b, True) for b in state.retiring)):
+            row = backend_status(backend, now, gateway_draining=state.draining,
+                                 retiring=retiring)
+            row["rejections"] = {"total": _by_reason(totals, backend.name),
+                                 "recent": _by_reason(recent, backend.name)}
+            rows.append(row)
+        pools = [{"model": queue.model, "backends": [b.name for b in queue.members],
+                  "queued": queue.waiting, "queue_capacity": queue.max_queue,
+                  "oldest_wait_s": round(oldest, 3)}
+                 for queue, oldest in state.pool_queues()]
+        return JSONResponse({
+            "generated_at": round(time.time(), 3), "draining": state.draining,
+            "refresh_ms": REFRESH_MS, "recent_window_s": round(span, 3),
+            "backends": rows, "pools": pools,
+            "unassigned_rejections": {"total": _by_reason(totals, "none"),
+                                      "recent": _by_reason(recent, "none")},
+        }, headers={"cache-control": "no-store"})
