@@ -127,6 +127,7 @@ class AdmissionStats:
     live_tokens: int = 0  # KV cells the leases in flight hold now, as observed
     up: bool = True  # filled in by the backend: not marked down after a failure
     queue_capacity: int = 0  # most requests that may wait (max_queue)
+    oldest_wait_s: float = 0.0  # how long the longest waiter has waited so far, seconds
 
 
 @dataclass(eq=False)
@@ -294,11 +295,12 @@ class Admission:
             admitted=self._admitted,
             live_tokens=sum(lease.live_tokens for lease in self._active.values()),
             queue_capacity=self._max_queue,
+            oldest_wait_s=self.oldest_wait_s() if self._queue else 0.0,
         )
 
     def oldest_wait_s(self) -> float:
         """How long the request waiting longest in this queue has waited so far,
-        seconds (0.0 when none waits). For the status page."""
+        seconds (0.0 when none waits)."""
         now = self._clock.now()
         return max((now - waiter.since for waiter in self._queue), default=0.0)
 

@@ -100,7 +100,18 @@ def create_app(
     client = http_client or next(iter(backends.values())).client
     state = GatewayState(settings, client, clock, backends)
     state.make_target = make_target
-    state.metrics = GatewayMetrics(registry or CollectorRegistry(), state.stats)
+    def pool_rows() -> list[tuple[str, int, int, float]]:
+        """One row per model with a shared queue; a queue a reload retired adds its
+        waiters to the model's row (its capacity is the live queue's)."""
+        rows: dict[str, tuple[str, int, int, float]] = {}
+        for queue, oldest in state.pool_queues():
+            _, waiting, capacity, longest = rows.get(queue.model, (queue.model, 0, 0, 0.0))
+            rows[queue.model] = (queue.model, waiting + queue.waiting,
+                                 capacity if queue.retired else queue.max_queue,
+                                 max(longest, oldest))
+        return list(rows.values())
+
+    state.metrics = GatewayMetrics(registry or CollectorRegistry(), state.stats, pool_rows)
     state.tenants = Tenants(settings)
 
     def authenticate(scope: Any) -> None:

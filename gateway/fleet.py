@@ -150,6 +150,12 @@ class ModelQueue:
         """Requests waiting in this queue."""
         return len(self._queue)
 
+    def oldest_wait_s(self) -> float:
+        """How long the request waiting longest here has waited so far, seconds (0.0
+        when none waits)."""
+        now = self.clock.now()
+        return max((now - w.since for w in self._queue), default=0.0)
+
     def retire(self) -> None:
         """A reload replaced this queue: new requests go to another. The requests
         waiting here stay, and start on the backends of theirs still taking requests;

@@ -26,17 +26,23 @@ _TOKEN_BUCKETS = (
 )
 
 StatsSource = Callable[[], Iterable[tuple[str, AdmissionStats, bool]]]
+# (model, requests waiting, max_queue, oldest wait in seconds) per shared pool queue.
+PoolSource = Callable[[], Iterable[tuple[str, int, int, float]]]
 
 
 class _AdmissionCollector(Collector):
-    def __init__(self, source: StatsSource) -> None:
+    def __init__(self, source: StatsSource, pools: PoolSource | None = None) -> None:
         self._source = source
+        self._pools = pools
 
     def collect(self) -> Iterator[Metric]:
         families = {
             "queue_depth": ("Requests waiting in the admission queue.", lambda s: s.queued),
             "queue_capacity": ("Requests the admission queue holds at most "
                                "(admission.max_queue).", lambda s: s.queue_capacity),
+            "queue_oldest_wait_seconds": ("How long the request waiting longest in the "
+                                          "admission queue has waited so far.",
+                                          lambda s: s.oldest_wait_s),
             "inflight_requests": ("Requests holding a lease (forwarded).", lambda s: s.inflight),
             "kv_reserved_tokens": (
                 "KV tokens reserved by requests in flight (prompt + output cap, or under "
@@ -100,6 +106,23 @@ class _AdmissionCollector(Collector):
         for name, stats, _ready in rows:
             preempted.add_metric([name], float(stats.preemptions))
         yield preempted
+        yield from self._pool_families()
+
+    def _pool_families(self) -> Iterator[Metric]:
+        """The shared queues of models served by several backends (gateway.fleet): their
+        requests wait there, not in a backend's queue."""
+        pools = list(self._pools()) if self._pools is not None else []
+        for suffix, doc, index in (
+            ("depth", "Requests waiting in the shared queue of a pool of backends.", 1),
+            ("capacity", "Requests the pool's shared queue holds at most "
+                         "(admission.max_queue).", 2),
+            ("oldest_wait_seconds", "How long the request waiting longest in the pool's "
+                                    "shared queue has waited so far.", 3),
+        ):
+            fam = GaugeMetricFamily(f"gateway_pool_queue_{suffix}", doc, labels=["model"])
+            for row in pools:
+                fam.add_metric([row[0]], float(row[index]))
+            yield fam
 
 
 class GatewayMetrics:
@@ -108,10 +131,13 @@ class GatewayMetrics:
     :param registry: where to register (tests pass a fresh ``CollectorRegistry``).
     :param stats_source: returns ``(backend name, AdmissionStats, ready)`` per backend,
         read at scrape time.
+    :param pool_source: returns ``(model, waiting, max_queue, oldest wait s)`` per shared
+        pool queue, read at scrape time.
     :raises ValueError: a metric name is already registered on ``registry``.
     """
 
-    def __init__(self, registry: CollectorRegistry, stats_source: StatsSource) -> None:
+    def __init__(self, registry: CollectorRegistry, stats_source: StatsSource,
+                 pool_source: PoolSource | None = None) -> None:
         self.registry = registry
         self.requests = Counter(
             "gateway_requests", "Requests answered, by final HTTP status (tenant and "
@@ -228,4 +254,4 @@ class GatewayMetrics:
             "(the gateway's count) or completion (the backend's usage).",
             ["tenant", "kind"], registry=registry,
         )
-        registry.register(_AdmissionCollector(stats_source))
+        registry.register(_AdmissionCollector(stats_source, pool_source))

@@ -234,15 +234,10 @@ class GatewayState:
     def pool_queues(self) -> list[tuple[ModelQueue, float]]:
         """The shared queues of the models served by several backends (retired ones
         only while requests still wait there), each with how long its longest waiter
-        has waited so far, seconds (0.0 when none waits). For the status page."""
-        now = self.clock.now()
-        found = []
-        for queue in (*self._queues.values(), *(q for q in self._old_queues if q.waiting)):
-            # ModelQueue has no public view of its waiters; their arrival times are read
-            # here rather than adding one to gateway/fleet.py.
-            oldest = max((now - w.since for w in queue._queue), default=0.0)
-            found.append((queue, oldest))
-        return found
+        has waited so far, seconds (0.0 when none waits). For the status page and the
+        pool queue gauges."""
+        return [(queue, queue.oldest_wait_s()) for queue in
+                (*self._queues.values(), *(q for q in self._old_queues if q.waiting))]
 
     def pick_backend(self, model: object, kind: str | None = None,
                      route: str | None = None) -> Target:

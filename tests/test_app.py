@@ -113,9 +113,12 @@ async def test_queued_request_runs_when_room_frees(harness: Harness, fake: Any) 
     while harness.sample("gateway_queue_depth", backend="local") < 1:
         await asyncio.sleep(0.001)
     assert fake.active <= 1
+    await asyncio.sleep(0.02)
+    assert harness.sample("gateway_queue_oldest_wait_seconds", backend="local") >= 0.02
     fake.hold.set()
     assert (await first).status_code == 200 and (await second).status_code == 200
     assert fake.peak == 1  # the pool never held both
+    assert harness.sample("gateway_queue_oldest_wait_seconds", backend="local") == 0
     assert harness.sample("gateway_queue_wait_seconds_count", backend="local") == 2
 
 

@@ -517,13 +517,16 @@ TENANT_KEY = "sk-dashboard-tenant-0123"
 async def tenant_harness(fake: FakeLlamaServer) -> Any:
     settings = load_settings(
         admission={"disconnect_grace_s": 0.0},
-        backends=[{"name": "local", "url": "http://upstream:8080"}],
+        # two backends of one model, so that the pool's shared queue has its gauges
+        backends=[{"name": "local", "url": "http://upstream:8080", "model": "m"},
+                  {"name": "local-2", "url": "http://upstream-2:8080", "model": "m"}],
         tenants=[{"name": "team-a",
                   "key_hashes": [hashlib.sha256(TENANT_KEY.encode()).hexdigest()]}])
     app = create_app(settings, http_client=fake.client(), registry=CollectorRegistry(),
                      discover=False)
     h = Harness(app, fake)
-    await h.backend.discover()
+    for backend in h.state.backends.values():
+        await backend.discover()
     yield h
     await h.client.aclose()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -118,9 +119,19 @@ async def test_one_queue_per_model_starts_on_whichever_frees_first(make_fleet: A
     await asyncio.sleep(0.05)
     queue = next(iter(fleet.state._queues.values()))
     assert queue.waiting == 1 and fleet.served_by() == {"a": 1, "b": 1}
+    # the wait shows in the pool's gauges, not in either backend's own queue
+    metrics = (await fleet.client.get("/metrics")).text
+    assert 'gateway_pool_queue_depth{model="m"} 1.0' in metrics
+    assert 'gateway_pool_queue_capacity{model="m"} 64.0' in metrics
+    oldest = re.search(r'gateway_pool_queue_oldest_wait_seconds\{model="m"\} (\S+)', metrics)
+    assert oldest is not None and float(oldest.group(1)) > 0
+    assert 'gateway_queue_depth{backend="a"} 0.0' in metrics
     holds["b"].set()  # b frees its slot first: the waiter starts there
     r = await waiting
     assert r.status_code == 200 and fleet.served_by() == {"a": 1, "b": 2}
+    metrics = (await fleet.client.get("/metrics")).text
+    assert 'gateway_pool_queue_depth{model="m"} 0.0' in metrics
+    assert 'gateway_pool_queue_oldest_wait_seconds{model="m"} 0.0' in metrics
     holds["a"].set()
     assert all(r.status_code == 200 for r in await asyncio.gather(*running))
 
