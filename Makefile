@@ -16,7 +16,7 @@ install: $(VENV)/.installed
 backend: install          ## build/fetch llama-server and the model (cached outside the repo)
 	$(PY) -m gateway.dev.localbackend ensure
 
-run: backend              ## llama-server (-c 2048) on :8080 and the gateway on :8000
+run: backend              ## llama-server (-c 2048 --metrics) on :8080 and the gateway on :8000
 	$(PY) -m gateway.dev.localbackend run --config config.example.toml
 
 test: backend             ## the whole suite, real-backend tests included

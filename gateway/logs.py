@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
 from gateway.config import ServerSettings
@@ -83,10 +84,16 @@ class TextFormatter(logging.Formatter):
         return f"{line} {' '.join(pairs)}"
 
 
+# LogRecord attributes left out of a JSON line: the standard ones, and uvicorn's copy of
+# its message with terminal colour codes.
+_NOT_FIELDS = (*RESERVED_ATTRS, "taskName", "color_message")
+
+
 def _json_formatter() -> logging.Formatter:
     return JsonFormatter("{asctime}{levelname}{name}{message}", style="{",
                          rename_fields={"asctime": "time", "levelname": "level",
-                                        "name": "logger"})
+                                        "name": "logger"},
+                         reserved_attrs=_NOT_FIELDS)
 
 
 def configure_logging(server: ServerSettings) -> None:

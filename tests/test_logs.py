@@ -187,6 +187,7 @@ def test_a_served_gateway_writes_every_line_in_one_format(tmp_path: Path, fmt: s
         parsed = [json.loads(line) for line in lines]  # every line, uvicorn's too
         assert all({"time", "level", "logger", "message"} <= set(p) for p in parsed)
         assert any(p["logger"].startswith("uvicorn") for p in parsed)
+        assert not any("color_message" in p or "\x1b" in json.dumps(p) for p in parsed)
         (access,) = [p for p in parsed if p["logger"] == "gateway.access"]
         assert access["request_id"] == "served-1" and access["status"] == 503
         assert access["backend"] == "gone" and access["reason"]
@@ -198,3 +199,44 @@ def test_a_served_gateway_writes_every_line_in_one_format(tmp_path: Path, fmt: s
         (access,) = [line for line in lines if " gateway.access: " in line]
         assert "POST /v1/chat/completions 503 request_id=served-1 " in access
         assert "backend=gone" in access and "reason=" in access
+
+
+def test_make_run_sets_up_logging_as_gateway_serve_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `make run` (python -m gateway.dev.localbackend run) once set up its own plain
+    # logging, so log_format and the access line's fields were lost there.
+    import contextlib
+    import signal
+
+    from gateway.dev import localbackend
+
+    class NoServer:
+        def __init__(self, args: list[str], **_: Any) -> None:
+            self.args, self.url, self.log_path = args, "http://127.0.0.1:1", tmp_path / "l"
+
+        @contextlib.contextmanager
+        def running(self) -> Any:
+            yield self
+
+    seen: dict[str, Any] = {}
+
+    def fake_serve(app: Any, settings: Any, **_: Any) -> None:
+        seen["formatter"] = logging.getLogger().handlers[0].formatter
+        seen["access"] = logging.getLogger("gateway.access").isEnabledFor(logging.INFO)
+
+    config = tmp_path / "gateway.toml"
+    config.write_text('[server]\nlog_format = "json"\naccess_log = false\n[[backends]]\n'
+                      'name = "local"\nurl = "http://127.0.0.1:18080"\n')
+    monkeypatch.setattr(localbackend, "LlamaServer", NoServer)
+    monkeypatch.setattr("gateway.serving.serve", fake_serve)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level, signal.getsignal(signal.SIGTERM)
+    try:
+        assert localbackend.main(["run", "--config", str(config)]) == 0
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        signal.signal(signal.SIGTERM, saved[2])
+        logging.getLogger("gateway.access").disabled = False
+        logging.getLogger("uvicorn.access").disabled = False
+    assert type(seen["formatter"]).__name__ == "JsonFormatter" and seen["access"] is False

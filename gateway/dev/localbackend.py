@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import logging
 import os
 import shutil
 import signal
@@ -299,15 +298,14 @@ class LlamaServer:
 def _run(args: argparse.Namespace) -> int:
     from gateway.app import create_app
     from gateway.config import load_settings
+    from gateway.logs import configure_logging
     from gateway.serving import serve
 
     settings = load_settings(args.config)
-    logging.basicConfig(level=settings.server.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per upstream call
+    configure_logging(settings.server)  # as `gateway serve` does
     backend = settings.backends[0]
     port = int(backend.url.rsplit(":", 1)[1])
-    extra = args.llama_args or ["-c", "2048"]
+    extra = args.llama_args or ["-c", "2048", "--metrics"]
     server = LlamaServer(extra, port=port, log_path=cache_dir() / "llama-server.log")
     _say(f"starting llama-server on {server.url}: {' '.join(extra)} (log: {server.log_path})")
     # A SIGTERM before the gateway serves becomes SystemExit, so that ``running()``

@@ -294,6 +294,22 @@ def watch_traffic(gateway: GatewayThread, fake_app: SocketFake, pool: ThreadPool
     assert len([u for u in requested if u.endswith("/status.json")]) >= 3
     assert all(u.startswith(url + "/") for u in requested), requested
     context.close()
+    check_a_key_in_the_address_works(browser, url)
+
+
+def check_a_key_in_the_address_works(browser: Any, url: str) -> None:
+    """Opened as http://user:key@host/status, the page still reads status.json (fetch
+    refuses a URL with credentials, so the page must not resolve against its own)."""
+    context = browser.new_context()
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    started = time.time()
+    answer = page.goto(url.replace("http://", f"http://ops:{ADMIN_KEY}@") + "/status")
+    assert answer is not None and answer.status == 200
+    wait_for(lambda: generated_at(page) >= started, "a reading with the key in the address")
+    assert not any("credentials" in p for p in problems), problems
+    context.close()
 
 
 def reading(*backends: dict[str, Any], draining: bool = False,
