@@ -10,8 +10,8 @@ The access line (logger ``gateway.access``) carries the fields of :data:`ACCESS_
 the request id, route, backend, tenant, status, the rejection reason, the prompt tokens
 and where their count came from, the output cap charged, queue wait, TTFT and duration.
 It never carries prompt or completion text, nor any key: those are not fields of it.
-Probes, ``/metrics`` and the status page are logged at DEBUG, so that a scrape every
-few seconds does not bury the traffic.
+Probes are logged at DEBUG, and so are ``/metrics`` and the status page unless refused,
+so that a scrape every few seconds does not bury the traffic.
 """
 
 from __future__ import annotations
@@ -29,38 +29,50 @@ from pythonjsonlogger.json import JsonFormatter
 from gateway.config import ServerSettings
 
 __all__ = ["ACCESS_FIELDS", "QUIET_PATHS", "TextFormatter", "configure_logging",
-           "log_access", "request_id_of"]
+           "error_kind", "log_access", "request_id_of"]
 
 access_log = logging.getLogger("gateway.access")
 
 #: The access line's fields, in the order the text format writes them. Times are in
 #: milliseconds, token counts in tokens; a field the request never reached is left out
 #: of the text line and ``null`` in JSON.
-ACCESS_FIELDS = ("request_id", "method", "path", "route", "backend", "tenant", "status",
-                 "reason", "prompt_tokens", "count_source", "max_tokens", "queue_wait_ms",
-                 "ttft_ms", "duration_ms")
+ACCESS_FIELDS = ("request_id", "upstream_request_id", "method", "path", "route", "backend",
+                 "tenant", "status", "reason", "upstream_error", "prompt_tokens",
+                 "count_source", "max_tokens", "queue_wait_ms", "ttft_ms", "duration_ms")
 
 #: Paths whose access lines are DEBUG: load balancer probes, scrapes, the status page.
 QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/status", "/status.json"})
+
+_PROBES = frozenset({"/health", "/ready"})
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # A client's X-Request-Id is kept when it is short and plain (it goes into log lines and
 # a response header); anything else is replaced by a new id.
 _CLIENT_ID = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,128}")
-_BARE = re.compile(r"[A-Za-z0-9._:@/+=-]+")
+# A value written bare in the text format; others are quoted. No "=" (logfmt parsers
+# such as Loki's stop at one inside a bare value), quotes, spaces or control characters.
+_BARE = re.compile(r"[A-Za-z0-9._:@/+-]+")
 _IN_MESSAGE = frozenset({"method", "path", "status"})  # the text line's message has them
 
 
-def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
-    """The request's id: its ``X-Request-Id`` header when that is 1-128 characters of
-    ``[A-Za-z0-9._:@/+=-]``, else a new random one (32 hex digits)."""
+def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> tuple[bytes, bytes]:
+    """The request's id, and the id the backend is sent in ``X-Request-Id``.
+
+    The request's id is its ``X-Request-Id`` header when that is 1-128 characters of
+    ``[A-Za-z0-9._:@/+=-]``, else a new random one (32 hex digits). The backend's is
+    the same when the gateway made it, and the client's with ``-`` and 8 random hex
+    digits after it otherwise: vLLM takes the header as its engine's request id, which
+    must be unique among the requests it holds, and a client may reuse its own
+    (vllm-project/vllm ``_base_request_id``).
+    """
     for name, value in headers:
         if name.lower() == b"x-request-id":
             if _CLIENT_ID.fullmatch(value):
-                return value
+                return value, value + b"-" + uuid.uuid4().hex[:8].encode()
             break
-    return uuid.uuid4().hex.encode()
+    made = uuid.uuid4().hex.encode()
+    return made, made
 
 
 def _logfmt_value(value: Any) -> str:
@@ -122,10 +134,27 @@ def configure_logging(server: ServerSettings) -> None:
     access_log.disabled = not server.access_log
 
 
+def error_kind(exc: BaseException) -> str:
+    """``exc`` named without its message, for a log line: its class, and its error code,
+    upstream kind and HTTP status when it has them. A backend's error message may quote
+    the prompt or the answer (llama-server's "Failed to parse input at pos N: ..."), and
+    the gateway writes neither to its log."""
+    parts = [type(exc).__name__]
+    for attr in ("code", "upstream_kind", "status_code"):
+        value = getattr(exc, attr, None)
+        if value is not None and str(value) not in parts:
+            parts.append(str(value))
+    return " ".join(parts)
+
+
 def log_access(fields: Mapping[str, Any]) -> None:
     """Write one access line with ``fields`` (keys of :data:`ACCESS_FIELDS`), at INFO,
-    or DEBUG for a path of :data:`QUIET_PATHS`."""
-    level = logging.DEBUG if fields.get("path") in QUIET_PATHS else logging.INFO
+    or DEBUG for a path of :data:`QUIET_PATHS`: probes always (``/ready`` answers 503
+    while a backend is down, every few seconds), the others when answered below 400 (a
+    refused admin key stays visible)."""
+    path = fields.get("path")
+    quiet = path in _PROBES or (path in QUIET_PATHS and (fields.get("status") or 0) < 400)
+    level = logging.DEBUG if quiet else logging.INFO
     if access_log.isEnabledFor(level):
         access_log.log(level, "%s %s %s", fields.get("method"),
                        _logfmt_value(fields.get("path")), fields.get("status"),

@@ -14,8 +14,9 @@ OpenAI-shaped 500 for anything that escapes the handlers.
 * turns a client that disconnects while its body is read into a quiet 499, and any
   other unhandled exception into a logged 500 in the OpenAI error shape;
 * gives each request an id (its ``X-Request-Id`` when plain, else a new one), returned
-  in the ``x-request-id`` response header and sent upstream in the same header (as
-  ``scope["state"]["request_id"]``, bytes), and writes its one access line
+  in the ``x-request-id`` response header, and sent upstream in the same header made
+  unique (``scope["state"]["upstream_request_id"]``, bytes: see
+  :func:`gateway.logs.request_id_of`), and writes its one access line
   (:func:`gateway.logs.log_access`) from what the handlers left in ``scope["state"]``;
 * serves the generation routes itself (``routes``: ``POST`` path → ASGI callable),
   without the web framework's routing, dependency and exception layers, which cost
@@ -111,7 +112,8 @@ class RequestAccounting:
         state: dict[str, Any] = scope.setdefault("state", {})
         status = 0
         began = time.monotonic()
-        request_id = state["request_id"] = request_id_of(scope["headers"])
+        request_id, upstream_id = request_id_of(scope["headers"])
+        state["upstream_request_id"] = upstream_id
 
         async def tracking_send(message: Message) -> None:
             nonlocal status
@@ -161,9 +163,13 @@ class RequestAccounting:
             self.metrics.requests.labels(backend, route, str(final), tenant,
                                          state.get("priority") or "none").inc()
             log_access({
-                "request_id": request_id.decode(), "method": scope["method"],
+                "request_id": request_id.decode(),
+                "upstream_request_id": upstream_id.decode() if state.get("forwarded")
+                and upstream_id != request_id else None,
+                "method": scope["method"],
                 "path": scope["path"], "route": route, "backend": backend,
                 "tenant": tenant, "status": final, "reason": state.get("reason"),
+                "upstream_error": state.get("upstream_error"),
                 "prompt_tokens": state.get("prompt_tokens"),
                 "count_source": state.get("count_source"),
                 "max_tokens": state.get("max_tokens"),

@@ -298,9 +298,10 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
 
 
 def _with_request_id(request: Request) -> list[tuple[bytes, bytes]]:
-    """The client's headers, with ``x-request-id`` set to the gateway's id of the
-    request (:func:`gateway.logs.request_id_of`), so that the backend's logs name it."""
-    rid = getattr(request.state, "request_id", None)
+    """The client's headers, with ``x-request-id`` set to the id the gateway gives the
+    backend for this request (:func:`gateway.logs.request_id_of`), so that the
+    backend's logs name it."""
+    rid = getattr(request.state, "upstream_request_id", None)
     raw = list(request.headers.raw)
     if rid is None:
         return raw

@@ -38,6 +38,7 @@ from gateway.errors import (
 )
 from gateway.fairness import ANONYMOUS, Party
 from gateway.fleet import Candidate, ModelQueue
+from gateway.logs import error_kind
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import error_messages
 from gateway.prefix import Prefix
@@ -148,6 +149,9 @@ class Exchange:
     queue_wait_s: float | None = None
     ttft_s: float | None = None
     reason: str | None = None
+    # The last failure of the backend during it (a gateway_upstream_errors_total kind),
+    # or "shutting_down" when a drain cut it: a stream's 200 may hide either.
+    upstream_error: str | None = None
 
     @property
     def who(self) -> tuple[str, str]:
@@ -273,8 +277,12 @@ class ProxyResponse(Response):
         watcher = DisconnectWatcher(receive, self.cut)
         watcher.start()
         x = self.x
+        failed = False  # an unexpected error: the middleware answers 500 if it can
         try:
             await self._admit_and_forward(watcher, send)
+        except Exception:
+            failed = True
+            raise
         finally:
             await watcher.stop()
             if self._gated and x.tenant is not None:
@@ -283,9 +291,12 @@ class ProxyResponse(Response):
             # gateway.middleware counts the request with this status (499: client left),
             # under the backend that took it (in a pool, known once admitted).
             state = scope.setdefault("state", {})
-            state["final_status"] = x.status or 499
+            if x.status or not failed:
+                state["final_status"] = x.status or 499
             state["backend"] = x.backend.name
             state["queue_wait_s"], state["ttft_s"] = x.queue_wait_s, x.ttft_s
+            state["forwarded"] = self._forwarded
+            state["upstream_error"] = x.upstream_error
             if x.reason is not None:
                 state["reason"] = x.reason
             self.metrics.duration.labels(x.backend.name).observe(self.clock.now() - x.started)
@@ -449,8 +460,8 @@ class ProxyResponse(Response):
         if not x.may_fail_over or (progress is not None and not progress.can_open):
             return False
         log.warning("backend %s failed a %s request before answering (%s); down for "
-                    "%.0f s, trying another backend of %s", x.backend.name, x.route, exc,
-                    down, x.queue.model)
+                    "%.0f s, trying another backend of %s", x.backend.name, x.route,
+                    error_kind(exc), down, x.queue.model)
         self._failed = exc
         return True
 
@@ -501,6 +512,7 @@ class ProxyResponse(Response):
         """The drain ran out of time with this request in hand (its upstream request is
         closed by now): end a started stream with a final error event, or answer 503."""
         x = self.x
+        x.upstream_error = "shutting_down"  # for the access line: cut by the drain
         log.info("drain timeout: cut a %s request on backend %s", x.route, x.backend.name)
         try:
             if self._stream_final is not None:
@@ -547,6 +559,12 @@ class ProxyResponse(Response):
         else:
             x.backend.release(lease, served=served)
 
+    def _upstream_error(self, backend: str, kind: str) -> None:
+        """Count a failure of ``backend`` in ``gateway_upstream_errors_total`` under
+        ``kind``, and keep the kind for the request's access line."""
+        self.metrics.upstream_errors.labels(backend, kind).inc()
+        self.x.upstream_error = kind
+
     def _broke(self, exc: GatewayError) -> str:
         """Note an upstream failure; return its ``gateway_upstream_errors_total`` kind.
 
@@ -587,7 +605,7 @@ class ProxyResponse(Response):
                                 content=json_bytes(body), timeout=x.backend.timeout)
 
     async def _forward(self, watcher: DisconnectWatcher, send: Send) -> None:
-        x, m, name = self.x, self.metrics, self.x.backend.name
+        x, name = self.x, self.x.backend.name
         try:
             with map_upstream_errors(name):
                 request = self._upstream_request()
@@ -602,7 +620,7 @@ class ProxyResponse(Response):
                     raise
         except GatewayError as exc:
             kind = self._broke(exc)
-            m.upstream_errors.labels(name, kind).inc()
+            self._upstream_error(name, kind)
             x.backend.upstream_failed(kind)
             if not (never_reached(exc) and self._fails_over(exc)):
                 await self._send_error(send, exc)
@@ -637,7 +655,7 @@ class ProxyResponse(Response):
                 return body
         except GatewayError as exc:
             kind = self._broke(exc)
-            self.metrics.upstream_errors.labels(self.x.backend.name, kind).inc()
+            self._upstream_error(self.x.backend.name, kind)
             raise
 
     async def _relay_whole(
@@ -656,7 +674,7 @@ class ProxyResponse(Response):
             )
             if exc is not None:
                 if kind:
-                    self.metrics.upstream_errors.labels(x.backend.name, kind).inc()
+                    self._upstream_error(x.backend.name, kind)
                     x.backend.upstream_failed(kind)
                 if (kind == "context_overflow" and x.backend.predictive
                         and self._restarts < MAX_OVERFLOW_RESTARTS):
@@ -777,7 +795,7 @@ class ProxyResponse(Response):
                             ) -> None:
         """Relay an SSE stream (or, ``ndjson``, Ollama's newline-delimited JSON) event by
         event; a failure after the start becomes one final error event or line."""
-        x, m, name = self.x, self.metrics, self.x.backend.name
+        x, name = self.x, self.x.backend.name
         x.status = resp.status_code
         headers = _NDJSON_HEADERS if ndjson else _SSE_HEADERS
         start = {"type": "http.response.start", "status": resp.status_code,
@@ -824,18 +842,18 @@ class ProxyResponse(Response):
                         # closes now (the OpenAI SDK does, at [DONE]) has not left early.
                         break
         except EventTooLarge as too_large:
-            m.upstream_errors.labels(name, "stream_aborted").inc()
+            self._upstream_error(name, "stream_aborted")
             await emit(final(UpstreamError(
                 f"Backend {name!r} sent an event too large to relay: {too_large}.")))
         except GatewayError as exc:
-            m.upstream_errors.labels(name, self._broke(exc)).inc()
+            self._upstream_error(name, self._broke(exc))
             if await failed(exc):
                 return
             await emit(final(exc))
         else:
             self._done = True
             if not state.done and not state.errored:
-                m.upstream_errors.labels(name, "stream_aborted").inc()
+                self._upstream_error(name, "stream_aborted")
                 exc2 = UpstreamError(f"Backend {name!r} closed the stream before it finished.")
                 if await failed(exc2):
                     return
@@ -859,7 +877,7 @@ class ProxyResponse(Response):
             return raw
         if "error" in obj:
             state.errored = True
-            self.metrics.upstream_errors.labels(self.x.backend.name, "stream_aborted").inc()
+            self._upstream_error(self.x.backend.name, "stream_aborted")
             return raw
         self._seen(read_event(self.x.route, obj), state)
         return raw
@@ -867,6 +885,10 @@ class ProxyResponse(Response):
     def _token_seen(self, state: _StreamState) -> None:
         now = self.clock.now()
         self._streamed += 1
+        if not self.x.stream:
+            # A whole answer followed token by token upstream (the predictive policy):
+            # its client sees no first token, so no TTFT or ITL, as under strict.
+            return
         if state.last_token is None:
             ttft = now - self.x.started
             if self.x.ttft_s is None:  # a resumed answer's first token is not its first
@@ -919,7 +941,7 @@ class ProxyResponse(Response):
             backend = x.backend
             overflow = backend.is_overflow_event(obj)
             kind = "context_overflow" if overflow else "stream_aborted"
-            self.metrics.upstream_errors.labels(backend.name, kind).inc()
+            self._upstream_error(backend.name, kind)
             if overflow:
                 backend.upstream_failed(kind)
             if x.api == "openai" and isinstance(obj.get("error"), dict):

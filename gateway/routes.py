@@ -17,5 +17,6 @@ FORWARDED = {
 LABELS = {
     **FORWARDED, "/v1/messages/count_tokens": "count_tokens", "/v1/models": "models",
     "/health": "health", "/ready": "ready", "/metrics": "metrics",
+    "/status": "status", "/status.json": "status",
     "/api/chat": "ollama_chat", "/api/generate": "ollama_generate",
 }

@@ -136,17 +136,33 @@ class RejectionLog:
         """(totals since start, the rise since the baseline, how many seconds back the
         baseline is); only counts above zero are given in the rise."""
         now, totals = self._clock.now(), self.totals()
+        gap = now - self._samples[-1][0] > self._window_s  # nobody read for a while
         if now - self._samples[-1][0] >= self._every_s:
             self._samples.append((now, totals))
         while len(self._samples) > 1 and self._samples[1][0] <= now - self._window_s:
             self._samples.popleft()
         since, base = self._samples[0]
         recent = {k: v - base.get(k, 0) for k, v in totals.items() if v > base.get(k, 0)}
+        if gap:
+            # A reading after a gap longer than the window: it alone covers the gap;
+            # the next ones count from it, up to the window again.
+            while len(self._samples) > 1:
+                self._samples.popleft()
         return totals, recent, now - since
 
 
 def _by_reason(counts: Mapping[tuple[str, str], int], backend: str) -> dict[str, int]:
     return {reason: n for (b, reason), n in sorted(counts.items()) if b == backend}
+
+
+def _elsewhere(counts: Mapping[tuple[str, str], int], shown: set[str]) -> dict[str, int]:
+    """Counts by reason of the rejections no backend row shows: those refused before a
+    backend was chosen (``backend="none"``) and those of backends a reload removed."""
+    found: dict[str, int] = {}
+    for (backend, reason), n in sorted(counts.items()):
+        if backend not in shown:
+            found[reason] = found.get(reason, 0) + n
+    return found
 
 
 def backend_status(backend: Target, now: float, *, gateway_draining: bool = False,
@@ -165,12 +181,12 @@ def backend_status(backend: Target, now: float, *, gateway_draining: bool = Fals
     ``oldest_wait_s`` is how long the longest waiter of its own queue has waited.
     """
     stats, layout = backend.stats(), backend.layout
-    if not backend.ready:
+    if retiring:  # whatever else it is: it takes no new requests and leaves soon
+        state = "retiring"
+    elif not backend.ready:
         state = "not_ready"
     elif not backend.up:
         state = "down"
-    elif retiring:
-        state = "retiring"
     elif backend.draining or gateway_draining:
         state = "draining"
     else:
@@ -202,13 +218,17 @@ def register_status(app: FastAPI, state: GatewayState) -> None:
          "recent_window_s": float,    # how far back "recent" counts go, seconds
          "backends": [backend_status(...) + {"rejections": {"total": {reason: n},
                                                             "recent": {reason: n}}}],
+         "retiring": [backend_status(..., retiring=True) + {"rejections": empty}],
          "pools": [{"model": str, "backends": [str], "queued": int,
                     "queue_capacity": int, "oldest_wait_s": float}],
          "unassigned_rejections": {"total": {...}, "recent": {...}}}
 
-    ``pools`` lists the shared queues of models served by several backends (their
-    requests wait there, not in a backend's own queue); ``unassigned_rejections`` the
-    rejections counted with ``backend="none"`` (refused before a backend was chosen).
+    ``backends`` are the configured backends, the ones ``/metrics`` shows; ``retiring``
+    those a reload removed or replaced that still finish requests (a replaced one has
+    the name of its successor). ``pools`` lists the shared queues of models served by
+    several backends (their requests wait there, not in a backend's own queue);
+    ``unassigned_rejections`` the rejections no backend row shows: counted with
+    ``backend="none"`` (refused before a backend was chosen) or on a removed backend.
     Authentication: :func:`status_authorized` when ``server.admin_key`` is set.
     """
     page = status_page()
@@ -245,13 +265,18 @@ def register_status(app: FastAPI, state: GatewayState) -> None:
         now = state.clock.now()
         totals, recent, span = rejections.read()
         rows = []
-        for backend, retiring in (*((b, False) for b in state.backends.values()),
-                                  *((b, True) for b in state.retiring)):
-            row = backend_status(backend, now, gateway_draining=state.draining,
-                                 retiring=retiring)
+        for backend in state.backends.values():
+            row = backend_status(backend, now, gateway_draining=state.draining)
             row["rejections"] = {"total": _by_reason(totals, backend.name),
                                  "recent": _by_reason(recent, backend.name)}
             rows.append(row)
+        # Removed or replaced by a reload and still finishing requests: not in /metrics
+        # (a replaced backend's new target has the same name), and their rejections
+        # cannot be told from the new target's.
+        retiring = [backend_status(backend, now, gateway_draining=state.draining,
+                                   retiring=True) | {"rejections": {"total": {}, "recent": {}}}
+                    for backend in state.retiring]
+        shown = {backend.name for backend in state.backends.values()}
         pools = [{"model": queue.model, "backends": [b.name for b in queue.members],
                   "queued": queue.waiting, "queue_capacity": queue.max_queue,
                   "oldest_wait_s": round(oldest, 3)}
@@ -259,7 +284,7 @@ def register_status(app: FastAPI, state: GatewayState) -> None:
         return JSONResponse({
             "generated_at": round(time.time(), 3), "draining": state.draining,
             "refresh_ms": REFRESH_MS, "recent_window_s": round(span, 3),
-            "backends": rows, "pools": pools,
-            "unassigned_rejections": {"total": _by_reason(totals, "none"),
-                                      "recent": _by_reason(recent, "none")},
+            "backends": rows, "retiring": retiring, "pools": pools,
+            "unassigned_rejections": {"total": _elsewhere(totals, shown),
+                                      "recent": _elsewhere(recent, shown)},
         }, headers={"cache-control": "no-store"})

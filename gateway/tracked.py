@@ -261,7 +261,7 @@ class TrackedResponse(ProxyResponse):
 
     async def _forward_tracked(self, client: _Client, lease: Lease, cont: Continuation,
                                state: _StreamState) -> str | None:
-        x, m, name = self.x, self.metrics, self.x.backend.name
+        x, name = self.x, self.x.backend.name
         headers = self._forward_headers()
         headers.append((b"connection", b"close"))  # see ProxyResponse._upstream_request
         request = upstream_request(
@@ -283,7 +283,7 @@ class TrackedResponse(ProxyResponse):
                     raise
         except GatewayError as exc:
             kind = self._broke(exc)
-            m.upstream_errors.labels(name, kind).inc()
+            self._upstream_error(name, kind)
             x.backend.upstream_failed(kind)
             if x.queue is not None:  # in a pool: marked down (no failover once followed)
                 x.queue.wake_later(x.backend.request_failed(x.queue.down_initial_s,
@@ -309,14 +309,14 @@ class TrackedResponse(ProxyResponse):
             with map_upstream_errors(name):
                 body = await resp.aread()
         except GatewayError as exc:
-            self.metrics.upstream_errors.labels(name, self._broke(exc)).inc()
+            self._upstream_error(name, self._broke(exc))
             await client.error(exc)
             return None
         self._done = True
         exc, kind = x.backend.translate_error(resp.status_code, body,
                                               resp.headers.get("retry-after"))
         if kind:
-            self.metrics.upstream_errors.labels(name, kind).inc()
+            self._upstream_error(name, kind)
             x.backend.upstream_failed(kind, live_tokens=self._live())
         if kind == "context_overflow":
             return OVERFLOW
@@ -330,7 +330,7 @@ class TrackedResponse(ProxyResponse):
 
     async def _relay_events(self, client: _Client, resp: httpx.Response, lease: Lease,
                             cont: Continuation, state: _StreamState) -> str | None:
-        x, m, name = self.x, self.metrics, self.x.backend.name
+        x, name = self.x, self.x.backend.name
         admission = x.backend.admission
         splitter = EventSplitter()
         done = False
@@ -368,17 +368,17 @@ class TrackedResponse(ProxyResponse):
                     if done:
                         break
         except EventTooLarge as too_large:
-            m.upstream_errors.labels(name, "stream_aborted").inc()
+            self._upstream_error(name, "stream_aborted")
             await client.error(UpstreamError(
                 f"Backend {name!r} sent an event too large to relay: {too_large}."))
             return None
         except GatewayError as exc:
-            m.upstream_errors.labels(name, self._broke(exc)).inc()
+            self._upstream_error(name, self._broke(exc))
             await client.error(exc)
             return None
         self._done = True
         if not done:
-            m.upstream_errors.labels(name, "stream_aborted").inc()
+            self._upstream_error(name, "stream_aborted")
             await client.error(UpstreamError(
                 f"Backend {name!r} closed the stream before it finished."))
             return None
@@ -395,7 +395,7 @@ class TrackedResponse(ProxyResponse):
         x, name = self.x, self.x.backend.name
         overflow = x.backend.is_overflow_event(obj)
         kind = "context_overflow" if overflow else "stream_aborted"
-        self.metrics.upstream_errors.labels(name, kind).inc()
+        self._upstream_error(name, kind)
         if overflow:
             x.backend.upstream_failed(kind, live_tokens=self._live())
             return OVERFLOW

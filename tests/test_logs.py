@@ -68,10 +68,16 @@ async def test_a_plain_client_request_id_is_kept_and_a_bad_one_replaced(
         assert r.headers["x-request-id"] != bad and len(r.headers["x-request-id"]) == 32
     ids = [rec.request_id for rec in access_records(caplog)]
     assert ids[0] == "trace-42.a:b" and len(set(ids)) == 4
-    # the backend is sent the same id, once, in place of the client's
+    # the backend is sent one id, in place of the client's: the gateway's own, or the
+    # client's made unique (vLLM keys its requests by it)
     sent = [r.headers.get_list("x-request-id") for r in fake.requests
             if r.url.path == "/v1/chat/completions"]
-    assert sent == [[i] for i in ids]
+    assert [len(s) for s in sent] == [1] * 4
+    assert sent[0][0].startswith("trace-42.a:b-") and len(sent[0][0]) == 12 + 1 + 8
+    assert [s[0] for s in sent[1:]] == ids[1:]
+    lines = access_records(caplog)
+    assert lines[0].upstream_request_id == sent[0][0]
+    assert [rec.upstream_request_id for rec in lines[1:]] == [None] * 3
 
 
 async def test_rejections_carry_their_reason(

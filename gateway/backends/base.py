@@ -28,6 +28,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamRefused,
 )
+from gateway.logs import error_kind
 from gateway.slotwatch import SlotsUnsupported, SlotView
 from gateway.upstream import json_bytes, send_upstream, upstream_request
 from gateway.validation import ParsedRequest
@@ -281,9 +282,9 @@ async def count_or_none(name: str, counting: Awaitable[int | None]) -> int | Non
     except GatewayError as exc:
         if exc.upstream_kind == "connect":
             raise
-        log.info("backend %s could not count tokens: %s", name, exc)
+        log.info("backend %s could not count tokens: %s", name, error_kind(exc))
     except (ValueError, KeyError, TypeError) as exc:
-        log.info("backend %s could not count tokens: %s", name, exc)
+        log.info("backend %s could not count tokens: %s", name, error_kind(exc))
     return None
 
 

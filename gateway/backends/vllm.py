@@ -255,7 +255,7 @@ class Vllm(WithoutSlots, ExactCount):
             raise ContextLengthExceeded(f"Backend {self.name!r}: {message}")
         if 400 <= status < 500 and status not in (404, 405, 501):
             raise InvalidRequest(f"Backend {self.name!r} refused the request: {message}")
-        log.info("backend %s could not count tokens: HTTP %d %s", self.name, status, message)
+        log.info("backend %s could not count tokens: HTTP %d", self.name, status)
         return None
 
     # -- errors ------------------------------------------------------------------------
