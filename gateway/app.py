@@ -112,6 +112,7 @@ def create_app(
         return list(rows.values())
 
     state.metrics = GatewayMetrics(registry or CollectorRegistry(), state.stats, pool_rows)
+    state.prime_metrics()
     state.tenants = Tenants(settings)
 
     def authenticate(scope: Any) -> None:

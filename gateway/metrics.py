@@ -125,6 +125,16 @@ class _AdmissionCollector(Collector):
             yield fam
 
 
+#: Label values given a zero series at start and on reload (GatewayMetrics.prime): a
+#: counter series that first appears at 1 hides that first event from rate() and
+#: increase(), and so from the alert rules.
+UPSTREAM_ERROR_KINDS = ("connect", "timeout", "status_5xx", "context_overflow",
+                        "stream_aborted", "auth")
+PREEMPTION_REASONS = ("pool_pressure", "overflow")
+RESUME_OUTCOMES = ("continued", "restarted", "failed", "client_gone")
+QUEUE_REJECTIONS = ("queue_full", "queue_timeout", "queue_wait_predicted")
+
+
 class GatewayMetrics:
     """Every metric of the gateway, registered on ``registry``.
 
@@ -255,3 +265,26 @@ class GatewayMetrics:
             ["tenant", "kind"], registry=registry,
         )
         registry.register(_AdmissionCollector(stats_source, pool_source))
+
+    def prime(self, backends: Iterable[str], parties: Iterable[tuple[str, str]]) -> None:
+        """Create, at zero, the counter series the alert rules and the dashboard take
+        ``increase()`` of: upstream errors by kind, preemptions by reason and resumes by
+        outcome for each backend, and the queue's refusals for each backend and
+        ``(tenant, priority)`` in ``parties`` (each tenant's own class). A series that
+        appears only with its first event at 1 has no earlier sample, so Prometheus
+        would never see that first rise (a first context overflow, say).
+
+        :param backends: backend names.
+        :param parties: ``(tenant, priority)`` label pairs.
+        """
+        parties = list(parties)
+        for backend in backends:
+            for kind in UPSTREAM_ERROR_KINDS:
+                self.upstream_errors.labels(backend, kind)
+            for reason in PREEMPTION_REASONS:
+                self.preemptions.labels(backend, reason)
+            for outcome in RESUME_OUTCOMES:
+                self.resumes.labels(backend, outcome)
+            for reason in QUEUE_REJECTIONS:
+                for tenant, priority in parties:
+                    self.rejections.labels(backend, reason, tenant, priority)

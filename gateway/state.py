@@ -26,6 +26,7 @@ from gateway.errors import (
     RouteNotFound,
     ShuttingDown,
 )
+from gateway.fairness import ANONYMOUS
 from gateway.fleet import ModelQueue, usable
 from gateway.metrics import GatewayMetrics
 from gateway.target import Target
@@ -155,7 +156,17 @@ class GatewayState:
             queue.down_initial_s = new.routing.down_initial_s
             queue.down_max_s = new.routing.down_max_s
         self.backends, self.settings = fresh, new
+        self.prime_metrics()
         return changes
+
+    def prime_metrics(self) -> None:
+        """Give the counters the alert rules read a zero series for every configured
+        backend and tenant (:meth:`GatewayMetrics.prime`)."""
+        settings = self.settings
+        first_class = settings.classes[0].name if settings.classes else "default"
+        parties = [(t.name, t.priority or first_class) for t in settings.tenants] or [
+            (ANONYMOUS, first_class)]
+        self.metrics.prime(list(self.backends), parties)
 
     def _retire(self, backend: Target) -> None:
         backend.set_draining(True)

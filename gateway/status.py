@@ -127,7 +127,7 @@ class RejectionLog:
         found: dict[tuple[str, str], int] = {}
         for family in self._counter.collect():
             for sample in family.samples:
-                if sample.name.endswith("_total"):
+                if sample.name.endswith("_total") and sample.value:  # not primed zeros
                     key = (sample.labels["backend"], sample.labels["reason"])
                     found[key] = found.get(key, 0) + int(sample.value)
         return found

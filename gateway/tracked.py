@@ -128,7 +128,8 @@ class TrackedResponse(ProxyResponse):
             reason = await self._attempt(watcher, client, lease, cont, state)
             if reason is None:
                 return
-            m.preemptions.labels(name, reason).inc()
+            if reason != OVERFLOW:  # an overflow's was counted with it (_overflowed)
+                m.preemptions.labels(name, reason).inc()
             log.info("backend %s: %s request preempted (%s) after %d tokens; it resumes "
                      "at the head of the queue", name, x.route, reason, cont.total_tokens)
             # Back on the same slot if it is free by then: llama-server still caches
@@ -315,11 +316,13 @@ class TrackedResponse(ProxyResponse):
         self._done = True
         exc, kind = x.backend.translate_error(resp.status_code, body,
                                               resp.headers.get("retry-after"))
+        if kind == "context_overflow":
+            self._overflowed(name)
+            x.backend.upstream_failed(kind, live_tokens=self._live())
+            return OVERFLOW
         if kind:
             self._upstream_error(name, kind)
             x.backend.upstream_failed(kind, live_tokens=self._live())
-        if kind == "context_overflow":
-            return OVERFLOW
         if exc is None and not client.started and resp.status_code >= 400:
             # The backend's own refusal (a 4xx), passed on as the untracked path does.
             await self._send_whole(client.send, resp, reshaped(resp.status_code, body, x.api))
@@ -386,6 +389,13 @@ class TrackedResponse(ProxyResponse):
         await client.finish()
         return None
 
+    def _overflowed(self, name: str) -> None:
+        """Count an overflow the answer resumes from: its preemption first, then the
+        upstream error, so that no scrape sees the error without the preemption that
+        recovers it (the GatewayContextOverflow alert compares the two)."""
+        self.metrics.preemptions.labels(name, OVERFLOW).inc()
+        self._upstream_error(name, "context_overflow")
+
     def _live(self) -> int:
         """KV cells the gateway's requests on this backend hold now (live accounting)."""
         return self.x.backend.admission.stats().live_tokens
@@ -393,12 +403,11 @@ class TrackedResponse(ProxyResponse):
     async def _stream_error(self, client: _Client, obj: dict[str, Any]) -> str | None:
         """An error event: an overflow is resumed from; anything else ends the answer."""
         x, name = self.x, self.x.backend.name
-        overflow = x.backend.is_overflow_event(obj)
-        kind = "context_overflow" if overflow else "stream_aborted"
-        self._upstream_error(name, kind)
-        if overflow:
-            x.backend.upstream_failed(kind, live_tokens=self._live())
+        if x.backend.is_overflow_event(obj):
+            self._overflowed(name)
+            x.backend.upstream_failed("context_overflow", live_tokens=self._live())
             return OVERFLOW
+        self._upstream_error(name, "stream_aborted")
         error = obj.get("error")
         message = error.get("message") if isinstance(error, dict) else str(error)
         await client.error(UpstreamError(f"Backend {name!r} failed the answer: {message}"))

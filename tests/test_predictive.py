@@ -612,9 +612,19 @@ async def test_p13_a_long_prefill_keeps_a_progress_stream_alive(
                               kv_unified=True, pool_tokens=2048)
     fake.prepare = asyncio.Event()
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": True}
-    asyncio.get_running_loop().call_later(0.3, fake.prepare.set)  # a 0.3 s prefill
+
+    async def prefill(event: asyncio.Event, before: int) -> None:
+        """A 0.3 s prefill, timed from when the generation reaches the backend (not from
+        when the test sends it: on a loaded machine the gateway may take a while)."""
+        while len(fake.generations) == before:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.3)
+        event.set()
+
+    timer = asyncio.ensure_future(prefill(fake.prepare, len(fake.generations)))
     r = await h.client.post("/v1/chat/completions", json=body,
                             headers={"X-Queue-Progress": "1"})
+    await timer
     assert r.status_code == 200
     head, _, rest = r.text.partition("data: ")
     assert head.count(": processing prompt\n\n") >= 3
@@ -622,8 +632,9 @@ async def test_p13_a_long_prefill_keeps_a_progress_stream_alive(
     text, _ids, done, errors = _stream_text("data: " + rest)
     assert done == 1 and not errors and text.split() == ["t0", "t1", "t2"]
     fake.prepare = asyncio.Event()
-    asyncio.get_running_loop().call_later(0.3, fake.prepare.set)
+    timer = asyncio.ensure_future(prefill(fake.prepare, len(fake.generations)))
     quiet = await h.client.post("/v1/chat/completions", json=body)
+    await timer
     assert quiet.text.startswith("data: ")  # no header asked: nothing before the answer
 
 
