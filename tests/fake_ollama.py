@@ -71,6 +71,7 @@ class FakeOllama:
     generations: list[dict[str, Any]] = field(default_factory=list)
     active: int = 0
     peak: int = 0
+    version: str = "0.33.0"
 
     def client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=httpx.MockTransport(self.handle))
@@ -79,7 +80,7 @@ class FakeOllama:
         self.requests.append(request)
         path = request.url.path
         if path == "/api/version":
-            return httpx.Response(200, json={"version": "0.33.0"})
+            return httpx.Response(200, json={"version": self.version})
         if path == "/api/ps":
             models = [self._ps_entry()] if self.loaded else []
             return httpx.Response(200, json={"models": models})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import httpx
@@ -63,6 +64,22 @@ async def test_discovery_reads_the_loaded_context_and_configured_slots(make: Any
     ready = (await h.client.get("/ready")).json()["backends"]["ollama"]
     assert (ready["kind"], ready["slots"], ready["ctx_per_slot"]) == ("ollama", 2, 4096)
     assert ready["kv_unified"] is False and ready["capacity_tokens"] == 8192
+
+
+async def test_an_ollama_that_leaves_cached_tokens_out_of_its_count_is_named_once(
+        make: Any, ollama: FakeOllama, caplog: pytest.LogCaptureFixture) -> None:
+    # Ollama 0.30.0's prompt_eval_count is the llama-server timings' prompt_n alone
+    # (cached tokens left out; ollama/ollama#16428 fixed it in 0.30.1).
+    caplog.set_level(logging.WARNING, logger="gateway.backends.ollama")
+    ollama.version = "0.30.0"
+    h = await make()
+    await h.state.backends["ollama"].discover()  # again: no second warning
+    warned = [r for r in caplog.records if "0.30.1 or later" in r.getMessage()]
+    assert len(warned) == 1 and "backend ollama" in warned[0].getMessage()
+    ollama.version = "0.30.1"
+    caplog.clear()
+    await h.state.backends["ollama"].discover()
+    assert not [r for r in caplog.records if "0.30.1 or later" in r.getMessage()]
 
 
 async def test_unloaded_model_uses_the_configured_context(make: Any, ollama: FakeOllama

@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 DEFAULT_NUM_CTX = 4096
 SUSPECT_MIN_TOKENS = 64  # shorter estimates are never taken for a truncation
 _TOO_LONG = ("longer than the context length", "exceeds the context length")
+# Ollama versions whose prompt_eval_count leaves out the prompt tokens found in its cache.
+UNDERCOUNTING_VERSIONS = frozenset({"0.30.0"})
 _BUSY = ("server busy", "maximum pending requests", "no slots")
 
 
@@ -118,6 +120,7 @@ class Ollama(WithoutSlots):
         self.loaded: dict[str, int] = {}  # loaded model -> context_length (/api/ps)
         self.context_length = settings.ctx_per_slot or DEFAULT_NUM_CTX  # a slot's, tokens
         self.num_ctx_overridden = 0  # client num_ctx values replaced by the loaded one
+        self.version: str | None = None  # as /api/version gives it
 
     async def discover(self) -> Discovered:
         """``GET /api/version`` (liveness) and ``GET /api/ps`` (loaded models' contexts).
@@ -131,6 +134,7 @@ class Ollama(WithoutSlots):
         try:
             if version.status_code != 200 or "version" not in version.json():
                 raise ValueError(f"/api/version answered HTTP {version.status_code}")
+            self._note_version(str(version.json()["version"]))
             models = ps.json().get("models") or []
             self.loaded = {m["name"]: int(m["context_length"]) for m in models
                            if isinstance(m, dict) and m.get("context_length")}
@@ -143,6 +147,18 @@ class Ollama(WithoutSlots):
                                              else DEFAULT_NUM_CTX)
         self.context_length = ctx
         return Discovered(slots=self.settings.slots or self.default_slots, ctx_per_slot=ctx)
+
+    def _note_version(self, version: str) -> None:
+        """Keep Ollama's version; warn once about one whose ``prompt_eval_count`` leaves
+        out cached prompt tokens (0.30.0: the llama-server timings' ``prompt_n`` alone,
+        ``llm/llama_server.go``; 0.30.1 adds ``cache_n``, ollama/ollama#16428), which
+        makes a cached conversation look truncated and skews the calibration."""
+        if version != self.version and version in UNDERCOUNTING_VERSIONS:
+            log.warning("backend %s: Ollama %s counts only uncached prompt tokens in "
+                        "prompt_eval_count; prompts that hit its cache will look truncated "
+                        "and skew the estimate calibration. Use 0.30.1 or later.",
+                        self.name, version)
+        self.version = version
 
     async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:
         """``None``: Ollama cannot count; the gateway estimates."""
