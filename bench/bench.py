@@ -5,7 +5,9 @@ Starts (each in its own process):
   (``/props``, ``/v1/chat/completions/input_tokens``, ``/v1/chat/completions``);
 * the gateway in front of it (``gateway serve``, uvloop + h11), configured with
   enough slots that admission never queues, so what is measured is the proxy path:
-  validation, the exact-count call upstream, reservation, forwarding, metrics;
+  validation, the exact-count call upstream, reservation, forwarding, metrics, and its
+  access line at the default INFO level (to a discarded stderr); a second gateway with
+  ``access_log = false`` prices that line on the ``kept`` rows;
 * a load generator (aiohttp, closed loop) at 4 and at 64 connections, for a fixed time,
   first straight at the upstream, then at the gateway; then streams (``stream: true``,
   100 events each, written one by one as llama-server writes tokens, and the connection
@@ -247,17 +249,23 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="per measurement")
     parser.add_argument("--only", choices=["json", "sse"], help="run one part")
     args = parser.parse_args()
-    up_port, gw_port = free_port(), free_port()
+    up_port, gw_port, quiet_port = free_port(), free_port(), free_port()
     upstream = mp.Process(target=run_upstream, args=(up_port,), daemon=True)
     upstream.start()
     wait_http(f"http://127.0.0.1:{up_port}/props")
     env = dict(
-        os.environ, GATEWAY_SERVER__PORT=str(gw_port), GATEWAY_SERVER__LOG_LEVEL="warning",
+        os.environ, GATEWAY_SERVER__PORT=str(gw_port), GATEWAY_SERVER__LOG_LEVEL="info",
         GATEWAY_ADMISSION__MAX_QUEUE="100000",
         GATEWAY_BACKENDS=json.dumps([{"name": "bench", "url": f"http://127.0.0.1:{up_port}",
                                       "kv_unified": False}]),
     )
-    gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env=env)
+    # The gateway as configured by default (INFO, one access line per request, written
+    # to a discarded stderr), and the same without its access line, to price that line.
+    gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env=env,
+                               stderr=subprocess.DEVNULL)
+    quiet = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env={
+        **env, "GATEWAY_SERVER__PORT": str(quiet_port),
+        "GATEWAY_SERVER__ACCESS_LOG": "false"}, stderr=subprocess.DEVNULL)
     bare = {}
     for transport in ("httpx", "aiohttp"):
         port = free_port()
@@ -265,10 +273,11 @@ def main() -> int:
         proc.start()
         bare[transport] = (port, proc)
     targets = [("direct", up_port)] + [(f"bare proxy, {t}", p) for t, (p, _) in bare.items()]
-    targets.append(("gateway", gw_port))
+    targets += [("gateway", gw_port), ("gateway, no access", quiet_port)]
     rows = []
     try:
         wait_http(f"http://127.0.0.1:{gw_port}/ready")
+        wait_http(f"http://127.0.0.1:{quiet_port}/ready")
         for port, _ in bare.values():
             wait_http(f"http://127.0.0.1:{port}/props")
         # (row, connections, stream, a new prompt per request)
@@ -281,12 +290,15 @@ def main() -> int:
             for label, port in targets:
                 if (stream or unique) and label == "bare proxy, httpx":
                     continue  # the httpx floor once, for reference
+                if unique and label == "gateway, no access":
+                    continue  # the access line's price, on the kept prompts
                 result = measure(f"http://127.0.0.1:{port}/v1/chat/completions", connections,
                                  args.seconds, stream, unique)
                 rows.append((row, label, result))
     finally:
-        gateway.terminate()
-        gateway.wait(10)
+        for proc_ in (gateway, quiet):
+            proc_.terminate()
+            proc_.wait(10)
         for _, proc in bare.values():
             proc.terminate()
         upstream.terminate()
@@ -303,6 +315,11 @@ def main() -> int:
               f"{r['p99_ms']:>7.2f} {r['p50_ms'] - d['p50_ms']:>9.2f} "
               f"{r['p99_ms'] - d['p99_ms']:>9.2f} {r['rps'] / d['rps']:>13.2f} "
               f"{r['rps'] / b['rps']:>19.2f} {int(r['errors'])}")
+    for connections, label, r in rows:
+        if label == "gateway, no access":
+            logged = next(res for c, lab, res in rows if c == connections and lab == "gateway")
+            print(f"access line, {connections}: the gateway with it serves "  # noqa: T201
+                  f"{logged['rps'] / r['rps']:.2f}x the requests/s of the gateway without it")
     return 0
 
 

@@ -69,6 +69,17 @@ class Fleet:
         return {name: len(fake.generations) for name, fake in self.fakes.items()}
 
 
+async def served(fleet: Fleet, total: int, timeout_s: float = 10.0) -> dict[str, int]:
+    """Wait until ``total`` generations reached the backends (on a loaded machine the
+    gateway may take longer than a fixed sleep); returns who served how many."""
+    for _ in range(int(timeout_s / 0.005)):
+        if sum(fleet.served_by().values()) >= total:
+            break
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.02)  # and no more than that arrive
+    return fleet.served_by()
+
+
 @pytest.fixture
 async def make_fleet() -> AsyncIterator[Any]:
     built: list[Fleet] = []
@@ -91,8 +102,7 @@ async def test_a_pool_spreads_requests_by_fit(make_fleet: Any) -> None:
     fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
     first = asyncio.ensure_future(fleet.chat(model="m", max_tokens=5))
     second = asyncio.ensure_future(fleet.chat(model="m", max_tokens=5))
-    await asyncio.sleep(0.05)
-    assert fleet.served_by() == {"a": 1, "b": 1}  # one each: each had one free slot
+    assert await served(fleet, 2) == {"a": 1, "b": 1}  # one each: each had one free slot
     hold.set()
     assert (await first).status_code == 200 and (await second).status_code == 200
 
@@ -103,8 +113,7 @@ async def test_the_emptier_backend_is_chosen(make_fleet: Any) -> None:
     fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
     tasks = [asyncio.ensure_future(fleet.chat(f"question {i}", model="m", max_tokens=100))
              for i in range(6)]  # six conversations
-    await asyncio.sleep(0.05)
-    assert fleet.served_by() == {"a": 3, "b": 3}  # each goes where most is left
+    assert await served(fleet, 6) == {"a": 3, "b": 3}  # each goes where most is left
     hold.set()
     assert all(r.status_code == 200 for r in await asyncio.gather(*tasks))
 
@@ -114,10 +123,13 @@ async def test_one_queue_per_model_starts_on_whichever_frees_first(make_fleet: A
     fakes = {n: FakeLlamaServer(slots=1, hold=holds[n]) for n in holds}
     fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
     running = [asyncio.ensure_future(fleet.chat(model="m", max_tokens=5)) for _ in range(2)]
-    await asyncio.sleep(0.05)
+    assert await served(fleet, 2) == {"a": 1, "b": 1}
     waiting = asyncio.ensure_future(fleet.chat(model="m", max_tokens=5))
-    await asyncio.sleep(0.05)
     queue = next(iter(fleet.state._queues.values()))
+    for _ in range(2000):
+        if queue.waiting:
+            break
+        await asyncio.sleep(0.005)
     assert queue.waiting == 1 and fleet.served_by() == {"a": 1, "b": 1}
     # the wait shows in the pool's gauges, not in either backend's own queue
     metrics = (await fleet.client.get("/metrics")).text
