@@ -33,10 +33,21 @@ from gateway.state import GatewayState
 from gateway.target import Target
 from gateway.tenants import check_admin_key
 
-__all__ = ["RECENT_WINDOW_S", "REFRESH_MS", "STATUS_PATHS", "RejectionLog", "backend_status",
-           "register_status", "status_authorized", "status_page"]
+__all__ = ["GAUGES", "RECENT_WINDOW_S", "REFRESH_MS", "STATUS_PATHS", "RejectionLog",
+           "backend_status", "register_status", "status_authorized", "status_page"]
 
 STATUS_PATHS = frozenset({"/status", "/status.json"})
+#: A backend row's figure in /status.json -> the /metrics gauge (label ``backend``) that
+#: gives the same number, read from the same source at the call.
+GAUGES = {
+    "slots": "gateway_slots", "busy_slots": "gateway_slots_busy",
+    "ctx_per_slot": "gateway_backend_ctx_per_slot",
+    "capacity_tokens": "gateway_kv_capacity_tokens",
+    "reserved_tokens": "gateway_kv_reserved_tokens", "live_tokens": "gateway_kv_live_tokens",
+    "inflight": "gateway_inflight_requests", "queued": "gateway_queue_depth",
+    "queue_capacity": "gateway_queue_capacity",
+}
+
 REFRESH_MS = 1500  # how often the page reads /status.json, milliseconds
 RECENT_WINDOW_S = 300.0  # "recent" rejections: those of about the last five minutes
 SAMPLE_EVERY_S = 5.0  # at most one snapshot of the rejection counter per this, seconds

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter
 from gateway.app import create_app
 from gateway.config import load_settings
 from gateway.errors import GatewayError
-from gateway.status import STATUS_PATHS, RejectionLog, status_authorized, status_page
+from gateway.status import GAUGES, STATUS_PATHS, RejectionLog, status_authorized, status_page
 from tests.conftest import Harness
 from tests.fakes import FakeLlamaServer, ManualClock
 from tests.test_fleet import Fleet
@@ -32,15 +32,6 @@ pytestmark = pytest.mark.anyio
 ADMIN_KEY, TENANT_KEY = "admin-status-key-7", "sk-tenant-status-1"
 ROOT = Path(__file__).resolve().parent.parent
 
-# /status.json field -> the /metrics gauge with the same figure for the backend.
-GAUGES = {
-    "slots": "gateway_slots", "busy_slots": "gateway_slots_busy",
-    "ctx_per_slot": "gateway_backend_ctx_per_slot",
-    "capacity_tokens": "gateway_kv_capacity_tokens",
-    "reserved_tokens": "gateway_kv_reserved_tokens", "live_tokens": "gateway_kv_live_tokens",
-    "inflight": "gateway_inflight_requests", "queued": "gateway_queue_depth",
-    "queue_capacity": "gateway_queue_capacity",
-}
 BACKEND_FIELDS = {
     "name", "model", "kind", "state", "ready", "up", "draining", "retiring", "problem",
     "down_for_s", "layout", "slots", "busy_slots", "ctx_per_slot", "pool_tokens",

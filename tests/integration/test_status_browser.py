@@ -29,6 +29,7 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from gateway.dev.localbackend import free_port
+from gateway.status import GAUGES
 from tests.fakes import FakeLlamaServer
 from tests.integration.conftest import GatewayThread
 
@@ -37,15 +38,6 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run"]
 ADMIN_KEY = "status-page-admin-key"
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "status.png"
-# /status.json field shown on the page -> the /metrics gauge of the same figure.
-GAUGES = {
-    "slots": "gateway_slots", "busy_slots": "gateway_slots_busy",
-    "ctx_per_slot": "gateway_backend_ctx_per_slot",
-    "capacity_tokens": "gateway_kv_capacity_tokens",
-    "reserved_tokens": "gateway_kv_reserved_tokens", "live_tokens": "gateway_kv_live_tokens",
-    "inflight": "gateway_inflight_requests", "queued": "gateway_queue_depth",
-    "queue_capacity": "gateway_queue_capacity",
-}
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 if not shutil.which(CHROMIUM):
