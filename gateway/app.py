@@ -112,8 +112,8 @@ def create_app(
         return list(rows.values())
 
     state.metrics = GatewayMetrics(registry or CollectorRegistry(), state.stats, pool_rows)
-    state.prime_metrics()
     state.tenants = Tenants(settings)
+    state.prime_metrics()
 
     def authenticate(scope: Any) -> None:
         """Who the request is for (before its body is read): probes, the admin routes

@@ -191,12 +191,20 @@ class Overloaded(ServiceError):
 
 class Unauthorized(ClientError):
     """Raised when a request lacks a valid key: a tenant's (when tenants are configured)
-    or, on the admin routes and ``/metrics``, ``server.admin_key``."""
+    or, on the admin routes, ``/metrics`` and the status page, ``server.admin_key``.
+
+    :param challenge: a ``WWW-Authenticate`` value to send with the 401 (the status
+        page's ``Basic realm=...``, so that a browser asks for the key).
+    """
 
     status_code = 401
     error_type = "authentication_error"
     code = "invalid_api_key"
     rejection_reason = "unauthorized"
+
+    def __init__(self, message: str, *, challenge: str | None = None) -> None:
+        super().__init__(message)
+        self.challenge = challenge
 
 
 class Forbidden(ClientError):
@@ -360,7 +368,8 @@ def error_body(exc: GatewayError) -> dict[str, Any]:
 def error_headers(exc: GatewayError) -> dict[str, str]:
     """Return the extra headers for an error: ``Retry-After`` (whole seconds, 1–60) and
     ``retry-after-ms`` on 503s, following what the official OpenAI SDKs read
-    (``shared/cases/public.md``, appendix); ``x-should-retry: false`` on 4xx.
+    (``shared/cases/public.md``, appendix); ``x-should-retry: false`` on 4xx, and an
+    :class:`Unauthorized`'s ``WWW-Authenticate`` challenge.
     """
     if isinstance(exc, Overloaded):
         seconds = min(60.0, max(1.0, exc.retry_after_s))
@@ -376,6 +385,8 @@ def error_headers(exc: GatewayError) -> dict[str, str]:
         if exc.retry_after.isdigit():
             headers["retry-after-ms"] = str(int(exc.retry_after) * 1000)
         return headers
+    if isinstance(exc, Unauthorized) and exc.challenge is not None:
+        return {"x-should-retry": "false", "WWW-Authenticate": exc.challenge}
     if isinstance(exc, ClientError) and exc.status_code not in (408, 409, 429):
         return {"x-should-retry": "false"}
     return {}

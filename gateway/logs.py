@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
-import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 from pythonjsonlogger.core import RESERVED_ATTRS
@@ -28,7 +28,7 @@ from pythonjsonlogger.json import JsonFormatter
 
 from gateway.config import ServerSettings
 
-__all__ = ["ACCESS_FIELDS", "QUIET_PATHS", "TextFormatter", "configure_logging",
+__all__ = ["ACCESS_FIELDS", "QUIET_PATHS", "TextFormatter", "access_level", "configure_logging",
            "error_kind", "log_access", "request_id_of"]
 
 access_log = logging.getLogger("gateway.access")
@@ -69,9 +69,9 @@ def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> tuple[bytes, bytes]
     for name, value in headers:
         if name.lower() == b"x-request-id":
             if _CLIENT_ID.fullmatch(value):
-                return value, value + b"-" + uuid.uuid4().hex[:8].encode()
+                return value, value + b"-" + os.urandom(4).hex().encode()
             break
-    made = uuid.uuid4().hex.encode()
+    made = os.urandom(16).hex().encode()
     return made, made
 
 
@@ -147,15 +147,23 @@ def error_kind(exc: BaseException) -> str:
     return " ".join(parts)
 
 
-def log_access(fields: Mapping[str, Any]) -> None:
-    """Write one access line with ``fields`` (keys of :data:`ACCESS_FIELDS`), at INFO,
-    or DEBUG for a path of :data:`QUIET_PATHS`: probes always (``/ready`` answers 503
-    while a backend is down, every few seconds), the others when answered below 400 (a
-    refused admin key stays visible)."""
-    path = fields.get("path")
-    quiet = path in _PROBES or (path in QUIET_PATHS and (fields.get("status") or 0) < 400)
+def access_level(path: str, status: int) -> int | None:
+    """The level of a request's access line, or ``None`` when it would not be written
+    (``access_log = false``, or a DEBUG line below the level): INFO, or DEBUG for a path
+    of :data:`QUIET_PATHS`: probes always (``/ready`` answers 503 while a backend is
+    down, every few seconds), the others when answered below 400 (a refused admin key
+    stays visible)."""
+    quiet = path in _PROBES or (path in QUIET_PATHS and status < 400)
     level = logging.DEBUG if quiet else logging.INFO
-    if access_log.isEnabledFor(level):
-        access_log.log(level, "%s %s %s", fields.get("method"),
-                       _logfmt_value(fields.get("path")), fields.get("status"),
-                       extra=dict(fields))
+    return level if access_log.isEnabledFor(level) else None
+
+
+def log_access(fields: dict[str, Any], level: int | None = None) -> None:
+    """Write one access line with ``fields`` (keys of :data:`ACCESS_FIELDS`) at
+    ``level``, or at the level :func:`access_level` gives, if any. ``fields`` becomes
+    the record's extra attributes (it is not copied: pass a dict of its own)."""
+    if level is None:
+        level = access_level(fields["path"], fields["status"])
+    if level is not None:
+        access_log.log(level, "%s %s %s", fields["method"], _logfmt_value(fields["path"]),
+                       fields["status"], extra=fields)

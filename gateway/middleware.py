@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import GatewayError, HeadersTooLarge, render, shape_of
-from gateway.logs import log_access, request_id_of
+from gateway.logs import access_level, log_access, request_id_of
 from gateway.metrics import GatewayMetrics
 from gateway.routes import LABELS
 
@@ -162,21 +162,23 @@ class RequestAccounting:
                                                             or route_of(scope["path"]))
             self.metrics.requests.labels(backend, route, str(final), tenant,
                                          state.get("priority") or "none").inc()
-            log_access({
-                "request_id": request_id.decode(),
-                "upstream_request_id": upstream_id.decode() if state.get("forwarded")
-                and upstream_id != request_id else None,
-                "method": scope["method"],
-                "path": scope["path"], "route": route, "backend": backend,
-                "tenant": tenant, "status": final, "reason": state.get("reason"),
-                "upstream_error": state.get("upstream_error"),
-                "prompt_tokens": state.get("prompt_tokens"),
-                "count_source": state.get("count_source"),
-                "max_tokens": state.get("max_tokens"),
-                "queue_wait_ms": _ms(state.get("queue_wait_s")),
-                "ttft_ms": _ms(state.get("ttft_s")),
-                "duration_ms": _ms(time.monotonic() - began),
-            })
+            level = access_level(scope["path"], final)
+            if level is not None:  # the line's fields are gathered only when written
+                log_access({
+                    "request_id": request_id.decode(),
+                    "upstream_request_id": upstream_id.decode() if state.get("forwarded")
+                    and upstream_id != request_id else None,
+                    "method": scope["method"], "path": scope["path"], "route": route,
+                    "backend": backend, "tenant": tenant, "status": final,
+                    "reason": state.get("reason"),
+                    "upstream_error": state.get("upstream_error"),
+                    "prompt_tokens": state.get("prompt_tokens"),
+                    "count_source": state.get("count_source"),
+                    "max_tokens": state.get("max_tokens"),
+                    "queue_wait_ms": _ms(state.get("queue_wait_s")),
+                    "ttft_ms": _ms(state.get("ttft_s")),
+                    "duration_ms": _ms(time.monotonic() - began),
+                }, level)
 
 
 def _ms(seconds: float | None) -> float | None:

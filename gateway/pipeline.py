@@ -281,7 +281,8 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
     key = affinity_key(req.body) if affine and queue is not None else None
     return Exchange(
         backend=first.backend, route=route, body=first.body, charge=charge,
-        stream=req.stream, started=started, headers=_with_request_id(request),
+        stream=req.stream, started=started, headers=list(request.headers.raw),
+        request_id=getattr(request.state, "upstream_request_id", None),
         client_wants_usage=bool(options.get("include_usage")),
         extra_headers=extra, tag=first.tag, api=req.api,
         progress_s=admission.queue_progress_s if req.stream and req.api != "ollama"
@@ -295,17 +296,6 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         tenant=tenant, party=party, hold=hold, prompt_total=prompt_total,
         batched=batch > 1,
     )
-
-
-def _with_request_id(request: Request) -> list[tuple[bytes, bytes]]:
-    """The client's headers, with ``x-request-id`` set to the id the gateway gives the
-    backend for this request (:func:`gateway.logs.request_id_of`), so that the
-    backend's logs name it."""
-    rid = getattr(request.state, "upstream_request_id", None)
-    raw = list(request.headers.raw)
-    if rid is None:
-        return raw
-    return [h for h in raw if h[0].lower() != b"x-request-id"] + [(b"x-request-id", rid)]
 
 
 def _party(state: GatewayState, request: Request, tenant: Tenant, body: dict[str, Any]

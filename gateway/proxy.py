@@ -73,9 +73,10 @@ log = logging.getLogger(__name__)
 # Client request headers forwarded upstream; every other one is dropped (cookies, the
 # client's own Authorization, hop-by-hop headers, and X-Conversation-Id, which makes
 # llama-server keep generating after a disconnect: shared/design/backends.md §1.5).
+# The client's X-Request-Id is not among them: the backend gets the gateway's id of the
+# request (Exchange.request_id) instead.
 _FORWARD_REQUEST_HEADERS = {
-    b"accept", b"user-agent", b"x-request-id", b"x-correlation-id", b"traceparent",
-    b"tracestate",
+    b"accept", b"user-agent", b"x-correlation-id", b"traceparent", b"tracestate",
 }
 # Upstream response headers relayed on whole (non-SSE) answers.
 _PASS_RESPONSE_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
@@ -146,6 +147,8 @@ class Exchange:
     batched: bool = False  # several prompts: the backend's usage gives their true sum
     # For the access line (gateway.logs): seconds queued, seconds to the first token,
     # and the reason it was refused after it reached the queue.
+    # The id the backend is sent in X-Request-Id (gateway.logs.request_id_of).
+    request_id: bytes | None = None
     queue_wait_s: float | None = None
     ttft_s: float | None = None
     reason: str | None = None
@@ -586,10 +589,13 @@ class ProxyResponse(Response):
         )
 
     def _forward_headers(self) -> list[tuple[bytes, bytes]]:
-        """The client headers passed on, the JSON content type and the backend's key."""
+        """The client headers passed on, the JSON content type, the request's id (unique
+        per request: :func:`gateway.logs.request_id_of`) and the backend's key."""
         x = self.x
         headers = [(k, v) for k, v in x.headers if k.lower() in _FORWARD_REQUEST_HEADERS]
         headers.append((b"content-type", b"application/json"))
+        if x.request_id is not None:
+            headers.append((b"x-request-id", x.request_id))
         headers += [(k.encode(), v.encode()) for k, v in x.backend.settings.auth_headers.items()]
         return headers
 
@@ -883,12 +889,12 @@ class ProxyResponse(Response):
         return raw
 
     def _token_seen(self, state: _StreamState) -> None:
-        now = self.clock.now()
         self._streamed += 1
         if not self.x.stream:
             # A whole answer followed token by token upstream (the predictive policy):
             # its client sees no first token, so no TTFT or ITL, as under strict.
             return
+        now = self.clock.now()
         if state.last_token is None:
             ttft = now - self.x.started
             if self.x.ttft_s is None:  # a resumed answer's first token is not its first

@@ -26,7 +26,6 @@ from gateway.errors import (
     RouteNotFound,
     ShuttingDown,
 )
-from gateway.fairness import ANONYMOUS
 from gateway.fleet import ModelQueue, usable
 from gateway.metrics import GatewayMetrics
 from gateway.target import Target
@@ -161,12 +160,9 @@ class GatewayState:
 
     def prime_metrics(self) -> None:
         """Give the counters the alert rules read a zero series for every configured
-        backend and tenant (:meth:`GatewayMetrics.prime`)."""
-        settings = self.settings
-        first_class = settings.classes[0].name if settings.classes else "default"
-        parties = [(t.name, t.priority or first_class) for t in settings.tenants] or [
-            (ANONYMOUS, first_class)]
-        self.metrics.prime(list(self.backends), parties)
+        backend and tenant, in the tenant's own class (:meth:`GatewayMetrics.prime`)."""
+        self.metrics.prime(list(self.backends),
+                           [(t.name, t.priority) for t in self.tenants.by_name.values()])
 
     def _retire(self, backend: Target) -> None:
         backend.set_draining(True)

@@ -12,9 +12,7 @@ as ``/metrics`` is.
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
-import hmac
 import re
 import time
 from collections import deque
@@ -27,11 +25,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter
 
 from gateway.admission import Clock
-from gateway.errors import Unauthorized, render
-from gateway.middleware import count_rejection
+from gateway.errors import Unauthorized
 from gateway.state import GatewayState
 from gateway.target import Target
-from gateway.tenants import check_admin_key
+from gateway.tenants import admin_key_matches
 
 __all__ = ["GAUGES", "RECENT_WINDOW_S", "REFRESH_MS", "STATUS_PATHS", "RejectionLog",
            "backend_status", "register_status", "status_authorized", "status_page"]
@@ -86,25 +83,21 @@ def status_authorized(headers: Iterable[tuple[bytes, bytes]], admin_key: str) ->
     auths = [v for k, v in headers if k.lower() == b"authorization"]
     if len(auths) != 1:
         return False
-    scheme, _, rest = auths[0].decode("latin-1").strip().partition(" ")
+    # bytes kept as sent (UTF-8 or not), as tenants.key_of reads a bearer key
+    scheme, _, rest = auths[0].decode("utf-8", "surrogateescape").strip().partition(" ")
     if scheme.lower() == "bearer":
-        try:
-            check_admin_key([(b"authorization", auths[0])], admin_key, "")
-        except Unauthorized:
+        given = rest.strip()
+    elif scheme.lower() == "basic":
+        try:  # ValueError: not base64 (binascii.Error), not ASCII, or not UTF-8 inside
+            decoded = base64.b64decode(rest.strip(), validate=True).decode("utf-8")
+        except ValueError:
             return False
-        return True
-    if scheme.lower() != "basic":
+        _user, colon, given = decoded.partition(":")
+        if not colon:
+            return False
+    else:
         return False
-    try:
-        decoded = base64.b64decode(rest.strip(), validate=True).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError):
-        return False
-    _user, colon, password = decoded.partition(":")
-    if not colon:
-        return False
-    given = hashlib.sha256(password.encode("utf-8", "surrogatepass")).digest()
-    expected = hashlib.sha256(admin_key.strip().encode("utf-8", "surrogatepass")).digest()
-    return hmac.compare_digest(given, expected)
+    return bool(given) and admin_key_matches(given, admin_key)
 
 
 class RejectionLog:
@@ -214,7 +207,7 @@ def backend_status(backend: Target, now: float, *, gateway_draining: bool = Fals
         "capacity_tokens": stats.capacity_tokens, "reserved_tokens": stats.reserved_tokens,
         "live_tokens": stats.live_tokens, "inflight": stats.inflight,
         "queued": stats.queued, "queue_capacity": stats.queue_capacity,
-        "oldest_wait_s": round(backend.admission.oldest_wait_s(), 3),
+        "oldest_wait_s": round(stats.oldest_wait_s, 3),
     }
 
 
@@ -248,31 +241,25 @@ def register_status(app: FastAPI, state: GatewayState) -> None:
                     "content-security-policy": _content_security_policy(page)}
     rejections = RejectionLog(state.metrics.rejections, state.clock)
 
-    def refused(request: Request) -> Response | None:
-        """``None`` when the caller may see the status; else the 401 to send."""
-        request.state.route = "status"
+    def check(request: Request) -> None:
+        """Let the caller see the status, or raise the 401 (rendered and counted by the
+        app's error handler) whose challenge makes a browser ask for the key."""
         key = state.settings.server.admin_key
-        if key is None or status_authorized(request.headers.raw, key.get_secret_value()):
-            return None
-        exc = Unauthorized("The status page needs server.admin_key: send it as "
-                           "Authorization: Bearer <admin_key>, or as the password of HTTP "
-                           "Basic authentication (any user name).")
-        count_rejection(state.metrics, request.scope.setdefault("state", {}), exc)
-        status, raw, body = render(exc)
-        headers = {k.decode(): v.decode() for k, v in raw if k != b"content-length"}
-        headers["www-authenticate"] = f'Basic realm="{REALM}", charset="UTF-8"'
-        return Response(body, status, headers=headers)
+        if key is not None and not status_authorized(request.headers.raw,
+                                                     key.get_secret_value()):
+            raise Unauthorized("The status page needs server.admin_key: send it as "
+                               "Authorization: Bearer <admin_key>, or as the password of "
+                               "HTTP Basic authentication (any user name).",
+                               challenge=f'Basic realm="{REALM}", charset="UTF-8"')
 
     @app.get("/status")
     async def status_html(request: Request) -> Response:
-        return refused(request) or Response(page, media_type="text/html; charset=utf-8",
-                                            headers=page_headers)
+        check(request)
+        return Response(page, media_type="text/html; charset=utf-8", headers=page_headers)
 
     @app.get("/status.json")
     async def status_json(request: Request) -> Response:
-        denied = refused(request)
-        if denied is not None:
-            return denied
+        check(request)
         now = state.clock.now()
         totals, recent, span = rejections.read()
         rows = []

@@ -39,7 +39,7 @@ from gateway.errors import Forbidden, InvalidRequest, RateLimited, Unauthorized
 from gateway.fairness import ANONYMOUS, Party
 
 __all__ = ["OPEN_PATHS", "PRIORITY_HEADER", "TOKENS_WINDOW_S", "Tenant", "Tenants",
-           "TokenHold", "check_admin_key", "hash_key", "key_of"]
+           "TokenHold", "admin_key_matches", "check_admin_key", "hash_key", "key_of"]
 
 TOKENS_WINDOW_S = 60.0  # the tokens_per_minute window, seconds
 PRIORITY_HEADER = "x-priority"  # a request's class, when it asks for a lower one
@@ -88,10 +88,16 @@ def check_admin_key(headers: Iterable[tuple[bytes, bytes]], expected: str, what:
         given = key_of((k, v) for k, v in headers if k.lower() == b"authorization")
     except Unauthorized:
         given = None
-    if given is None or not hmac.compare_digest(
-            hashlib.sha256(given.encode("utf-8", "surrogateescape")).digest(),
-            hashlib.sha256(expected.strip().encode("utf-8", "surrogatepass")).digest()):
+    if given is None or not admin_key_matches(given, expected):
         raise Unauthorized(f"{what} Authorization: Bearer <admin_key>.")
+
+
+def admin_key_matches(given: str, expected: str) -> bool:
+    """``given`` is ``expected`` (surrounding spaces of ``expected`` aside), compared in
+    constant time over their SHA-256 digests."""
+    return hmac.compare_digest(
+        hashlib.sha256(given.encode("utf-8", "surrogateescape")).digest(),
+        hashlib.sha256(expected.strip().encode("utf-8", "surrogatepass")).digest())
 
 
 def format_reset(seconds: float) -> str:

@@ -245,6 +245,8 @@ async def test_with_an_admin_key_only_that_key_opens_the_status(make: Any, path:
     refused = [{}, bearer(TENANT_KEY), basic(TENANT_KEY), {"x-api-key": ADMIN_KEY},
                bearer("admin-status-key-8"), basic("wrong"), {"authorization": ADMIN_KEY},
                {"authorization": "Basic !!!not-base64"},
+               {"authorization": "Basic d\u00e9j\u00e0".encode()},  # not ASCII: not base64
+               {"authorization": "Bearer "},
                {"authorization": "Basic " + base64.b64encode(ADMIN_KEY.encode()).decode()}]
     for headers in refused:
         r = await h.client.get(path, headers=headers)

@@ -132,9 +132,10 @@ class Ollama(WithoutSlots):
             version = await self.side.get("/api/version")
             ps = await self.side.get("/api/ps")
         try:
-            if version.status_code != 200 or "version" not in version.json():
+            answer = version.json() if version.status_code == 200 else {}
+            if "version" not in answer:
                 raise ValueError(f"/api/version answered HTTP {version.status_code}")
-            self._note_version(str(version.json()["version"]))
+            self._note_version(str(answer["version"]))
             models = ps.json().get("models") or []
             self.loaded = {m["name"]: int(m["context_length"]) for m in models
                            if isinstance(m, dict) and m.get("context_length")}
