@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import logging
@@ -16,7 +17,7 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -196,6 +197,26 @@ def test_the_text_access_line_quotes_equals_signs() -> None:
     assert parsed["request_id"] == "dGVzdA==" and parsed["tenant"] == "web"
 
 
+@contextlib.asynccontextmanager
+async def reloaded_while_serving(harness: Harness, fake: FakeLlamaServer,
+                                 backend: dict[str, str]) -> AsyncIterator[list[str]]:
+    """One request held in flight on "local", then a reload to the single ``backend``
+    (discovered if it keeps the name "local"); yields the reload's changes, and lets the
+    request finish on the way out."""
+    fake.hold = asyncio.Event()
+    task = asyncio.ensure_future(harness.chat(max_tokens=5))
+    try:
+        await until(lambda: fake.active == 1)
+        new = load_settings(admission={"disconnect_grace_s": 0.0}, backends=[backend])
+        changes = await harness.state.reload(new)
+        if backend["name"] == "local":  # the replaced backend's successor
+            await harness.state.backends["local"].discover()
+        yield changes
+    finally:
+        fake.hold.set()
+        await task
+
+
 async def test_a_replaced_backend_is_listed_apart_while_it_retires(
         harness: Harness, fake: FakeLlamaServer) -> None:
     """A reload that changes a backend's URL keeps the old target (retiring, finishing
@@ -204,23 +225,15 @@ async def test_a_replaced_backend_is_listed_apart_while_it_retires(
     rows of one name in ``backends`` would share their rejection counts (looked up by
     name) and overwrite each other's card on a page that keyed cards by name (see the
     browser test below)."""
-    fake.hold = asyncio.Event()
-    task = asyncio.ensure_future(harness.chat(max_tokens=5))
-    try:
-        await until(lambda: fake.active == 1)
-        new = load_settings(admission={"disconnect_grace_s": 0.0},
-                            backends=[{"name": "local", "url": "http://upstream2:8080"}])
-        assert await harness.state.reload(new) == ["changed backend local"]
-        await harness.state.backends["local"].discover()
+    async with reloaded_while_serving(
+            harness, fake, {"name": "local", "url": "http://upstream2:8080"}) as changes:
+        assert changes == ["changed backend local"]
         data = (await harness.client.get("/status.json")).json()
         rows = data["backends"]
         names = [row["name"] for row in rows]
         assert len(names) == len(set(names)), f"rows: {[(r['name'], r['state']) for r in rows]}"
         (old,) = data["retiring"]
         assert (old["name"], old["state"], old["inflight"]) == ("local", "retiring", 1)
-    finally:
-        fake.hold.set()
-        await task
 
 
 def _render_status_page(page_bytes: bytes, headers: dict[str, str],
@@ -277,14 +290,8 @@ async def test_the_page_shows_the_live_backend_and_its_retiring_predecessor(
     predecessor (cards are keyed by name and retiring, ``cardKey`` in status.html), so
     the retiring twin cannot hide the live backend."""
     _need_browser()
-    fake.hold = asyncio.Event()
-    task = asyncio.ensure_future(harness.chat(max_tokens=5))
-    try:
-        await until(lambda: fake.active == 1)
-        new = load_settings(admission={"disconnect_grace_s": 0.0},
-                            backends=[{"name": "local", "url": "http://upstream2:8080"}])
-        await harness.state.reload(new)
-        await harness.state.backends["local"].discover()
+    async with reloaded_while_serving(
+            harness, fake, {"name": "local", "url": "http://upstream2:8080"}):
         page = await harness.client.get("/status")
         data = await harness.client.get("/status.json")
         headers = {k: v for k, v in page.headers.items()
@@ -296,9 +303,6 @@ async def test_the_page_shows_the_live_backend_and_its_retiring_predecessor(
         states = sorted(card["state"] for card in shown["cards"])
         assert "up" in states, f"no live card among {shown['cards']}"
         assert states == ["retiring", "up"], f"cards: {shown['cards']}"
-    finally:
-        fake.hold.set()
-        await task
 
 
 @pytest.mark.parametrize("path", ["/status.json", "/status", "/metrics"])
@@ -400,13 +404,8 @@ async def test_a_retiring_backend_is_apart_from_the_metrics_backends(
     runs. /status.json lists it apart, in ``retiring`` (1 request in flight), so that
     its ``backends`` rows are the ones /metrics shows and keep the README's promise
     that their figures "equal the /metrics gauges of the same backend"."""
-    fake.hold = asyncio.Event()
-    task = asyncio.ensure_future(harness.chat(max_tokens=5))
-    try:
-        await until(lambda: fake.active == 1)
-        new = load_settings(admission={"disconnect_grace_s": 0.0},
-                            backends=[{"name": "other", "url": "http://upstream:8080"}])
-        await harness.state.reload(new)
+    async with reloaded_while_serving(
+            harness, fake, {"name": "other", "url": "http://upstream:8080"}):
         data = (await harness.client.get("/status.json")).json()
         # the configured backends are the ones /metrics shows; the retiring one is
         # listed apart (its successor may have its name)
@@ -416,9 +415,6 @@ async def test_a_retiring_backend_is_apart_from_the_metrics_backends(
         assert gone["inflight"] == 1
         assert harness.sample("gateway_inflight_requests", backend="other") == \
             data["backends"][0]["inflight"] == 0
-    finally:
-        fake.hold.set()
-        await task
 
 
 async def test_rejections_of_a_removed_backend_stay_on_the_page(
