@@ -13,7 +13,7 @@ Starts (each in its own process):
   100 events each, written one by one as llama-server writes tokens, and the connection
   closed after each, as llama-server closes it) at 64 connections. Each is run twice:
   ``kept``, one prompt sent again and again (the gateway counts it once, then reuses
-  the count: gateway/countcache.py), and ``new``, a new prompt in every request (each
+  the count: gateway/backends/countcache.py), and ``new``, a new prompt in every request (each
   counted by a second upstream call).
 
 Also measured, as floors: two bare Starlette pass-through proxies, one on httpx's default

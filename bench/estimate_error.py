@@ -23,7 +23,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.tokens import chat_text, estimate_tokens  # noqa: E402
+from gateway.request.tokens import chat_text, estimate_tokens  # noqa: E402
 from tests.fake_ollama import FakeOllama  # noqa: E402
 
 WORDS = ["river", "mountain", "quiet", "lantern", "orchard", "copper", "meadow", "signal"]

@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from gateway.app import create_app, uvicorn_options  # noqa: E402
 from gateway.config import load_settings  # noqa: E402
 from gateway.dev.localbackend import LlamaServer, free_port  # noqa: E402
+from gateway.http.app import create_app, uvicorn_options  # noqa: E402
 from tests.fakes import FakeLlamaServer  # noqa: E402
 
 # Completions that end with their first sentence ("stop": ["."]): 10-20 tokens each

@@ -25,9 +25,9 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.app import create_app, uvicorn_options  # noqa: E402
 from gateway.config import load_settings  # noqa: E402
 from gateway.dev.localbackend import LlamaServer, free_port  # noqa: E402
+from gateway.http.app import create_app, uvicorn_options  # noqa: E402
 
 
 async def wave(url: str, n: int, max_tokens: int, seed: int) -> list[httpx.Response]:

@@ -15,9 +15,9 @@ __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.app import create_app
-    from gateway.logs import configure_logging
-    from gateway.serving import serve
+    from gateway.http.app import create_app
+    from gateway.http.serving import serve
+    from gateway.observe.logs import configure_logging
 
     settings = load_settings(args.config)
     server = settings.server.model_copy(
@@ -134,7 +134,7 @@ def _hash_key(args: argparse.Namespace) -> int:
     import getpass
     import secrets
 
-    from gateway.tenants import hash_key
+    from gateway.admission.tenants import hash_key
 
     if args.generate:
         key = "sk-gw-" + secrets.token_urlsafe(32)

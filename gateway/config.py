@@ -31,7 +31,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from gateway.capacity import CapPolicy
+from gateway.core.capacity import CapPolicy
 
 __all__ = [
     "AdmissionSettings",
@@ -90,7 +90,7 @@ class ServerSettings(_Strict):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     # Every log line, the gateway's and uvicorn's, as "text" (one line, the access line's
-    # fields as key=value) or "json" (one object per line). gateway/logs.py
+    # fields as key=value) or "json" (one object per line). gateway/observe/logs.py
     log_format: Literal["text", "json"] = "text"
     # One access line per request (logger gateway.access): what the gateway decided,
     # timings and token counts, never prompt or completion text nor keys. Probes,
@@ -109,7 +109,7 @@ class ServerSettings(_Strict):
     # to finish before the server stops (seconds). A second signal stops at once.
     drain_timeout_s: float = Field(30.0, ge=0)
     drain_queued: Literal["serve", "refuse"] = "serve"
-    # Client connection limits (gateway/connection.py): the longest a client may take to
+    # Client connection limits (gateway/http/connection.py): the longest a client may take to
     # send a request head, from its first byte (slowloris); the longest it may pause
     # while sending a body (seconds); and how many client connections are open at once.
     # Past max_connections a new request gets uvicorn's plain 503 and its connection is
@@ -164,7 +164,7 @@ class AdmissionSettings(_Strict):
     overlong: OverlongPolicy = OverlongPolicy.reject
     # Multiplier applied to the local tiktoken estimate when the backend cannot count.
     estimate_margin: float = Field(1.25, ge=1.0)
-    # Exact prompt counts kept per backend (gateway/countcache.py), so that a prompt the
+    # Exact prompt counts kept per backend (gateway/backends/countcache.py), so that a prompt the
     # backend already counted is not sent to be counted again; 0 turns this off.
     count_cache_entries: int = Field(4096, ge=0)
     # How long a reservation outlives an upstream request the gateway abandoned when the
@@ -176,7 +176,7 @@ class AdmissionSettings(_Strict):
     # may still be queued inside a busy backend, or may never have reached it. Released
     # sooner once every slot has been seen idle.
     abandon_confirm_timeout_s: float = Field(120.0, gt=0.0)
-    # Priority ageing (gateway/fairness.py): a waiting request competes one class higher
+    # Priority ageing (gateway/core/fairness.py): a waiting request competes one class higher
     # for every this many seconds it has waited, so that lower classes are never starved.
     priority_age_s: float = Field(30.0, gt=0.0)
 
@@ -196,7 +196,7 @@ class BackendSettings(_Strict):
     url: str = "http://127.0.0.1:8080"
     kind: BackendKind = BackendKind.llama_cpp
     # The model clients name to reach this backend; several backends with one model form
-    # a pool the gateway routes across (gateway/fleet.py). Unset: the id the backend
+    # a pool the gateway routes across (gateway/fleet/pool.py). Unset: the id the backend
     # reports in /v1/models. Aliases are further names of the same model.
     model: str | None = Field(None, min_length=1)
     aliases: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
@@ -358,7 +358,7 @@ class TenantSettings(_Strict):
 
 
 class RoutingSettings(_Strict):
-    """How requests find a backend when several are configured (gateway/fleet.py)."""
+    """How requests find a backend when several are configured (gateway/fleet/pool.py)."""
 
     # The model used for requests that name none, or one no backend serves. Unset: such
     # requests go to the only model when all backends serve one, else get 404.
@@ -398,10 +398,10 @@ class Settings(BaseSettings):
     backends: list[BackendSettings] = Field(
         default_factory=lambda: [BackendSettings(name="local")], min_length=1
     )
-    # Priority classes, highest first (gateway/fairness.py); unset: one class, "default".
+    # Priority classes, highest first (gateway/core/fairness.py); unset: one class, "default".
     classes: list[ClassSettings] = Field(
         default_factory=lambda: [ClassSettings(name="default")], min_length=1)
-    # Who may use the gateway (gateway/tenants.py); none: it is open to anyone.
+    # Who may use the gateway (gateway/admission/tenants.py); none: it is open to anyone.
     tenants: list[TenantSettings] = Field(default_factory=list)
 
     @field_validator("classes")

@@ -10,8 +10,8 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from gateway.app import GatewayState, create_app
 from gateway.config import Settings, load_settings
+from gateway.http.app import GatewayState, create_app
 from tests.fakes import FakeLlamaServer, ManualClock
 
 

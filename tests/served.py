@@ -13,9 +13,9 @@ import httpx
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from gateway.app import create_app, uvicorn_options
 from gateway.config import Settings
 from gateway.dev.localbackend import free_port
+from gateway.http.app import create_app, uvicorn_options
 
 
 @contextmanager

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.admission import Admission, Lease
-from gateway.capacity import Charge, Layout
+from gateway.admission.admission import Admission, Lease
+from gateway.core.capacity import Charge, Layout
 from gateway.errors import BackendNotReady, ContextLengthExceeded, QueueFull, QueueTimeout
 from tests.fakes import ManualClock
 

@@ -1,6 +1,6 @@
-"""Regression tests from an adversarial review of the access line (gateway/logs.py,
-gateway/middleware.py, gateway/proxy.py) and the status page (gateway/status.py,
-gateway/static/status.html).
+"""Regression tests from an adversarial review of the access line (gateway/observe/logs.py,
+gateway/http/middleware.py, gateway/relay/response.py) and the status page (gateway/http/status.py,
+gateway/http/static/status.html).
 
 Each test pins either a fault the review found and that has been fixed (the first
 section), or an edge the rest of the suite does not reach and that held (the second)."""
@@ -24,10 +24,10 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from gateway.app import create_app
 from gateway.config import ServerSettings, load_settings
-from gateway.logs import TextFormatter, configure_logging, log_access
-from gateway.status import RejectionLog
+from gateway.http.app import create_app
+from gateway.http.status import RejectionLog
+from gateway.observe.logs import TextFormatter, configure_logging, log_access
 from tests.conftest import Harness
 from tests.fake_vllm import FakeVllm
 from tests.fakes import FakeLlamaServer, ManualClock
@@ -591,7 +591,7 @@ def test_a_json_exception_line_is_one_object(capsys: pytest.CaptureFixture[str])
         try:
             raise ValueError("bad\nthing")
         except ValueError:
-            logging.getLogger("gateway.middleware").exception("unhandled error on %s %s",
+            logging.getLogger("gateway.http.middleware").exception("unhandled error on %s %s",
                                                               "POST", "/v1/x\ny")
     finally:
         root.handlers[:] = saved[0]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.capacity import (
+from gateway.core.capacity import (
     Budget,
     CapPolicy,
     Charge,

@@ -16,9 +16,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.app import create_app
+from gateway.backends.upstream import ReuseRetry
 from gateway.config import load_settings
-from gateway.upstream import ReuseRetry
+from gateway.http.app import create_app
 
 pytestmark = pytest.mark.anyio
 
@@ -332,7 +332,7 @@ async def test_a_late_stream_tail_holds_neither_the_slot_nor_the_request() -> No
 
 
 async def test_tails_still_read_at_shutdown_are_stopped() -> None:
-    from gateway import proxy
+    from gateway.relay import response as proxy
 
     upstream = StreamingUpstream(tail_s=5.0)
     async with gateway_over(upstream, "vllm", 1) as (_app, client):

@@ -1,4 +1,4 @@
-"""The gateway on the wire, under uvicorn with the options of ``gateway.app.uvicorn_options``:
+"""The gateway on the wire, under uvicorn with the options of ``gateway.http.app.uvicorn_options``:
 oversized heads, request smuggling shapes, HTTP/1.0, ``Expect: 100-continue``, slowloris
 and stalled bodies, and the connection limit (issue 14, part 3).
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from gateway.app import MAX_HEAD_BYTES
-from gateway.middleware import MAX_HEADER_BYTES
+from gateway.http.app import MAX_HEAD_BYTES
+from gateway.http.middleware import MAX_HEADER_BYTES
 from tests.fakes import FakeLlamaServer
 from tests.served import exchange, read_all, request_bytes, served, split_response
 

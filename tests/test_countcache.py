@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.countcache import CountCache
+from gateway.backends.countcache import CountCache
 from tests.conftest import Harness
 
 pytestmark = pytest.mark.anyio

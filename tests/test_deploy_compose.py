@@ -27,8 +27,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import create_app
 from gateway.config import BackendKind, Settings, load_settings
+from gateway.http.app import create_app
 from tests.conftest import Harness
 from tests.fakes import FakeLlamaServer
 

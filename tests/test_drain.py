@@ -59,7 +59,7 @@ async def test_a_drain_can_refuse_the_queue_and_gives_up_after_its_timeout(
 
 async def test_a_drain_that_runs_out_of_time_ends_each_stream_with_an_error_event(
         harness_factory: Any, fake: Any) -> None:
-    from gateway.serving import _cut
+    from gateway.http.serving import _cut
 
     h = await harness_factory({"max_queue_wait_s": 60.0})
     settings = h.state.settings

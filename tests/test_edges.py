@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.middleware import MAX_HEADER_BYTES, MAX_HEADERS
+from gateway.http.middleware import MAX_HEADER_BYTES, MAX_HEADERS
 from tests.conftest import Harness
 from tests.fakes import FakeLlamaServer
 from tests.served import exchange, request_bytes, served, split_response
@@ -64,7 +64,7 @@ async def test_cookies_and_unknown_headers_are_not_forwarded(harness: Harness,
     assert r.status_code == 200
     sent = [q for q in fake.requests if q.url.path == CHAT][-1]
     assert "cookie" not in sent.headers and "x-custom" not in sent.headers
-    # the client's id, made unique for the backend (gateway.logs.request_id_of)
+    # the client's id, made unique for the backend (gateway.observe.logs.request_id_of)
     assert sent.headers["x-request-id"].startswith("req-7-")
 
 

@@ -1,4 +1,4 @@
-"""The pure queue order (gateway/fairness.py): classes with ageing, fair shares of KV
+"""The pure queue order (gateway/core/fairness.py): classes with ageing, fair shares of KV
 tokens between tenants, shedding. Unit and property tests; no I/O, no clock."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.fairness import FairQueue, Party
+from gateway.core.fairness import FairQueue, Party
 
 A = Party("a")
 B = Party("b")

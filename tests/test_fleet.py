@@ -1,4 +1,4 @@
-"""Several backends behind one gateway (gateway/fleet.py): model names and pools, routing
+"""Several backends behind one gateway (gateway/fleet/pool.py): model names and pools, routing
 by fit, one queue per model, and its no-starvation and no-overcommit properties.
 
 The upstreams are fake llama-servers (tests/fakes.py), one per host, behind one mock
@@ -19,12 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from gateway.admission import Lease
-from gateway.app import create_app
-from gateway.capacity import Charge, Layout
+from gateway.admission.admission import Lease
+from gateway.backends.target import Target
 from gateway.config import load_settings
-from gateway.fleet import Candidate, ModelQueue
-from gateway.target import Target
+from gateway.core.capacity import Charge, Layout
+from gateway.fleet.pool import Candidate, ModelQueue
+from gateway.http.app import create_app
 from tests.conftest import sample_sum
 from tests.fakes import FakeLlamaServer, ManualClock
 
@@ -398,7 +398,7 @@ async def test_a_down_backend_is_probed_once_its_backoff_has_passed(make_fleet: 
 
 
 def test_turns_of_one_conversation_share_a_key() -> None:
-    from gateway.fleet import affinity_key
+    from gateway.fleet.pool import affinity_key
 
     system = {"role": "system", "content": "You are terse."}
     turn1 = {"messages": [system, {"role": "user", "content": "Name a river."}]}
@@ -419,7 +419,7 @@ async def test_a_conversation_goes_back_to_its_backend_while_it_has_room(
                                             "max_tokens": 3})
     assert r.status_code == 200 and fleet.served_by() == {"a": 1, "b": 0}  # a tie: first
     queue = next(iter(fleet.state._queues.values()))
-    from gateway.fleet import affinity_key
+    from gateway.fleet.pool import affinity_key
 
     queue.remember(affinity_key({"messages": history}), "b")  # as if b had served it
     history += [{"role": "assistant", "content": "Once"}, {"role": "user", "content": "More"}]
@@ -497,7 +497,7 @@ async def test_a_drained_backend_finishes_its_requests_and_takes_no_new_ones(
 
 async def test_reload_adds_and_removes_backends_without_dropping_requests(
         make_fleet: Any, tmp_path: Any) -> None:
-    from gateway.state import reload_config
+    from gateway.fleet.state import reload_config
 
     holds = {"a": asyncio.Event()}
     fakes = {"a": FakeLlamaServer(hold=holds["a"]), "b": FakeLlamaServer()}
@@ -571,7 +571,7 @@ async def test_one_unreachable_backend_does_not_404_every_request(make_fleet: An
 
 async def test_a_reload_does_not_double_book_a_changed_backend(make_fleet: Any,
                                                                 tmp_path: Any) -> None:
-    from gateway.state import reload_config
+    from gateway.fleet.state import reload_config
 
     hold = asyncio.Event()
     fakes = {"a": FakeLlamaServer(slots=1, hold=hold)}
@@ -657,7 +657,7 @@ async def test_metrics_name_the_backend_that_served(make_fleet: Any) -> None:
 
 async def test_a_reload_keeps_the_model_queue_of_the_same_servers(
         make_fleet: Any, tmp_path: Any) -> None:
-    from gateway.state import reload_config
+    from gateway.fleet.state import reload_config
 
     hold = asyncio.Event()
     fakes = {"a": FakeLlamaServer(slots=1, hold=hold), "b": FakeLlamaServer(slots=1, hold=hold)}

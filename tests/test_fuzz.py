@@ -1,6 +1,6 @@
 """Property-based fuzzing of the request parser and validator (issue 14: edge fuzzing).
 
-Every generation route the gateway forwards (:data:`gateway.routes.FORWARDED`),
+Every generation route the gateway forwards (:data:`gateway.wire.routes.FORWARDED`),
 Anthropic's ``/v1/messages/count_tokens`` and Ollama's ``/api/chat`` and ``/api/generate``
 get requests that are *almost* valid, through the whole app: an in-process client over
 ``create_app``, in front of a healthy fake upstream (:class:`Upstream`) that records every
@@ -94,9 +94,9 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from prometheus_client import CollectorRegistry
 
-from gateway.app import create_app
 from gateway.config import load_settings
-from gateway.routes import FORWARDED
+from gateway.http.app import create_app
+from gateway.wire.routes import FORWARDED
 from tests.fake_ollama import FakeOllama
 from tests.fakes import FakeLlamaServer
 
@@ -216,7 +216,7 @@ class Upstream:
     ``(path, body)`` pairs. Discovery, chat and completions are
     :class:`tests.fakes.FakeLlamaServer`'s (or :class:`tests.fake_ollama.FakeOllama`'s);
     counting and the other routes answer here, in llama-server's shapes
-    (:mod:`gateway.wire`), for any body."""
+    (:mod:`gateway.wire.events`), for any body."""
 
     def __init__(self, kind: str, counts: bool = True) -> None:
         self.kind = kind
@@ -1081,7 +1081,7 @@ def check_forwarded(route: Route, sent: dict[str, Any], out: Outcome, policy: st
     if "n_discard" in sent:
         owned.add("seed")  # then the slot tag
     if policy == "predictive":
-        owned.add("stream")  # followed answers are streamed upstream (gateway.tracked)
+        owned.add("stream")  # followed answers are streamed upstream (gateway.relay.tracked)
     if route.kind == "ollama":
         owned |= {"options", "truncate"}
         options = body["options"]

@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.admission import Admission
-from gateway.capacity import Charge, Layout
-from gateway.sse import EventSplitter, EventTooLarge
+from gateway.admission.admission import Admission
+from gateway.core.capacity import Charge, Layout
+from gateway.wire.sse import EventSplitter, EventTooLarge
 from tests.conftest import Harness
 from tests.fakes import ManualClock
 

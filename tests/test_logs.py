@@ -1,4 +1,4 @@
-"""The access line and the log set-up (gateway/logs.py): one line per request that says
+"""The access line and the log set-up (gateway/observe/logs.py): one line per request that says
 what the gateway decided, a request id returned to the client, no prompt text nor key at
 any level, and one format (text or JSON) for the gateway's lines and uvicorn's, checked
 on a real ``gateway serve`` process."""
@@ -19,7 +19,7 @@ import pytest
 
 from gateway.config import ServerSettings
 from gateway.dev.localbackend import free_port
-from gateway.logs import TextFormatter, configure_logging
+from gateway.observe.logs import TextFormatter, configure_logging
 from tests.conftest import Harness
 from tests.test_app import until_inflight
 
@@ -234,7 +234,7 @@ def test_make_run_sets_up_logging_as_gateway_serve_does(
     config.write_text('[server]\nlog_format = "json"\naccess_log = false\n[[backends]]\n'
                       'name = "local"\nurl = "http://127.0.0.1:18080"\n')
     monkeypatch.setattr(localbackend, "LlamaServer", NoServer)
-    monkeypatch.setattr("gateway.serving.serve", fake_serve)
+    monkeypatch.setattr("gateway.http.serving.serve", fake_serve)
     root = logging.getLogger()
     saved = root.handlers[:], root.level, signal.getsignal(signal.SIGTERM)
     try:

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.app import create_app
 from gateway.backends.ollama import Calibration
 from gateway.config import load_settings
+from gateway.http.app import create_app
 from tests.conftest import Harness
 from tests.fake_ollama import BUSY, FakeOllama
 

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.admission import Admission, Lease
-from gateway.capacity import Charge, Layout, LiveUse, choose_victims
-from gateway.predict import CompletionLengths
-from gateway.resume import Continuation, Reassembler, resumable
+from gateway.admission.admission import Admission, Lease
+from gateway.core.capacity import Charge, Layout, LiveUse, choose_victims
+from gateway.core.predict import CompletionLengths
+from gateway.wire.resume import Continuation, Reassembler, resumable
 from tests.fakes import ManualClock, count_words
 
 pytestmark = pytest.mark.anyio

@@ -70,11 +70,11 @@ async def test_a_pool_penalty_easing_off_keeps_what_the_slot_watch_holds() -> No
     # abandoned requests; the pool model growing back after quiet minutes does not.
     import httpx
 
+    from gateway.admission.slotwatch import Ticket
     from gateway.backends import Discovered
-    from gateway.capacity import Charge
+    from gateway.backends.target import PENALTY_RECOVERY_S, Target
     from gateway.config import AdmissionSettings, BackendSettings
-    from gateway.slotwatch import Ticket
-    from gateway.target import PENALTY_RECOVERY_S, Target
+    from gateway.core.capacity import Charge
     from tests.fakes import ManualClock
 
     class Quiet:

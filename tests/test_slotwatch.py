@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gateway.slotwatch import (
+from gateway.admission.slotwatch import (
     POLL_INTERVAL_S,
     Seen,
     SlotView,
@@ -305,8 +305,8 @@ async def test_no_request_is_pinned_while_a_batch_is_in_flight(
 
 
 def test_extra_completions_get_the_lowest_free_slots() -> None:
-    from gateway.admission import Admission
-    from gateway.capacity import Charge, Layout
+    from gateway.admission.admission import Admission
+    from gateway.core.capacity import Charge, Layout
 
     adm = Admission(Layout(4, 2048, pool_tokens=8192), max_queue=4, max_wait_s=30,
                     clock=ManualClock())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.sse import EventSplitter, event_data
+from gateway.wire.sse import EventSplitter, event_data
 
 EVENTS = [b'data: {"a": 1}\n\n', b": keepalive\n\n", b"data: [DONE]\n\n"]
 

@@ -1,4 +1,4 @@
-"""The status page (gateway/status.py): GET /status and GET /status.json over the fake
+"""The status page (gateway/http/status.py): GET /status and GET /status.json over the fake
 llama-server (tests/fakes.py): the JSON's fields and that its numbers are the admission
 stats and the /metrics figures, recent rejections, backend states, pools, who may read
 it, and a page that loads nothing from elsewhere. The page in a real browser is
@@ -20,10 +20,10 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from gateway.app import create_app
 from gateway.config import load_settings
 from gateway.errors import GatewayError
-from gateway.status import GAUGES, STATUS_PATHS, RejectionLog, status_authorized, status_page
+from gateway.http.app import create_app
+from gateway.http.status import GAUGES, STATUS_PATHS, RejectionLog, status_authorized, status_page
 from tests.conftest import Harness
 from tests.fakes import FakeLlamaServer, ManualClock
 from tests.test_fleet import Fleet
@@ -313,9 +313,9 @@ async def test_other_methods_get_an_openai_shaped_405(harness: Harness, method: 
 
 def test_the_page_is_packaged_with_the_wheel() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    patterns = config["tool"]["setuptools"]["package-data"]["gateway"]
+    patterns = config["tool"]["setuptools"]["package-data"]["gateway.http"]
     assert any(fnmatch.fnmatch("static/status.html", p) for p in patterns)
-    assert (ROOT / "gateway" / "static" / "status.html").is_file()
+    assert (ROOT / "gateway" / "http" / "static" / "status.html").is_file()
 
 
 async def test_unknown_paths_near_status_are_404(harness: Harness) -> None:

@@ -18,8 +18,8 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.app import create_app
 from gateway.config import ConfigError, load_settings
+from gateway.http.app import create_app
 from tests.conftest import Harness
 from tests.fakes import FakeLlamaServer, ManualClock
 
@@ -424,7 +424,7 @@ def test_hash_key_prints_the_sha256_of_stdin() -> None:
 
 
 def test_an_open_gateway_beyond_loopback_says_so(caplog: pytest.LogCaptureFixture) -> None:
-    from gateway.serving import warn_if_open
+    from gateway.http.serving import warn_if_open
 
     caplog.set_level(logging.WARNING)
     assert warn_if_open(load_settings(), "0.0.0.0")

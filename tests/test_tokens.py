@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.tokens import (
+from gateway.request.tokens import (
     MESSAGE_OVERHEAD_TOKENS,
     PROMPT_OVERHEAD_TOKENS,
     chat_text,

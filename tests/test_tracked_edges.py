@@ -10,11 +10,11 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.admission import Admission
-from gateway.app import create_app
-from gateway.capacity import Charge, Layout
+from gateway.admission.admission import Admission
+from gateway.admission.slotwatch import SlotView, SlotWatch, Ticket
 from gateway.config import load_settings
-from gateway.slotwatch import SlotView, SlotWatch, Ticket
+from gateway.core.capacity import Charge, Layout
+from gateway.http.app import create_app
 from tests.conftest import Harness
 from tests.fake_ollama import FakeOllama
 from tests.fakes import ManualClock

@@ -8,8 +8,8 @@ import socket
 import httpx
 import pytest
 
+from gateway.backends.upstream import build_client, map_upstream_errors
 from gateway.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from gateway.upstream import build_client, map_upstream_errors
 
 pytestmark = pytest.mark.anyio
 

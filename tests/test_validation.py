@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequest
-from gateway.validation import parse_body
+from gateway.wire.validation import parse_body
 from tests.conftest import Harness
 
 pytestmark = pytest.mark.anyio
@@ -135,7 +135,7 @@ _JSON = st.recursive(
 
 def _stdlib_reading(raw: bytes) -> Any:
     """What the gateway read before orjson: the standard library with its hooks."""
-    from gateway.validation import _INT_RANGE
+    from gateway.wire.validation import _INT_RANGE
 
     def bounded(text: str) -> int:
         value = int(text)
@@ -148,7 +148,7 @@ def _stdlib_reading(raw: bytes) -> Any:
 
 @given(value=_JSON)
 def test_bodies_read_as_the_standard_library_reads_them(value: Any) -> None:
-    from gateway.validation import _decode
+    from gateway.wire.validation import _decode
 
     raw = json.dumps({"v": value}).encode()
     try:
@@ -172,7 +172,7 @@ def test_bodies_read_as_the_standard_library_reads_them(value: Any) -> None:
     (b'\xef\xbb\xbf{}', False), (b'{"a": 1, "a": 2}', True),
 ])
 def test_what_each_reader_refuses_is_refused(raw: bytes, ok: bool) -> None:
-    from gateway.validation import _decode
+    from gateway.wire.validation import _decode
 
     if ok:
         assert _decode(raw) == json.loads(raw)

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.app import create_app
 from gateway.backends.vllm import parse_metrics
 from gateway.config import load_settings
+from gateway.http.app import create_app
 from tests.conftest import Harness
 from tests.fake_vllm import FakeVllm
 

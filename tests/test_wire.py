@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.wire import has_token, quick_token
+from gateway.wire.events import has_token, quick_token
 
 
 @pytest.mark.parametrize("choices,seen", [
@@ -31,7 +31,7 @@ def test_any_generated_delta_is_a_token(choices: Any, seen: bool) -> None:
 
 
 def test_each_routes_stream_is_read_for_tokens_counts_and_end() -> None:
-    from gateway.wire import read_event
+    from gateway.wire.events import read_event
 
     seen = read_event("messages", {"type": "message_start", "message": {"usage": {
         "input_tokens": 5, "cache_read_input_tokens": 38, "output_tokens": 1}}})
@@ -53,7 +53,7 @@ def test_each_routes_stream_is_read_for_tokens_counts_and_end() -> None:
 
 
 def test_whole_answers_of_each_route_give_their_counts() -> None:
-    from gateway.wire import usage_of_whole
+    from gateway.wire.events import usage_of_whole
 
     assert usage_of_whole("messages", {"usage": {"input_tokens": 42,
                                                  "cache_read_input_tokens": 1,
@@ -83,7 +83,7 @@ def test_each_routes_required_fields(route: str, body: dict[str, Any], param: st
     import json
 
     from gateway.errors import InvalidRequest
-    from gateway.validation import parse_route_body
+    from gateway.wire.validation import parse_route_body
 
     with pytest.raises(InvalidRequest) as info:
         parse_route_body(route, json.dumps(body).encode())
@@ -96,9 +96,9 @@ def test_every_cap_field_llama_server_reads_gets_the_charge() -> None:
     import json
 
     from gateway.backends.base import openai_body
-    from gateway.capacity import Charge
+    from gateway.core.capacity import Charge
     from gateway.errors import InvalidRequest
-    from gateway.validation import parse_route_body
+    from gateway.wire.validation import parse_route_body
 
     with pytest.raises(InvalidRequest):
         parse_route_body("responses", json.dumps({"input": "hi", "max_output_tokens": 2,
@@ -119,8 +119,8 @@ def test_every_cap_field_llama_server_reads_gets_the_charge() -> None:
 def test_media_in_structured_prompts_is_not_read_as_text() -> None:
     import json
 
-    from gateway.tokens import IMAGE_TOKENS
-    from gateway.validation import parse_route_body
+    from gateway.request.tokens import IMAGE_TOKENS
+    from gateway.wire.validation import parse_route_body
 
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": "iVBOR" * 100_000}}
@@ -144,7 +144,7 @@ def test_sampling_fields_are_checked_on_every_route(route: str, body: dict[str, 
     import json
 
     from gateway.errors import InvalidRequest
-    from gateway.validation import parse_route_body
+    from gateway.wire.validation import parse_route_body
 
     with pytest.raises(InvalidRequest):
         parse_route_body(route, json.dumps(body).encode())

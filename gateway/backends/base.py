@@ -4,7 +4,7 @@ A kind (llama-server, later Ollama and vLLM) is one class that satisfies
 :class:`BackendKind`: it knows its server's endpoints, how to read its capacity, how to
 count a prompt as the server will, how to prepare the body it forwards and how to read
 its errors. Everything the kinds share at run time (admission, liveness, the discovery
-loop, the pool penalty, the slot watch) lives in :class:`gateway.target.Target`.
+loop, the pool penalty, the slot watch) lives in :class:`gateway.backends.target.Target`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from typing import Any, ClassVar, Protocol
 
 import httpx
 
-from gateway.admission import Lease
-from gateway.capacity import Charge
+from gateway.admission.admission import Lease
+from gateway.admission.slotwatch import SlotsUnsupported, SlotView
+from gateway.backends.upstream import json_bytes, send_upstream, upstream_request
 from gateway.config import BackendSettings
+from gateway.core.capacity import Charge
 from gateway.errors import (
     BackendNotReady,
     ClientError,
@@ -28,10 +30,8 @@ from gateway.errors import (
     UpstreamError,
     UpstreamRefused,
 )
-from gateway.logs import error_kind
-from gateway.slotwatch import SlotsUnsupported, SlotView
-from gateway.upstream import json_bytes, send_upstream, upstream_request
-from gateway.validation import ParsedRequest
+from gateway.observe.logs import error_kind
+from gateway.wire.validation import ParsedRequest
 
 __all__ = ["BackendKind", "Discovered", "ExactCount", "SideCalls", "WithoutSlots",
            "auth_problem", "count_or_none", "error_message", "is_error_object",
@@ -104,7 +104,7 @@ class SideCalls:
 
     async def get(self, path: str, *, timeout_s: float | None = None) -> httpx.Response:
         """``GET path``. Raises httpx transport errors (map them with
-        :func:`gateway.upstream.map_upstream_errors`).
+        :func:`gateway.backends.upstream.map_upstream_errors`).
 
         :param timeout_s: a shorter read timeout for this call (seconds).
         """
@@ -267,7 +267,7 @@ class ExactCount:
 
 
 async def count_or_none(name: str, counting: Awaitable[int | None]) -> int | None:
-    """Await a kind's counting call (run under :func:`gateway.upstream.map_upstream_errors`
+    """Await a kind's counting call (run under :func:`gateway.backends.upstream.map_upstream_errors`
     inside it); ``None`` when the server could not count, so that the gateway estimates.
 
     :raises ClientError: the server refused the body as the client's mistake.

@@ -2,7 +2,7 @@
 
 Discovery reads ``/props`` (slots, slot context) and ``/v1/models`` (``n_vocab``);
 counting uses llama-server's own endpoints, so it is exact; ``/slots`` shows each slot's
-running or last task, which :mod:`gateway.slotwatch` uses to confirm that an abandoned
+running or last task, which :mod:`gateway.admission.slotwatch` uses to confirm that an abandoned
 request has ended.
 """
 
@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 
 import httpx
 
-from gateway.admission import Lease
+from gateway.admission.admission import Lease
+from gateway.admission.slotwatch import SlotsUnsupported, SlotView, parse_slots
 from gateway.backends.base import (
     Discovered,
     ExactCount,
@@ -27,7 +28,9 @@ from gateway.backends.base import (
     other_error,
     seconds,
 )
-from gateway.capacity import Charge
+from gateway.backends.upstream import map_upstream_errors
+from gateway.core.capacity import Charge
+from gateway.core.prefix import digest
 from gateway.errors import (
     BackendNotReady,
     GatewayError,
@@ -36,10 +39,7 @@ from gateway.errors import (
     UpstreamContextOverflow,
     UpstreamError,
 )
-from gateway.prefix import digest
-from gateway.slotwatch import SlotsUnsupported, SlotView, parse_slots
-from gateway.upstream import map_upstream_errors
-from gateway.validation import ParsedRequest
+from gateway.wire.validation import ParsedRequest
 
 __all__ = ["CONTEXT_OVERFLOW_TEXT", "LlamaCpp"]
 
@@ -175,7 +175,7 @@ class LlamaCpp(ExactCount):
 
     def tag_request(self, body: dict[str, Any]) -> tuple[str, int] | None:
         """Tag ``body`` so that the request can be recognised in ``GET /slots``, and
-        return the tag as ``(param, value)`` (:mod:`gateway.slotwatch`).
+        return the tag as ``(param, value)`` (:mod:`gateway.admission.slotwatch`).
 
         The tag is a random ``n_discard``: llama-server reads it only for a context
         shift (``server-context.cpp``, clamped there), and a request inside its

@@ -8,7 +8,7 @@
   configured ``ctx_per_slot``, else 4096 (Ollama's default below 23 GiB of VRAM,
   ``server/routes.go``).
 * **Counting.** Ollama has no tokenize endpoint: prompts are estimated
-  (:mod:`gateway.tokens`) and the estimate is calibrated per model from the
+  (:mod:`gateway.request.tokens`) and the estimate is calibrated per model from the
   ``prompt_eval_count`` of finished requests (:class:`Calibration`).
 * **Never truncated silently.** Ollama drops the oldest messages of a chat that does not
   fit, and shifts a long completion prompt, and answers 200 (``server/prompt.go``,
@@ -36,7 +36,8 @@ from gateway.backends.base import (
     openai_body,
     seconds,
 )
-from gateway.capacity import Charge
+from gateway.backends.upstream import map_upstream_errors
+from gateway.core.capacity import Charge
 from gateway.errors import (
     BackendNotReady,
     ContextLengthExceeded,
@@ -44,8 +45,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamRefused,
 )
-from gateway.upstream import map_upstream_errors
-from gateway.validation import ParsedRequest
+from gateway.wire.validation import ParsedRequest
 
 __all__ = ["Calibration", "Ollama"]
 

@@ -5,7 +5,7 @@
   in ``/metrics`` where vLLM exports it, else ``num_gpu_blocks × block_size`` from the
   same labels (:func:`parse_metrics`). A request holds ``ceil((prompt + cap) /
   block_size)`` blocks at its end, so the gateway reserves that many whole blocks
-  (:class:`gateway.capacity.Layout` ``block_size``). vLLM itself admits on the first
+  (:class:`gateway.core.capacity.Layout` ``block_size``). vLLM itself admits on the first
   prefill chunk and preempts running requests when blocks run out (shared case P10),
   which is what the reservation prevents.
 * **Limits.** ``max_model_len`` comes from ``GET /v1/models``, and vLLM refuses
@@ -18,7 +18,7 @@
   ``prompt`` (``vllm/entrypoints/serve/tokenize/protocol.py``): exact.
 * **Preemptions.** ``vllm:num_preemptions_total`` is read at every discovery; a rise
   while the gateway had work admitted shrinks the pool model
-  (:meth:`gateway.target.Target.discover`).
+  (:meth:`gateway.backends.target.Target.discover`).
 * **Errors.** ``{"error": {"message", "type", "param", "code"}}``: the context-length
   400s (every wording vLLM has used) become ``context_length_exceeded``; 503 (queue
   caps, engine not ready) stays 503 with ``Retry-After``.
@@ -44,7 +44,8 @@ from gateway.backends.base import (
     other_error,
     seconds,
 )
-from gateway.capacity import Charge
+from gateway.backends.upstream import map_upstream_errors
+from gateway.core.capacity import Charge
 from gateway.errors import (
     BackendNotReady,
     ContextLengthExceeded,
@@ -54,8 +55,7 @@ from gateway.errors import (
     UpstreamAuthFailed,
     UpstreamError,
 )
-from gateway.upstream import map_upstream_errors
-from gateway.validation import ParsedRequest
+from gateway.wire.validation import ParsedRequest
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_NUM_SEQS", "Vllm", "parse_metrics"]
 

@@ -296,10 +296,10 @@ class LlamaServer:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from gateway.app import create_app
     from gateway.config import load_settings
-    from gateway.logs import configure_logging
-    from gateway.serving import serve
+    from gateway.http.app import create_app
+    from gateway.http.serving import serve
+    from gateway.observe.logs import configure_logging
 
     settings = load_settings(args.config)
     configure_logging(settings.server)  # as `gateway serve` does
@@ -310,7 +310,7 @@ def _run(args: argparse.Namespace) -> int:
     _say(f"starting llama-server on {server.url}: {' '.join(extra)} (log: {server.log_path})")
     # A SIGTERM before the gateway serves becomes SystemExit, so that ``running()``
     # stops llama-server on the way out; once it serves, the gateway drains on it and
-    # returns (gateway.serving).
+    # returns (gateway.http.serving).
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with server.running():
         _say(f"llama-server ready; starting the gateway on "

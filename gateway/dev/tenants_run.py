@@ -60,9 +60,9 @@ def gateway_at(sections: dict[str, Any]) -> Iterator[str]:
 
     import uvicorn
 
-    from gateway.app import create_app, uvicorn_options
     from gateway.config import load_settings
     from gateway.dev.localbackend import free_port
+    from gateway.http.app import create_app, uvicorn_options
 
     settings = load_settings(**sections)
     port = free_port()

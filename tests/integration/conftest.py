@@ -16,9 +16,9 @@ import httpx
 import pytest
 import uvicorn
 
-from gateway.app import create_app, uvicorn_options
 from gateway.config import load_settings
 from gateway.dev.localbackend import LlamaServer, ensure_llama_server, ensure_model, free_port
+from gateway.http.app import create_app, uvicorn_options
 
 
 @pytest.fixture(scope="session")

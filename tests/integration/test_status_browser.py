@@ -29,7 +29,7 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from gateway.dev.localbackend import free_port
-from gateway.status import GAUGES
+from gateway.http.status import GAUGES
 from tests.fakes import FakeLlamaServer
 from tests.integration.conftest import GatewayThread
 
@@ -324,7 +324,7 @@ def test_the_page_shows_each_state_and_names_only_as_text() -> None:
     the gateway draining, a backend that goes away; a name with markup stays text."""
     import json
 
-    from gateway.status import status_page
+    from gateway.http.status import status_page
 
     hostile = '<img src=x onerror="document.title=\'pwned\'">'
     readings = [

@@ -4,7 +4,7 @@ Clients set a generous ``max_tokens`` (or none, and get the room left in the slo
 real answers are much shorter. Charging the whole cap makes the gateway run fewer
 requests at once than the backend could. Under ``predictive`` a request is charged a
 high quantile of the completion lengths recently served by its backend instead, bounded
-by its cap; live accounting and preemption (:mod:`gateway.admission`) cover the answers
+by its cap; live accounting and preemption (:mod:`gateway.admission.admission`) cover the answers
 that run longer.
 
 Pure and synchronous: no I/O, no clock.

@@ -1,4 +1,4 @@
-"""What every request handler needs, built once per app by :func:`gateway.app.create_app`."""
+"""What every request handler needs, built once per app by :func:`gateway.http.app.create_app`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from gateway.admission import AdmissionStats, Clock
+from gateway.admission.admission import AdmissionStats, Clock
+from gateway.admission.tenants import Tenants
+from gateway.backends.target import Target
 from gateway.config import (
     AdmissionSettings,
     BackendSettings,
@@ -26,10 +28,8 @@ from gateway.errors import (
     RouteNotFound,
     ShuttingDown,
 )
-from gateway.fleet import ModelQueue, usable
-from gateway.metrics import GatewayMetrics
-from gateway.target import Target
-from gateway.tenants import Tenants
+from gateway.fleet.pool import ModelQueue, usable
+from gateway.observe.metrics import GatewayMetrics
 
 __all__ = ["GatewayState", "reload_config"]
 
@@ -48,14 +48,14 @@ class GatewayState:
     tenants: Tenants = field(init=False)  # who may call, and their quotas
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     draining: bool = False  # stopping: /ready is 503 and new requests are refused
-    # Builds a backend from its settings (gateway.app.create_app); used by reload.
+    # Builds a backend from its settings (gateway.http.app.create_app); used by reload.
     make_target: Callable[[BackendSettings, AdmissionSettings], Target] | None = None
     config_path: str | None = None  # the TOML file a reload reads
     discovering: bool = False  # each backend runs its discovery loop
     retiring: list[Target] = field(default_factory=list)  # removed, finishing requests
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Set when a drain runs out of time: requests in hand are cut, each stream with a
-    # final error event (gateway.proxy.ProxyResponse._cut_off).
+    # final error event (gateway.relay.response.ProxyResponse._cut_off).
     cut: asyncio.Event = field(default_factory=asyncio.Event)
     _queues: dict[tuple[str, ...], ModelQueue] = field(default_factory=dict)
     _old_queues: list[ModelQueue] = field(default_factory=list)  # retired, still serving
@@ -207,7 +207,7 @@ class GatewayState:
 
     async def drain(self) -> bool:
         """Stop taking requests and wait for those in hand: new ones get 503
-        ``shutting_down`` (see :func:`gateway.pipeline.prepare_exchange`); queued ones
+        ``shutting_down`` (see :func:`gateway.request.plan.prepare_exchange`); queued ones
         are served, or refused at once with ``server.drain_queued = "refuse"``; then wait
         up to ``server.drain_timeout_s`` seconds for the queues to empty and the leases of
         clients' requests to be given back (reservations the slot watch holds for
@@ -260,7 +260,7 @@ class GatewayState:
     def resolve(self, model: object, kind: str | None = None,
                 route: str | None = None) -> list[Target]:
         """The backends a request naming ``model`` may go to (of ``kind`` and serving
-        ``route``, when given), in configuration order: see :mod:`gateway.fleet`.
+        ``route``, when given), in configuration order: see :mod:`gateway.fleet.pool`.
 
         :raises RouteNotFound: no backend of ``kind`` serving ``route`` is configured (404).
         :raises ModelNotFound: no backend serves ``model``, there is no

@@ -3,7 +3,7 @@ from elsewhere) and ``GET /status.json`` (what the page shows, read again every
 :data:`REFRESH_MS` milliseconds by the page itself).
 
 The figures are those of ``/metrics``, read from the same sources at the moment of the
-call: each backend's admission stats (:meth:`gateway.target.Target.stats`) and the
+call: each backend's admission stats (:meth:`gateway.backends.target.Target.stats`) and the
 ``gateway_rejections_total`` counter. The page and the JSON are guarded by
 ``server.admin_key`` when one is set (see :func:`status_authorized`), and open otherwise,
 as ``/metrics`` is.
@@ -24,11 +24,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter
 
-from gateway.admission import Clock
+from gateway.admission.admission import Clock
+from gateway.admission.tenants import admin_key_matches
+from gateway.backends.target import Target
 from gateway.errors import Unauthorized
-from gateway.state import GatewayState
-from gateway.target import Target
-from gateway.tenants import admin_key_matches
+from gateway.fleet.state import GatewayState
 
 __all__ = ["GAUGES", "RECENT_WINDOW_S", "REFRESH_MS", "STATUS_PATHS", "RejectionLog",
            "backend_status", "register_status", "status_authorized", "status_page"]
@@ -54,9 +54,9 @@ _INLINE = re.compile(rb"<(script|style)>(.*?)</\1>", re.DOTALL)
 
 
 def status_page() -> bytes:
-    """The page (UTF-8 HTML, a few KB), as packaged in ``gateway/static/status.html``;
+    """The page (UTF-8 HTML, a few KB), as packaged in ``gateway/http/static/status.html``;
     its ``data-refresh-ms`` is set to :data:`REFRESH_MS`."""
-    page = files("gateway").joinpath("static/status.html").read_bytes()
+    page = files("gateway.http").joinpath("static/status.html").read_bytes()
     return page.replace(b'data-refresh-ms="1500"', f'data-refresh-ms="{REFRESH_MS}"'.encode())
 
 

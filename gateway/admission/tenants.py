@@ -7,7 +7,7 @@ configured in constant time (``hmac.compare_digest``), so neither the time taken
 the logs tell anything about the keys.
 
 Each tenant has a priority class, a weight (its share of KV tokens when several wait,
-:mod:`gateway.fairness`) and optional quotas:
+:mod:`gateway.core.fairness`) and optional quotas:
 
 * ``max_inflight``: most of its requests past its gate at once, waiting for capacity or
   in flight; the rest wait at the gate, in arrival order;
@@ -19,7 +19,7 @@ Each tenant has a priority class, a weight (its share of KV tokens when several 
   prompt would pass the limit is refused with 429 and OpenAI's ``x-ratelimit-*-tokens``
   headers.
 
-With no tenant configured every request is the tenant :data:`~gateway.fairness.ANONYMOUS`
+With no tenant configured every request is the tenant :data:`~gateway.core.fairness.ANONYMOUS`
 and nothing is checked.
 """
 
@@ -33,10 +33,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gateway.admission import Clock
+from gateway.admission.admission import Clock
 from gateway.config import Settings, TenantSettings
+from gateway.core.fairness import ANONYMOUS, Party
 from gateway.errors import Forbidden, InvalidRequest, RateLimited, Unauthorized
-from gateway.fairness import ANONYMOUS, Party
 
 __all__ = ["OPEN_PATHS", "PRIORITY_HEADER", "TOKENS_WINDOW_S", "Tenant", "Tenants",
            "TokenHold", "admin_key_matches", "check_admin_key", "hash_key", "key_of"]

@@ -25,8 +25,20 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.admission import Clock, Lease
-from gateway.capacity import Charge
+from gateway.admission.admission import Clock, Lease
+from gateway.admission.slotwatch import Ticket
+from gateway.admission.tenants import Tenant, TokenHold
+from gateway.backends.target import Target
+from gateway.backends.upstream import (
+    json_bytes,
+    map_upstream_errors,
+    never_reached,
+    send_upstream,
+    upstream_request,
+)
+from gateway.core.capacity import Charge
+from gateway.core.fairness import ANONYMOUS, Party
+from gateway.core.prefix import Prefix
 from gateway.errors import (
     ClientDisconnected,
     GatewayError,
@@ -36,13 +48,11 @@ from gateway.errors import (
     reshape_upstream_error,
     sse_error_event,
 )
-from gateway.fairness import ANONYMOUS, Party
-from gateway.fleet import Candidate, ModelQueue
-from gateway.logs import error_kind
-from gateway.metrics import GatewayMetrics
-from gateway.middleware import error_messages
-from gateway.prefix import Prefix
-from gateway.relay import (
+from gateway.fleet.pool import Candidate, ModelQueue
+from gateway.http.middleware import error_messages
+from gateway.observe.logs import error_kind
+from gateway.observe.metrics import GatewayMetrics
+from gateway.relay.send import (
     Started,
     Unraced,
     body_message,
@@ -52,19 +62,9 @@ from gateway.relay import (
     unless_gone,
     usage_of,
 )
-from gateway.slotwatch import Ticket
-from gateway.sse import EventSplitter, EventTooLarge, event_data
-from gateway.target import Target
-from gateway.tenants import Tenant, TokenHold
-from gateway.upstream import (
-    json_bytes,
-    map_upstream_errors,
-    never_reached,
-    send_upstream,
-    upstream_request,
-)
-from gateway.watcher import DisconnectWatcher
-from gateway.wire import Seen, quick_token, read_event
+from gateway.relay.watcher import DisconnectWatcher
+from gateway.wire.events import Seen, quick_token, read_event
+from gateway.wire.sse import EventSplitter, EventTooLarge, event_data
 
 __all__ = ["Exchange", "ProxyResponse"]
 
@@ -101,7 +101,7 @@ class Exchange:
         dropped ones).
     :param client_wants_usage: the client asked for the streamed usage chunk itself.
     :param tag: the ``(param, value)`` the gateway added to identify the request
-        upstream, or ``None`` (:mod:`gateway.slotwatch`).
+        upstream, or ``None`` (:mod:`gateway.admission.slotwatch`).
     :param api: ``"openai"``, or ``"ollama"`` for Ollama's native routes (errors then
         take Ollama's ``{"error": "..."}`` shape, and streams are NDJSON).
     :param raw_estimate: the local prompt estimate with no margin, when the backend
@@ -109,7 +109,7 @@ class Exchange:
     :param progress_s: a queued stream gets its 200 at once and an SSE comment every
         this many seconds while it waits (0: it waits silently).
     :param tracked: the ``predictive`` policy follows this request token by token and
-        may preempt and continue it (:class:`gateway.tracked.TrackedResponse`).
+        may preempt and continue it (:class:`gateway.relay.tracked.TrackedResponse`).
     """
 
     backend: Target
@@ -129,25 +129,25 @@ class Exchange:
     # should the backend's usage disagree with it; None when none was kept.
     forget_count: Callable[[], None] | None = None
     progress_s: float = 0.0  # SSE progress comments while queued, every this many s
-    tracked: bool = False  # followed token by token, preemptible (gateway.tracked)
+    tracked: bool = False  # followed token by token, preemptible (gateway.relay.tracked)
     # With several backends for the model: the request as planned on each, and the
-    # model's queue, which picks one at admission (gateway.fleet). Empty and None for a
+    # model's queue, which picks one at admission (gateway.fleet.pool). Empty and None for a
     # lone backend, whose own admission is used.
     candidates: list[Candidate] = field(default_factory=list)
     queue: ModelQueue | None = None
     affinity: str | None = None  # the backend that served this conversation's prefix
-    affinity_key: str | None = None  # the conversation's key (gateway.fleet.affinity_key)
+    affinity_key: str | None = None  # the conversation's key (gateway.fleet.pool.affinity_key)
     prefix: Prefix | None = None  # what its prompt holds, for slot affinity
-    # Who it is for (gateway.tenants): the tenant, its party in the queues, and the
+    # Who it is for (gateway.admission.tenants): the tenant, its party in the queues, and the
     # tokens it holds in the tenant's tokens-per-minute window.
     tenant: Tenant | None = None
     party: Party = field(default_factory=Party)
     hold: TokenHold | None = None
     prompt_total: int = 0  # the prompt tokens of all its prompts (a batch: an upper bound)
     batched: bool = False  # several prompts: the backend's usage gives their true sum
-    # For the access line (gateway.logs): seconds queued, seconds to the first token,
+    # For the access line (gateway.observe.logs): seconds queued, seconds to the first token,
     # and the reason it was refused after it reached the queue.
-    # The id the backend is sent in X-Request-Id (gateway.logs.request_id_of).
+    # The id the backend is sent in X-Request-Id (gateway.observe.logs.request_id_of).
     request_id: bytes | None = None
     queue_wait_s: float | None = None
     ttft_s: float | None = None
@@ -177,7 +177,7 @@ class Exchange:
     async def admit(self, *, front: bool = False) -> Lease:
         """Wait for a lease in FIFO order (on whichever backend of the model frees room
         first; with ``front``, ahead of the others); raises as
-        :meth:`gateway.admission.Admission.admit`."""
+        :meth:`gateway.admission.admission.Admission.admit`."""
         if self.queue is None:
             return await self.backend.admit(self.charge, front=front, party=self.party,
                                             prefer=self.backend.slot_for(self.prefix))
@@ -266,7 +266,7 @@ class ProxyResponse(Response):
         self._again = False  # send the request once more (an overflow failed it whole)
         self._failed: GatewayError | None = None  # failed before any byte: fail over
         self._restarts = 0
-        self._gated = False  # past the tenant's gate (gateway.tenants.Tenant.enter)
+        self._gated = False  # past the tenant's gate (gateway.admission.tenants.Tenant.enter)
         self._forwarded = False  # some attempt went upstream
         self._completion: int | None = None  # completion tokens, from the usage
         self._reported_prompt: int | None = None  # the backend's usage.prompt_tokens
@@ -291,7 +291,7 @@ class ProxyResponse(Response):
             if self._gated and x.tenant is not None:
                 x.tenant.leave()
             self._settle_tokens()
-            # gateway.middleware counts the request with this status (499: client left),
+            # gateway.http.middleware counts the request with this status (499: client left),
             # under the backend that took it (in a pool, known once admitted).
             state = scope.setdefault("state", {})
             if x.status or not failed:
@@ -316,7 +316,7 @@ class ProxyResponse(Response):
         is queued (a full queue or a doomed wait is still answered with its own status),
         the 200 and SSE headers go out, then ``: queued position=N eta_s=M`` every
         ``progress_s`` (an SSE comment, which clients ignore and proxies count as
-        traffic). What follows goes through ``send`` (:class:`gateway.relay.Started`).
+        traffic). What follows goes through ``send`` (:class:`gateway.relay.send.Started`).
 
         ``front`` and ``prefer`` are passed to the admission (a preempted request coming
         back, whose stream may have started already).
@@ -544,7 +544,7 @@ class ProxyResponse(Response):
 
         :param stream: the upstream request was a stream (its headers mean "started").
         :param quick: the gateway cut the stream itself to make room: read ``/slots``
-            soon (:data:`gateway.slotwatch.QUICK_POLL_S`).
+            soon (:data:`gateway.admission.slotwatch.QUICK_POLL_S`).
         """
         x = self.x
         if served:
@@ -552,7 +552,7 @@ class ProxyResponse(Response):
         if self._sent and not self._done:
             # The gateway left before the backend finished (client gone, timeout,
             # preemption). The backend may go on using the slot's cells for a while: keep
-            # the reservation until it is seen to end (gateway.slotwatch). An upstream
+            # the reservation until it is seen to end (gateway.admission.slotwatch). An upstream
             # request still waiting for its answer is handed on open, so that the backend
             # cannot drop it unseen and start it later.
             x.backend.release_abandoned(
@@ -590,7 +590,7 @@ class ProxyResponse(Response):
 
     def _forward_headers(self) -> list[tuple[bytes, bytes]]:
         """The client headers passed on, the JSON content type, the request's id (unique
-        per request: :func:`gateway.logs.request_id_of`) and the backend's key."""
+        per request: :func:`gateway.observe.logs.request_id_of`) and the backend's key."""
         x = self.x
         headers = [(k, v) for k, v in x.headers if k.lower() in _FORWARD_REQUEST_HEADERS]
         headers.append((b"content-type", b"application/json"))

@@ -1,8 +1,8 @@
 """The request pipeline: read → parse → pick the backend → check → count → plan the
-charge → an :class:`~gateway.proxy.Exchange` ready to be admitted and forwarded.
+charge → an :class:`~gateway.relay.response.Exchange` ready to be admitted and forwarded.
 
 Every step raises a :class:`~gateway.errors.GatewayError` that the app renders; nothing
-here waits for capacity (that is the :class:`~gateway.proxy.ProxyResponse`'s job).
+here waits for capacity (that is the :class:`~gateway.relay.response.ProxyResponse`'s job).
 """
 
 from __future__ import annotations
@@ -14,8 +14,13 @@ from typing import Any
 
 from starlette.requests import Request
 
-from gateway.capacity import plan_charge
+from gateway.admission.tenants import PRIORITY_HEADER, Tenant
+from gateway.backends.target import Target
+from gateway.backends.upstream import never_reached
 from gateway.config import STRICT_DEFAULT_MAX_TOKENS
+from gateway.core.capacity import plan_charge
+from gateway.core.fairness import Party
+from gateway.core.prefix import prefix_of
 from gateway.errors import (
     BackendNotReady,
     ContextLengthExceeded,
@@ -24,17 +29,12 @@ from gateway.errors import (
     PayloadTooLarge,
     ShuttingDown,
 )
-from gateway.fairness import Party
-from gateway.fleet import Candidate, ModelQueue, affinity_key
-from gateway.prefix import prefix_of
-from gateway.proxy import Exchange
-from gateway.resume import resumable
-from gateway.state import GatewayState
-from gateway.target import Target
-from gateway.tenants import PRIORITY_HEADER, Tenant
-from gateway.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
-from gateway.upstream import never_reached
-from gateway.validation import (
+from gateway.fleet.pool import Candidate, ModelQueue, affinity_key
+from gateway.fleet.state import GatewayState
+from gateway.relay.response import Exchange
+from gateway.request.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
+from gateway.wire.resume import resumable
+from gateway.wire.validation import (
     ParsedRequest,
     check_content_type,
     parse_body,
@@ -109,7 +109,7 @@ async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest,
     count's source as ``count_source``, for the access line.
 
     A prompt the backend already counted is not sent again: its count comes from the
-    backend's :class:`~gateway.countcache.CountCache` (``source="cache"`` in
+    backend's :class:`~gateway.backends.countcache.CountCache` (``source="cache"`` in
     ``gateway_token_count_source_total`` when every prompt of the request was kept).
 
     :raises InvalidRequest: the backend refused the body as a client error (4xx).
@@ -199,8 +199,8 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
     ``ollama_generate`` (Ollama's native API).
 
     The request is counted once, on the first usable backend of its model, and planned
-    against every usable backend of the model (:mod:`gateway.fleet`): the exchange
-    carries one :class:`~gateway.fleet.Candidate` per backend it fits.
+    against every usable backend of the model (:mod:`gateway.fleet.pool`): the exchange
+    carries one :class:`~gateway.fleet.pool.Candidate` per backend it fits.
 
     :raises GatewayError: the first step that refuses the request (4xx for the client's
         mistakes, 404 for a model no backend serves, 503 when no backend of the model is

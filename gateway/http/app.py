@@ -17,20 +17,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 
-from gateway.admission import Clock, MonotonicClock
-from gateway.api import register_routes
+from gateway.admission.admission import Clock, MonotonicClock
+from gateway.admission.tenants import OPEN_PATHS, Tenants, check_admin_key
 from gateway.backends import SIDE_CONNECTIONS
+from gateway.backends.target import Target
+from gateway.backends.upstream import build_client
 from gateway.config import AdmissionSettings, BackendSettings, Settings
-from gateway.connection import guarded_protocol
 from gateway.errors import GatewayError, render, shape_of
-from gateway.metrics import GatewayMetrics
-from gateway.middleware import RequestAccounting, count_rejection
-from gateway.proxy import stop_drains
-from gateway.state import GatewayState
-from gateway.status import STATUS_PATHS, register_status
-from gateway.target import Target
-from gateway.tenants import OPEN_PATHS, Tenants, check_admin_key
-from gateway.upstream import build_client
+from gateway.fleet.state import GatewayState
+from gateway.http.connection import guarded_protocol
+from gateway.http.endpoints import register_routes
+from gateway.http.middleware import RequestAccounting, count_rejection
+from gateway.http.status import STATUS_PATHS, register_status
+from gateway.observe.metrics import GatewayMetrics
+from gateway.relay.response import stop_drains
 
 __all__ = ["GatewayState", "create_app", "uvicorn_options"]
 
@@ -47,7 +47,7 @@ def uvicorn_options(settings: Settings | None = None) -> dict[str, Any]:
     """How uvicorn serves the gateway, shared by ``gateway serve``, ``make run`` and the
     tests: every client-facing limit is set here, none is left at uvicorn's default.
 
-    * HTTP/1.1 by h11, with the head and body timeouts of :mod:`gateway.connection`.
+    * HTTP/1.1 by h11, with the head and body timeouts of :mod:`gateway.http.connection`.
       h11 frames a response by the client's HTTP version, so an HTTP/1.0 client gets a
       close-delimited stream; uvicorn's httptools protocol always adds
       ``Transfer-Encoding: chunked`` to a body of unknown length, which an HTTP/1.0
@@ -77,7 +77,7 @@ def create_app(
     """Build the gateway ASGI app.
 
     :param settings: the loaded configuration.
-    :param http_client: upstream client; defaults to :func:`gateway.upstream.build_client`.
+    :param http_client: upstream client; defaults to :func:`gateway.backends.upstream.build_client`.
         The app closes it on shutdown only when it created it.
     :param registry: Prometheus registry; defaults to a fresh one.
     :param clock: time source; defaults to the monotonic clock.

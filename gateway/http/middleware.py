@@ -5,7 +5,7 @@ OpenAI-shaped 500 for anything that escapes the handlers.
 
 * refuses requests with more than :data:`MAX_HEADERS` headers or more than
   :data:`MAX_HEADER_BYTES` bytes of them (431), before any route runs;
-* runs the ``authenticate`` hook (:mod:`gateway.tenants`): a request without a valid key
+* runs the ``authenticate`` hook (:mod:`gateway.admission.tenants`): a request without a valid key
   gets its 401 here, within the gateway's first microseconds, before its body is read;
 * counts each HTTP request exactly once in ``gateway_requests_total`` with the status
   it ended with: the status sent, a status a handler recorded after the response had
@@ -16,8 +16,8 @@ OpenAI-shaped 500 for anything that escapes the handlers.
 * gives each request an id (its ``X-Request-Id`` when plain, else a new one), returned
   in the ``x-request-id`` response header, and sent upstream in the same header made
   unique (``scope["state"]["upstream_request_id"]``, bytes: see
-  :func:`gateway.logs.request_id_of`), and writes its one access line
-  (:func:`gateway.logs.log_access`) from what the handlers left in ``scope["state"]``;
+  :func:`gateway.observe.logs.request_id_of`), and writes its one access line
+  (:func:`gateway.observe.logs.log_access`) from what the handlers left in ``scope["state"]``;
 * serves the generation routes itself (``routes``: ``POST`` path → ASGI callable),
   without the web framework's routing, dependency and exception layers, which cost
   about a fifth of a forwarded request's CPU time (``py-spy`` over ``make bench``). A
@@ -35,9 +35,9 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import GatewayError, HeadersTooLarge, render, shape_of
-from gateway.logs import access_level, log_access, request_id_of
-from gateway.metrics import GatewayMetrics
-from gateway.routes import LABELS
+from gateway.observe.logs import access_level, log_access, request_id_of
+from gateway.observe.metrics import GatewayMetrics
+from gateway.wire.routes import LABELS
 
 __all__ = ["MAX_HEADERS", "MAX_HEADER_BYTES", "RequestAccounting", "count_rejection",
            "error_messages", "route_of"]

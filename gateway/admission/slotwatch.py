@@ -52,7 +52,7 @@ from typing import Any
 
 import httpx
 
-from gateway.admission import Admission, Clock, Lease
+from gateway.admission.admission import Admission, Clock, Lease
 from gateway.errors import GatewayError, UpstreamUnavailable
 
 __all__ = [

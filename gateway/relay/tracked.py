@@ -1,21 +1,21 @@
 """A request followed token by token, preempted before the pool overflows, and continued
 where it stopped (the ``predictive`` policy on llama-server).
 
-:class:`TrackedResponse` is a :class:`~gateway.proxy.ProxyResponse` for the requests the
+:class:`TrackedResponse` is a :class:`~gateway.relay.response.ProxyResponse` for the requests the
 pipeline marks ``tracked``. It:
 
 1. always streams upstream, so that every token is seen as it is generated and reported
-   to the admission (:meth:`~gateway.admission.Admission.observe`): a client that asked
+   to the admission (:meth:`~gateway.admission.admission.Admission.observe`): a client that asked
    for a whole answer gets one rebuilt from the events
-   (:class:`~gateway.resume.Reassembler`);
+   (:class:`~gateway.wire.resume.Reassembler`);
 2. races each attempt against preemption: when the admission preempts the lease (the
    pool would run short), the upstream stream is closed, which makes llama-server
    cancel the task at its next write, and the lease is held until ``/slots`` shows the
-   slot free (:mod:`gateway.slotwatch`);
+   slot free (:mod:`gateway.admission.slotwatch`);
 3. treats llama-server's "Context size has been exceeded." (an error event, or a 500)
    the same way: the backend has already ended the task;
 4. then queues again at the head and sends the continuation
-   (:class:`~gateway.resume.Continuation`), up to :data:`MAX_RESUMES` times, relaying
+   (:class:`~gateway.wire.resume.Continuation`), up to :data:`MAX_RESUMES` times, relaying
    its events in the same client stream.
 """
 
@@ -31,14 +31,19 @@ from typing import Any
 import httpx
 from starlette.types import Send
 
-from gateway.admission import Lease
+from gateway.admission.admission import Lease
+from gateway.backends.upstream import (
+    json_bytes,
+    map_upstream_errors,
+    send_upstream,
+    upstream_request,
+)
 from gateway.errors import ClientDisconnected, GatewayError, UpstreamError, sse_error_event
-from gateway.proxy import _SSE_HEADERS, ProxyResponse, _StreamState
-from gateway.relay import body_message, json_object, reshaped
-from gateway.resume import CAP_FIELDS, Continuation, Reassembler
-from gateway.sse import EventSplitter, EventTooLarge, event_data
-from gateway.upstream import json_bytes, map_upstream_errors, send_upstream, upstream_request
-from gateway.watcher import DisconnectWatcher
+from gateway.relay.response import _SSE_HEADERS, ProxyResponse, _StreamState
+from gateway.relay.send import body_message, json_object, reshaped
+from gateway.relay.watcher import DisconnectWatcher
+from gateway.wire.resume import CAP_FIELDS, Continuation, Reassembler
+from gateway.wire.sse import EventSplitter, EventTooLarge, event_data
 
 __all__ = ["MAX_RESUMES", "TrackedResponse"]
 

@@ -1,8 +1,8 @@
 """One backend at run time: its admission queue, liveness, discovery loop, pool penalty
 and slot watch, around the kind-specific dialect (:mod:`gateway.backends`).
 
-Callers talk to a :class:`Target`; only it reaches the :class:`~gateway.admission.Admission`
-and the dialect.
+Callers talk to a :class:`Target`; only it reaches the
+:class:`~gateway.admission.admission.Admission` and the dialect.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from typing import Any
 
 import httpx
 
-from gateway.admission import Admission, AdmissionStats, Clock, Lease, MonotonicClock
+from gateway.admission.admission import Admission, AdmissionStats, Clock, Lease, MonotonicClock
+from gateway.admission.slotwatch import SlotWatch, Ticket
 from gateway.backends import BackendKind, Discovered, SideCalls, kind_class
-from gateway.capacity import Charge, Layout
+from gateway.backends.countcache import CountCache
 from gateway.config import AdmissionPolicy, AdmissionSettings, BackendSettings
-from gateway.countcache import CountCache
+from gateway.core.capacity import Charge, Layout
+from gateway.core.fairness import Party
+from gateway.core.predict import CompletionLengths
+from gateway.core.prefix import Prefix
 from gateway.errors import GatewayError
-from gateway.fairness import Party
-from gateway.predict import CompletionLengths
-from gateway.prefix import Prefix
-from gateway.slotwatch import SlotWatch, Ticket
-from gateway.validation import ParsedRequest
+from gateway.wire.validation import ParsedRequest
 
 __all__ = ["Target"]
 
@@ -76,12 +76,12 @@ class Target:
         self._busy_at_check = False  # leases in flight at the last preemption check
         self._admitted_at_check = 0  # leases granted by then
         self._rediscovery: asyncio.Task[None] | None = None
-        # Health as routing sees it (gateway/fleet.py): after a failed request the
+        # Health as routing sees it (gateway/fleet/pool.py): after a failed request the
         # backend is skipped until ``down_until``; the next request after that is the
         # half-open probe, and a success brings it back.
         self.failures = 0  # consecutive failed requests
         self.down_until = 0.0  # clock time; 0: up
-        # Slot id -> the prompt it last held (gateway.prefix.Prefix), for slot affinity,
+        # Slot id -> the prompt it last held (gateway.core.prefix.Prefix), for slot affinity,
         # and the same indexed by the prompt's parts.
         self._slot_prompts: dict[int, Prefix] = {}
         self._slots_by_prompt: dict[tuple[str, ...], set[int]] = {}
@@ -226,7 +226,7 @@ class Target:
 
     def predicted_output(self, cap: int) -> int | None:
         """Output tokens to charge a tracked request with cap ``cap`` (see
-        :class:`gateway.predict.CompletionLengths`), or ``None`` to charge the cap."""
+        :class:`gateway.core.predict.CompletionLengths`), or ``None`` to charge the cap."""
         return self.lengths.predict(cap)
 
     def record_completion(self, tokens: int) -> None:
@@ -318,7 +318,7 @@ class Target:
         launched: bool = False, quick: bool = False,
     ) -> None:
         """Keep ``lease`` until the backend shows the abandoned request ended (see
-        :meth:`gateway.slotwatch.SlotWatch.hold`)."""
+        :meth:`gateway.admission.slotwatch.SlotWatch.hold`)."""
         self.slot_watch.hold(lease, ticket, served=served, pending=pending, stream=stream,
                              launched=launched, quick=quick)
 

@@ -12,7 +12,7 @@ times.
 The key is a 16-byte BLAKE2b digest of the route and the body without those fields,
 serialised with sorted keys (so that key order does not matter). The owner clears the
 cache when the backend may have changed its model or template: it was unreachable, it
-shows another model, template or build (:meth:`gateway.target.Target.discover`), or it
+shows another model, template or build (:meth:`gateway.backends.target.Target.discover`), or it
 reported a prompt count other than the exact one charged (then that prompt's count
 only is dropped: ``ProxyResponse``).
 """

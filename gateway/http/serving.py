@@ -3,7 +3,7 @@
 uvicorn, on the first signal, stops listening at once and gives open requests
 ``timeout_graceful_shutdown`` seconds. A gateway in front of slow generations needs more
 than that, and load balancers need to be told first. So the first signal starts a drain
-(:meth:`gateway.state.GatewayState.drain`): ``/ready`` turns 503 and new requests get 503
+(:meth:`gateway.fleet.state.GatewayState.drain`): ``/ready`` turns 503 and new requests get 503
 ``shutting_down`` while the server still listens; requests in flight, and queued ones
 unless ``server.drain_queued = "refuse"``, get ``server.drain_timeout_s`` to finish.
 Then uvicorn's own shutdown runs, which cuts what is left (each request's lease is
@@ -28,10 +28,10 @@ from typing import Any
 
 import uvicorn
 
-from gateway.app import uvicorn_options
 from gateway.config import Settings
 from gateway.errors import GatewayError
-from gateway.state import reload_config
+from gateway.fleet.state import reload_config
+from gateway.http.app import uvicorn_options
 
 __all__ = ["DrainingServer", "serve"]
 
@@ -111,7 +111,7 @@ class DrainingServer(uvicorn.Server):
 
 def serve(app: Any, settings: Settings, *, host: str | None = None,
           port: int | None = None, config_path: str | None = None) -> None:
-    """Serve ``app`` (built by :func:`gateway.app.create_app`) until a signal drains it.
+    """Serve ``app`` (built by :func:`gateway.http.app.create_app`) until a signal drains it.
     SIGHUP (and ``POST /admin/reload``) reads ``config_path`` again.
 
     :param host: overrides ``server.host``.

@@ -1,8 +1,8 @@
 """Who is admitted next: priority classes with ageing, and fair shares of KV tokens.
 
 Pure and synchronous (no I/O, no clock of its own: every call is given ``now``). The
-admission queues (:class:`gateway.admission.Admission` for one backend,
-:class:`gateway.fleet.ModelQueue` for a pool) keep their waiters in a :class:`FairQueue`
+admission queues (:class:`gateway.admission.admission.Admission` for one backend,
+:class:`gateway.fleet.pool.ModelQueue` for a pool) keep their waiters in a :class:`FairQueue`
 and serve them in the order it gives. Its rule:
 
 1. Requests coming back to the head (``front``: a preempted answer resuming, a request

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.admission import AdmissionStats
+from gateway.admission.admission import AdmissionStats
 
 __all__ = ["GatewayMetrics"]
 
@@ -109,7 +109,7 @@ class _AdmissionCollector(Collector):
         yield from self._pool_families()
 
     def _pool_families(self) -> Iterator[Metric]:
-        """The shared queues of models served by several backends (gateway.fleet): their
+        """The shared queues of models served by several backends (gateway.fleet.pool): their
         requests wait there, not in a backend's queue."""
         pools = list(self._pools()) if self._pools is not None else []
         for suffix, doc, index in (

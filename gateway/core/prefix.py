@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["AFFINITY_PROMPT_CHARS", "Prefix", "digest", "prefix_of"]
 
 # Block size of a prompt string's fingerprint, characters (also how much of a prompt
-# keys its conversation for backend affinity, gateway.fleet.affinity_key).
+# keys its conversation for backend affinity, gateway.fleet.pool.affinity_key).
 AFFINITY_PROMPT_CHARS = 2048
 
 

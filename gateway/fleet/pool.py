@@ -14,13 +14,13 @@ picks, in this order (:meth:`Fleet.resolve`):
 up and not draining (its charge follows each layout: a prompt too long for one slot size
 may fit another's). It goes to a backend where that charge fits *now*; among several, to
 the one with the best score (:func:`score`). When none fits, it waits in the pool's one
-queue (:class:`ModelQueue`, in the order of :mod:`gateway.fairness`: FIFO while every
+queue (:class:`ModelQueue`, in the order of :mod:`gateway.core.fairness`: FIFO while every
 request has one tenant and class) and starts on whichever backend frees room first. A
 backend a waiter ahead could use is never given to one behind it, so nothing starves;
 a waiter behind may start on a backend no waiter ahead can use.
 
 **Health.** A backend a request failed on before any byte reached the client is marked
-down for a backoff (:meth:`gateway.target.Target.request_failed`); once the backoff has
+down for a backoff (:meth:`gateway.backends.target.Target.request_failed`); once the backoff has
 passed, one request probes it (half-open) and a success brings it back.
 """
 
@@ -33,12 +33,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.admission import Clock, Lease, shed_error
-from gateway.capacity import Charge
+from gateway.admission.admission import Clock, Lease, shed_error
+from gateway.backends.target import Target
+from gateway.core.capacity import Charge
+from gateway.core.fairness import FairQueue, Party
+from gateway.core.prefix import AFFINITY_PROMPT_CHARS, Prefix, digest
 from gateway.errors import QueueFull, QueueTimeout
-from gateway.fairness import FairQueue, Party
-from gateway.prefix import AFFINITY_PROMPT_CHARS, Prefix, digest
-from gateway.target import Target
 
 __all__ = ["AFFINITY_BONUS", "Candidate", "ModelQueue", "affinity_key", "score"]
 
@@ -100,7 +100,7 @@ class ModelQueue:
 
     Each member's own admission queue is left to requests that must come back to that
     backend (a preempted answer resuming where its prefix is cached); those go first, as
-    :meth:`gateway.admission.Admission.try_admit` refuses others while they wait.
+    :meth:`gateway.admission.admission.Admission.try_admit` refuses others while they wait.
 
     :param members: the pool's backends; each calls :meth:`wake` when it frees room.
     :param max_queue: most requests allowed to wait; 0 means never wait.

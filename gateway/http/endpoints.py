@@ -12,17 +12,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.admission.tenants import check_admin_key
+from gateway.backends.target import Target
+from gateway.backends.upstream import map_upstream_errors
 from gateway.errors import RouteNotFound
-from gateway.fleet import usable
-from gateway.pipeline import count_prompt, prepare_exchange, read_body, require_ready
-from gateway.proxy import ProxyResponse
-from gateway.routes import FORWARDED
-from gateway.state import GatewayState, reload_config
-from gateway.target import Target
-from gateway.tenants import check_admin_key
-from gateway.tracked import TrackedResponse
-from gateway.upstream import map_upstream_errors
-from gateway.validation import check_content_type, parse_route_body
+from gateway.fleet.pool import usable
+from gateway.fleet.state import GatewayState, reload_config
+from gateway.relay.response import ProxyResponse
+from gateway.relay.tracked import TrackedResponse
+from gateway.request.plan import count_prompt, prepare_exchange, read_body, require_ready
+from gateway.wire.routes import FORWARDED
+from gateway.wire.validation import check_content_type, parse_route_body
 
 __all__ = ["MODELS_TIMEOUT_S", "register_routes"]
 
@@ -32,7 +32,7 @@ MODELS_TIMEOUT_S = 5.0  # GET /v1/models waits this long for each backend's list
 def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
     """Attach every route of the gateway to ``app``, and return the generation routes
     as plain ASGI callables (``POST`` path → callable), for
-    :class:`~gateway.middleware.RequestAccounting` to serve without the framework's
+    :class:`~gateway.http.middleware.RequestAccounting` to serve without the framework's
     routing layers. The same routes stay registered on ``app``, which answers their
     other methods (405)."""
 

@@ -1,6 +1,6 @@
 """Async admission queue over the pure capacity model.
 
-A request asks for a :class:`Lease` on a backend with its :class:`~gateway.capacity.Charge`.
+A request asks for a :class:`Lease` on a backend with its :class:`~gateway.core.capacity.Charge`.
 It gets one at once when nobody is waiting and the charge fits; otherwise it waits in a
 strict FIFO queue (a charge that does not fit blocks the ones behind it, so no request
 starves behind later, smaller ones). The queue is bounded by ``max_queue`` and each wait by
@@ -24,8 +24,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from gateway import capacity
-from gateway.capacity import Budget, Charge, Layout, LiveUse
+from gateway.core import capacity
+from gateway.core.capacity import Budget, Charge, Layout, LiveUse
+from gateway.core.fairness import FairQueue, Party
 from gateway.errors import (
     BackendNotReady,
     ContextLengthExceeded,
@@ -34,7 +35,6 @@ from gateway.errors import (
     QueueWaitPredicted,
     Shed,
 )
-from gateway.fairness import FairQueue, Party
 
 __all__ = ["GROWTH_HORIZON_S", "MIN_HISTORY", "Admission", "AdmissionStats", "Clock", "Lease",
            "MonotonicClock"]
@@ -152,7 +152,7 @@ def shed_error(message: str, retry_after_s: float) -> Shed:
 
 
 class Admission:
-    """Admission for one backend, in the order of :mod:`gateway.fairness` (FIFO while
+    """Admission for one backend, in the order of :mod:`gateway.core.fairness` (FIFO while
     every request has the same tenant and class).
 
     :param layout: the backend's KV layout, or ``None`` while it is not known yet
@@ -209,7 +209,7 @@ class Admission:
         # Free slot ids, least recently used first (never-used ones in index order).
         self._free: deque[int] = deque(range(layout.slots if layout else 0))
         # Called after every change that may make room (a release, a new layout, a
-        # waiter leaving): the model queue of a fleet (gateway.fleet) listens.
+        # waiter leaving): the model queue of a fleet (gateway.fleet.pool) listens.
         self._listeners: list[Callable[[], None]] = []
 
     def add_listener(self, listener: Callable[[], None]) -> None:
@@ -666,7 +666,7 @@ class Admission:
     def check_pressure(self) -> list[Lease]:
         """Preempt tracked leases, least progress first, while live use plus the growth
         possible within :data:`GROWTH_HORIZON_S` would pass the pool less the margin
-        (:func:`gateway.capacity.choose_victims`); each victim's ``on_preempt`` is
+        (:func:`gateway.core.capacity.choose_victims`); each victim's ``on_preempt`` is
         called with the reason ``"pool_pressure"``. Nothing is preempted while the
         whole caps of everything in flight fit the pool: then nothing can overflow.
 
@@ -724,7 +724,7 @@ class Admission:
         return lease.live_tokens, lease.charge.n * growth
 
     def _fits(self, layout: Layout, charge: Charge) -> bool:
-        """:func:`gateway.capacity.fits` against what is reserved; under ``predictive``,
+        """:func:`gateway.core.capacity.fits` against what is reserved; under ``predictive``,
         a tracked lease counts as the larger of its charge and its live use plus growth,
         and a unified pool in use keeps ``preempt_margin_tokens`` free."""
         budget = self._budget

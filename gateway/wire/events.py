@@ -5,7 +5,7 @@ The proxy relays events byte for byte; this module only reads them, for the metr
 (TTFT, ITL, token histograms) and to tell a finished stream from a cut one. Counts are
 normalised to OpenAI's ``{"prompt_tokens", "completion_tokens"}``.
 
-Shapes (routes named as in :mod:`gateway.pipeline`):
+Shapes (routes named as in :mod:`gateway.request.plan`):
 
 * ``chat``, ``completions``: OpenAI chunks; ``usage`` on the last chunk(s), the stream
   ends with ``data: [DONE]``.

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import InvalidRequest, UnsupportedMediaType
-from gateway.tokens import IMAGE_TOKENS
+from gateway.request.tokens import IMAGE_TOKENS
 
 __all__ = ["ParsedRequest", "check_content_type", "parse_body", "parse_ollama_body",
            "parse_route_body"]

@@ -1,5 +1,5 @@
 """The paths the gateway serves and the route name each has (in metrics labels and in
-:mod:`gateway.pipeline`). A data module, imported by the routes and the middleware."""
+:mod:`gateway.request.plan`). A data module, imported by the routes and the middleware."""
 
 from __future__ import annotations
 

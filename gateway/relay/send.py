@@ -11,8 +11,8 @@ import orjson
 from starlette.types import Message, Send
 
 from gateway.errors import GatewayError, UpstreamRefused, anthropic_body, reshape_upstream_error
-from gateway.watcher import DisconnectWatcher
-from gateway.wire import usage_of_whole
+from gateway.relay.watcher import DisconnectWatcher
+from gateway.wire.events import usage_of_whole
 
 __all__ = ["THREAD_PARSE_BYTES", "Started", "Unraced", "body_message", "failure_kind",
            "json_object", "reshaped", "unless_gone", "usage_of"]
@@ -53,7 +53,7 @@ THREAD_PARSE_BYTES = 256 * 1024
 
 async def usage_of(route: str, body: bytes) -> tuple[Any, list[Any]]:
     """The token counts of a whole answer of ``route`` (or ``None``) and each choice's
-    ``finish_reason`` (:func:`gateway.wire.usage_of_whole`). Large bodies (logprobs can
+    ``finish_reason`` (:func:`gateway.wire.events.usage_of_whole`). Large bodies (logprobs can
     make them megabytes) are parsed in a worker thread so the event loop keeps serving."""
 
     def parse() -> tuple[Any, list[Any]]:

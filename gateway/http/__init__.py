@@ -1,0 +1,3 @@
+"""The HTTP edge, the only layer that imports FastAPI: the app factory (app), the outer
+middleware (middleware), the endpoints, the status page, uvicorn's connection guards (connection)
+and the server with drain and reload (serving)."""
