@@ -137,7 +137,7 @@ async def test_upstream_error_text_never_reaches_the_log(
     """llama-server answers 500 "Failed to parse input at pos N: <the model's output>"
     when it cannot parse a tool call (ggml-org/llama.cpp#20532), and other servers echo
     input in 5xx messages. When a pool fails over, the WARNING the gateway logs
-    (proxy.py ``_fails_over``) names the error by its kind (``logs.error_kind``), never
+    (proxy.py ``_fails_over``) names the error by its kind (``errors.describe``), never
     by the backend's message: otherwise completion and prompt text would reach the log
     (README: "No prompt or completion text ... is written, at any level"), and its
     newlines would break the text format's one line per record."""

@@ -119,8 +119,7 @@ def test_every_cap_field_llama_server_reads_gets_the_charge() -> None:
 def test_media_in_structured_prompts_is_not_read_as_text() -> None:
     import json
 
-    from gateway.request.tokens import IMAGE_TOKENS
-    from gateway.wire.validation import parse_route_body
+    from gateway.wire.validation import IMAGE_TOKENS, parse_route_body
 
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": "iVBOR" * 100_000}}

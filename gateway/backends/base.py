@@ -29,8 +29,8 @@ from gateway.errors import (
     UpstreamAuthFailed,
     UpstreamError,
     UpstreamRefused,
+    describe,
 )
-from gateway.observe.logs import error_kind
 from gateway.wire.validation import ParsedRequest
 
 __all__ = ["BackendKind", "Discovered", "ExactCount", "SideCalls", "WithoutSlots",
@@ -282,9 +282,9 @@ async def count_or_none(name: str, counting: Awaitable[int | None]) -> int | Non
     except GatewayError as exc:
         if exc.upstream_kind == "connect":
             raise
-        log.info("backend %s could not count tokens: %s", name, error_kind(exc))
+        log.info("backend %s could not count tokens: %s", name, describe(exc))
     except (ValueError, KeyError, TypeError) as exc:
-        log.info("backend %s could not count tokens: %s", name, error_kind(exc))
+        log.info("backend %s could not count tokens: %s", name, describe(exc))
     return None
 
 

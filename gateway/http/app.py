@@ -23,7 +23,7 @@ from gateway.backends import SIDE_CONNECTIONS
 from gateway.backends.target import Target
 from gateway.backends.upstream import build_client
 from gateway.config import AdmissionSettings, BackendSettings, Settings
-from gateway.errors import GatewayError, render, shape_of
+from gateway.errors import GatewayError
 from gateway.fleet.state import GatewayState
 from gateway.http.connection import guarded_protocol
 from gateway.http.endpoints import register_routes
@@ -31,6 +31,7 @@ from gateway.http.middleware import RequestAccounting, count_rejection
 from gateway.http.status import STATUS_PATHS, register_status
 from gateway.observe.metrics import GatewayMetrics
 from gateway.relay.response import stop_drains
+from gateway.wire.shapes import render, shape_of
 
 __all__ = ["GatewayState", "create_app", "uvicorn_options"]
 

@@ -34,13 +34,14 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import GatewayError, HeadersTooLarge, render, shape_of
+from gateway.errors import GatewayError, HeadersTooLarge
 from gateway.observe.logs import access_level, log_access, request_id_of
 from gateway.observe.metrics import GatewayMetrics
 from gateway.wire.routes import LABELS
+from gateway.wire.shapes import error_messages, shape_of
 
 __all__ = ["MAX_HEADERS", "MAX_HEADER_BYTES", "RequestAccounting", "count_rejection",
-           "error_messages", "route_of"]
+           "route_of"]
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +53,6 @@ MAX_HEADER_BYTES = 16 * 1024  # names + values, all headers together
 def route_of(path: str) -> str:
     """The ``route`` label of a request path (``other`` for unknown paths)."""
     return LABELS.get(path, "other")
-
-
-def error_messages(exc: GatewayError, shape: str = "openai") -> tuple[Message, Message]:
-    """The two ASGI messages of a JSON error response (``shape``: see :func:`render`)."""
-    status, headers, body = render(exc, shape)
-    return (
-        {"type": "http.response.start", "status": status, "headers": headers},
-        {"type": "http.response.body", "body": body},
-    )
 
 
 def count_rejection(metrics: GatewayMetrics, state: MutableMapping[str, Any],

@@ -29,7 +29,7 @@ from pythonjsonlogger.json import JsonFormatter
 from gateway.config import ServerSettings
 
 __all__ = ["ACCESS_FIELDS", "QUIET_PATHS", "TextFormatter", "access_level", "configure_logging",
-           "error_kind", "log_access", "request_id_of"]
+           "log_access", "request_id_of"]
 
 access_log = logging.getLogger("gateway.access")
 
@@ -132,19 +132,6 @@ def configure_logging(server: ServerSettings) -> None:
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(quiet)
     access_log.disabled = not server.access_log
-
-
-def error_kind(exc: BaseException) -> str:
-    """``exc`` named without its message, for a log line: its class, and its error code,
-    upstream kind and HTTP status when it has them. A backend's error message may quote
-    the prompt or the answer (llama-server's "Failed to parse input at pos N: ..."), and
-    the gateway writes neither to its log."""
-    parts = [type(exc).__name__]
-    for attr in ("code", "upstream_kind", "status_code"):
-        value = getattr(exc, attr, None)
-        if value is not None and str(value) not in parts:
-            parts.append(str(value))
-    return " ".join(parts)
 
 
 def access_level(path: str, status: int) -> int | None:

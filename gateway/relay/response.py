@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -27,8 +27,6 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.admission.admission import Clock, Lease
 from gateway.admission.slotwatch import Ticket
-from gateway.admission.tenants import Tenant, TokenHold
-from gateway.backends.target import Target
 from gateway.backends.upstream import (
     json_bytes,
     map_upstream_errors,
@@ -36,21 +34,13 @@ from gateway.backends.upstream import (
     send_upstream,
     upstream_request,
 )
-from gateway.core.capacity import Charge
-from gateway.core.fairness import ANONYMOUS, Party
-from gateway.core.prefix import Prefix
 from gateway.errors import (
     ClientDisconnected,
     GatewayError,
     ShuttingDown,
     UpstreamError,
-    ndjson_error_line,
-    reshape_upstream_error,
-    sse_error_event,
+    describe,
 )
-from gateway.fleet.pool import Candidate, ModelQueue
-from gateway.http.middleware import error_messages
-from gateway.observe.logs import error_kind
 from gateway.observe.metrics import GatewayMetrics
 from gateway.relay.send import (
     Started,
@@ -58,15 +48,22 @@ from gateway.relay.send import (
     body_message,
     failure_kind,
     json_object,
-    reshaped,
     unless_gone,
     usage_of,
 )
 from gateway.relay.watcher import DisconnectWatcher
+from gateway.request.exchange import Exchange
 from gateway.wire.events import Seen, quick_token, read_event
+from gateway.wire.shapes import (
+    error_messages,
+    ndjson_error_line,
+    reshape_upstream_error,
+    reshaped,
+    sse_error_event,
+)
 from gateway.wire.sse import EventSplitter, EventTooLarge, event_data
 
-__all__ = ["Exchange", "ProxyResponse"]
+__all__ = ["ProxyResponse"]
 
 log = logging.getLogger(__name__)
 
@@ -90,119 +87,6 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-@dataclass
-class Exchange:
-    """One client request on its way through the gateway.
-
-    :param started: arrival time on the injected clock, seconds.
-    :param headers: raw client request headers (forwarded, bytes as received, minus the
-        dropped ones).
-    :param client_wants_usage: the client asked for the streamed usage chunk itself.
-    :param tag: the ``(param, value)`` the gateway added to identify the request
-        upstream, or ``None`` (:mod:`gateway.admission.slotwatch`).
-    :param api: ``"openai"``, or ``"ollama"`` for Ollama's native routes (errors then
-        take Ollama's ``{"error": "..."}`` shape, and streams are NDJSON).
-    :param raw_estimate: the local prompt estimate with no margin, when the backend
-        could not count (compared with the count the backend reports, to calibrate).
-    :param progress_s: a queued stream gets its 200 at once and an SSE comment every
-        this many seconds while it waits (0: it waits silently).
-    :param tracked: the ``predictive`` policy follows this request token by token and
-        may preempt and continue it (:class:`gateway.relay.tracked.TrackedResponse`).
-    """
-
-    backend: Target
-    route: str
-    body: dict[str, Any]
-    charge: Charge
-    stream: bool
-    started: float
-    headers: list[tuple[bytes, bytes]]
-    client_wants_usage: bool
-    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    status: int = 0
-    tag: tuple[str, int] | None = None
-    api: str = "openai"
-    raw_estimate: int | None = None
-    # Drops the kept count of this request's prompt (on the backend that counted it),
-    # should the backend's usage disagree with it; None when none was kept.
-    forget_count: Callable[[], None] | None = None
-    progress_s: float = 0.0  # SSE progress comments while queued, every this many s
-    tracked: bool = False  # followed token by token, preemptible (gateway.relay.tracked)
-    # With several backends for the model: the request as planned on each, and the
-    # model's queue, which picks one at admission (gateway.fleet.pool). Empty and None for a
-    # lone backend, whose own admission is used.
-    candidates: list[Candidate] = field(default_factory=list)
-    queue: ModelQueue | None = None
-    affinity: str | None = None  # the backend that served this conversation's prefix
-    affinity_key: str | None = None  # the conversation's key (gateway.fleet.pool.affinity_key)
-    prefix: Prefix | None = None  # what its prompt holds, for slot affinity
-    # Who it is for (gateway.admission.tenants): the tenant, its party in the queues, and the
-    # tokens it holds in the tenant's tokens-per-minute window.
-    tenant: Tenant | None = None
-    party: Party = field(default_factory=Party)
-    hold: TokenHold | None = None
-    prompt_total: int = 0  # the prompt tokens of all its prompts (a batch: an upper bound)
-    batched: bool = False  # several prompts: the backend's usage gives their true sum
-    # For the access line (gateway.observe.logs): seconds queued, seconds to the first token,
-    # and the reason it was refused after it reached the queue.
-    # The id the backend is sent in X-Request-Id (gateway.observe.logs.request_id_of).
-    request_id: bytes | None = None
-    queue_wait_s: float | None = None
-    ttft_s: float | None = None
-    reason: str | None = None
-    # The last failure of the backend during it (a gateway_upstream_errors_total kind),
-    # or "shutting_down" when a drain cut it: a stream's 200 may hide either.
-    upstream_error: str | None = None
-
-    @property
-    def who(self) -> tuple[str, str]:
-        """The ``tenant`` and ``priority`` metric labels (values from the config only)."""
-        return (self.tenant.name if self.tenant else ANONYMOUS, self.party.priority)
-
-    @property
-    def may_fail_over(self) -> bool:
-        """Another backend of the model could take this request if its backend fails."""
-        return self.queue is not None and self.queue.failover and len(self.candidates) > 1
-
-    def try_admit(self) -> Lease | None:
-        """A lease now (on the best backend of the model), or ``None``."""
-        if self.queue is None:
-            return self.backend.try_admit(self.charge, self.party,
-                                          self.backend.slot_for(self.prefix))
-        return self._bind(self.queue.try_admit(self.candidates, self.affinity, self.party,
-                                               self.prefix))
-
-    async def admit(self, *, front: bool = False) -> Lease:
-        """Wait for a lease in FIFO order (on whichever backend of the model frees room
-        first; with ``front``, ahead of the others); raises as
-        :meth:`gateway.admission.admission.Admission.admit`."""
-        if self.queue is None:
-            return await self.backend.admit(self.charge, front=front, party=self.party,
-                                            prefer=self.backend.slot_for(self.prefix))
-        got = await self.queue.admit(self.candidates, self.affinity, front=front,
-                                     party=self.party, prefix=self.prefix)
-        lease = self._bind(got)
-        assert lease is not None
-        return lease
-
-    def queue_progress(self) -> tuple[int, float | None] | None:
-        """While waiting: the place in the queue (1 = next) and predicted seconds."""
-        if self.queue is None:
-            return self.backend.queue_progress(self.charge)
-        position = self.queue.position(self.candidates)
-        return None if position is None else (position, None)
-
-    def _bind(self, got: tuple[Candidate, Lease] | None) -> Lease | None:
-        if got is None:
-            return None
-        candidate, lease = got
-        if self.queue is not None:
-            self.queue.remember(self.affinity_key, candidate.backend.name)
-        self.backend, self.charge, self.body = candidate.backend, candidate.charge, candidate.body
-        self.tag, self.tracked = candidate.tag, candidate.tracked
-        return lease
 
 
 _DRAINING: set[asyncio.Task[None]] = set()  # drains under way (held against collection)
@@ -464,7 +348,7 @@ class ProxyResponse(Response):
             return False
         log.warning("backend %s failed a %s request before answering (%s); down for "
                     "%.0f s, trying another backend of %s", x.backend.name, x.route,
-                    error_kind(exc), down, x.queue.model)
+                    describe(exc), down, x.queue.model)
         self._failed = exc
         return True
 

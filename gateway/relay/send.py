@@ -1,5 +1,5 @@
-"""The small pieces the proxy relays with: ASGI send wrappers, upstream error bodies put
-in the route's shape, and the parsing of whole answers off the event loop."""
+"""The small pieces the proxy relays with: ASGI send wrappers and the parsing of whole
+answers off the event loop."""
 
 from __future__ import annotations
 
@@ -10,32 +10,13 @@ import anyio.to_thread
 import orjson
 from starlette.types import Message, Send
 
-from gateway.errors import GatewayError, UpstreamRefused, anthropic_body, reshape_upstream_error
+from gateway.errors import GatewayError
 from gateway.relay.watcher import DisconnectWatcher
 from gateway.wire.events import usage_of_whole
+from gateway.wire.shapes import sse_error_prefix
 
 __all__ = ["THREAD_PARSE_BYTES", "Started", "Unraced", "body_message", "failure_kind",
-           "json_object", "reshaped", "unless_gone", "usage_of"]
-
-
-def reshaped(status: int, body: bytes, api: str = "openai") -> bytes:
-    """An upstream ``{"error": {...}}`` answer re-encoded in the route's shape: OpenAI's,
-    or Anthropic's ``{"type": "error", "error": {type, message}}`` (an answer already in
-    that shape is kept)."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return body
-    if not isinstance(data, dict) or not isinstance(data.get("error"), dict):
-        return body
-    if api == "anthropic":
-        if data.get("type") == "error":
-            return body
-        message = str(data["error"].get("message") or f"The backend answered HTTP {status}.")
-        return json.dumps(anthropic_body(UpstreamRefused(message, status_code=status)),
-                          separators=(",", ":")).encode()
-    data["error"] = reshape_upstream_error(status, data["error"])
-    return json.dumps(data, separators=(",", ":")).encode()
+           "json_object", "unless_gone", "usage_of"]
 
 
 def body_message(chunk: bytes) -> Message:
@@ -117,7 +98,7 @@ class Started:
         self._buffer += message.get("body", b"")
         if message.get("more_body"):
             return
-        prefix = b"event: error\n" if self.api == "anthropic" else b""
+        prefix = sse_error_prefix(self.api)
         payload = bytes(self._buffer).strip() or b'{"error":{"message":"upstream error"}}'
         await self.raw(body_message(prefix + b"data: " + payload + b"\n\n"))
         await self.raw({"type": "http.response.body", "body": b"", "more_body": False})

@@ -38,11 +38,12 @@ from gateway.backends.upstream import (
     send_upstream,
     upstream_request,
 )
-from gateway.errors import ClientDisconnected, GatewayError, UpstreamError, sse_error_event
+from gateway.errors import ClientDisconnected, GatewayError, UpstreamError
 from gateway.relay.response import _SSE_HEADERS, ProxyResponse, _StreamState
-from gateway.relay.send import body_message, json_object, reshaped
+from gateway.relay.send import body_message, json_object
 from gateway.relay.watcher import DisconnectWatcher
 from gateway.wire.resume import CAP_FIELDS, Continuation, Reassembler
+from gateway.wire.shapes import reshaped, sse_error_event
 from gateway.wire.sse import EventSplitter, EventTooLarge, event_data
 
 __all__ = ["MAX_RESUMES", "TrackedResponse"]

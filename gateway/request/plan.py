@@ -1,5 +1,5 @@
 """The request pipeline: read → parse → pick the backend → check → count → plan the
-charge → an :class:`~gateway.relay.response.Exchange` ready to be admitted and forwarded.
+charge → an :class:`~gateway.request.exchange.Exchange` ready to be admitted and forwarded.
 
 Every step raises a :class:`~gateway.errors.GatewayError` that the app renders; nothing
 here waits for capacity (that is the :class:`~gateway.relay.response.ProxyResponse`'s job).
@@ -31,7 +31,7 @@ from gateway.errors import (
 )
 from gateway.fleet.pool import Candidate, ModelQueue, affinity_key
 from gateway.fleet.state import GatewayState
-from gateway.relay.response import Exchange
+from gateway.request.exchange import Exchange
 from gateway.request.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
 from gateway.wire.resume import resumable
 from gateway.wire.validation import (

@@ -30,7 +30,6 @@ import anyio.to_thread
 
 __all__ = [
     "MAX_BYTES_PER_TOKEN",
-    "IMAGE_TOKENS",
     "MESSAGE_OVERHEAD_TOKENS",
     "PROMPT_OVERHEAD_TOKENS",
     "chat_text",
@@ -56,9 +55,6 @@ _THREAD_THRESHOLD_CHARS = 16_384
 MAX_BYTES_PER_TOKEN = 128
 
 Encoder = Callable[[str], int]
-# Tokens charged per image on Ollama's native routes: Ollama's own truncation heuristic
-# counts 768 per image (server/prompt.go); projectors of larger models use up to ~1,600.
-IMAGE_TOKENS = 1600
 
 
 def tokens_at_least(texts: list[str]) -> int:

@@ -20,9 +20,8 @@ from typing import Any
 import orjson
 
 from gateway.errors import InvalidRequest, UnsupportedMediaType
-from gateway.request.tokens import IMAGE_TOKENS
 
-__all__ = ["ParsedRequest", "check_content_type", "parse_body", "parse_ollama_body",
+__all__ = ["IMAGE_TOKENS", "ParsedRequest", "check_content_type", "parse_body", "parse_ollama_body",
            "parse_route_body"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's documented maximum for top_logprobs
@@ -49,6 +48,10 @@ _INT_FIELDS: dict[str, tuple[int, int]] = {
 _INT_RANGE = (-(2**63), 2**64 - 1)
 _LONG_DIGITS = re.compile(rb"\d{19}")  # a number that may be beyond _INT_RANGE
 MAX_DEPTH = 64  # objects and arrays nested deeper than this are refused
+
+# Tokens charged per image on Ollama's native routes: Ollama's own truncation heuristic
+# counts 768 per image (server/prompt.go); projectors of larger models use up to ~1,600.
+IMAGE_TOKENS = 1600
 
 
 @dataclass(frozen=True)
