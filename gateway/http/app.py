@@ -30,6 +30,7 @@ from gateway.http.endpoints import register_routes
 from gateway.http.middleware import RequestAccounting, count_rejection
 from gateway.http.status import STATUS_PATHS, register_status
 from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.record import record_of
 from gateway.relay.response import stop_drains
 from gateway.wire.shapes import render, shape_of
 
@@ -132,8 +133,8 @@ def create_app(
                                 "/metrics (server.admin_key is set) needs")
             return
         tenant = state.tenants.authenticate(scope["headers"])
-        scope_state = scope.setdefault("state", {})
-        scope_state["tenant"], scope_state["priority"] = tenant, tenant.priority
+        record = record_of(scope)
+        record.tenant, record.priority = tenant, tenant.priority
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -165,7 +166,7 @@ def create_app(
 
     @app.exception_handler(GatewayError)
     async def _render(request: Request, exc: GatewayError) -> Response:
-        count_rejection(state.metrics, request.scope.setdefault("state", {}), exc)
+        count_rejection(state.metrics, record_of(request.scope), exc)
         status, headers, body = render(exc, shape_of(request.url.path))
         raw = {k.decode(): v.decode() for k, v in headers if k != b"content-length"}
         return Response(body, status, headers=raw)

@@ -18,6 +18,7 @@ from gateway.backends.upstream import map_upstream_errors
 from gateway.errors import RouteNotFound
 from gateway.fleet.pool import usable
 from gateway.fleet.state import GatewayState, reload_config
+from gateway.observe.record import record_of
 from gateway.relay.response import ProxyResponse
 from gateway.relay.tracked import TrackedResponse
 from gateway.request.plan import count_prompt, prepare_exchange, read_body, require_ready
@@ -73,7 +74,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
                 headers={"content-type": "application/json",
                          **backend.settings.auth_headers},
                 timeout=backend.timeout)
-        request.state.backend = backend.name
+        record_of(request.scope).backend = backend.name
         return Response(resp.content, resp.status_code,
                         media_type=resp.headers.get("content-type", "application/json"))
 
@@ -96,13 +97,13 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
     async def count_tokens(request: Request) -> Response:
         """Anthropic's token count, answered from the backend's exact count of the body
         (no generation is forwarded, no slot is taken)."""
-        request.state.route = "count_tokens"
+        record_of(request.scope).route = "count_tokens"
         check_content_type(request.headers.get("content-type"),
                            request.headers.get("content-encoding"))
         req = parse_route_body("count_tokens", await read_body(
             request, state.settings.server.max_body_bytes))
         backend = state.pick_backend(req.body.get("model"), route="count_tokens")
-        request.state.backend = backend.name
+        record_of(request.scope).backend = backend.name
         require_ready(backend)
         counted, _raw, _forget = await count_prompt(state, backend, req)
         return JSONResponse({"input_tokens": counted})

@@ -9,15 +9,17 @@ OpenAI-shaped 500 for anything that escapes the handlers.
   gets its 401 here, within the gateway's first microseconds, before its body is read;
 * counts each HTTP request exactly once in ``gateway_requests_total`` with the status
   it ended with: the status sent, a status a handler recorded after the response had
-  started (``scope["state"]["final_status"]``: 499 when a streaming client left), or
+  started (:attr:`AccessRecord.final_status`: 499 when a streaming client left), or
   499 when nothing was sent because the client went away;
 * turns a client that disconnects while its body is read into a quiet 499, and any
   other unhandled exception into a logged 500 in the OpenAI error shape;
 * gives each request an id (its ``X-Request-Id`` when plain, else a new one), returned
   in the ``x-request-id`` response header, and sent upstream in the same header made
-  unique (``scope["state"]["upstream_request_id"]``, bytes: see
+  unique (:attr:`AccessRecord.upstream_id`, bytes: see
   :func:`gateway.observe.logs.request_id_of`), and writes its one access line
-  (:func:`gateway.observe.logs.log_access`) from what the handlers left in ``scope["state"]``;
+  (:func:`gateway.observe.logs.log_access`) from the request's one
+  :class:`~gateway.observe.record.AccessRecord`, which it creates and stores in the scope
+  and the handlers fill in;
 * serves the generation routes itself (``routes``: ``POST`` path → ASGI callable),
   without the web framework's routing, dependency and exception layers, which cost
   about a fifth of a forwarded request's CPU time (``py-spy`` over ``make bench``). A
@@ -28,8 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any
+from collections.abc import Callable, Mapping
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -37,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.errors import GatewayError, HeadersTooLarge
 from gateway.observe.logs import access_level, log_access, request_id_of
 from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.record import SCOPE_KEY, AccessRecord
 from gateway.wire.routes import LABELS
 from gateway.wire.shapes import error_messages, shape_of
 
@@ -55,17 +57,14 @@ def route_of(path: str) -> str:
     return LABELS.get(path, "other")
 
 
-def count_rejection(metrics: GatewayMetrics, state: MutableMapping[str, Any],
-                    exc: GatewayError) -> None:
+def count_rejection(metrics: GatewayMetrics, record: AccessRecord, exc: GatewayError) -> None:
     """Count ``exc`` in ``gateway_rejections_total`` if it is a rejection, labelled from
-    the request's ``scope["state"]`` (backend, tenant and priority, once known), and
-    note its reason there for the access line."""
+    the request's record (backend, tenant and priority, once known), and note its reason
+    there for the access line."""
     if exc.rejection_reason:
-        state["reason"] = exc.rejection_reason
-        tenant = state.get("tenant")
-        metrics.rejections.labels(state.get("backend", "none"), exc.rejection_reason,
-                                  getattr(tenant, "name", "none"),
-                                  state.get("priority") or "none").inc()
+        record.reason = exc.rejection_reason
+        metrics.rejections.labels(record.backend or "none", exc.rejection_reason,
+                                  record.tenant_name, record.priority or "none").inc()
 
 
 class _InternalError(GatewayError):
@@ -81,8 +80,8 @@ class RequestAccounting:
     :param keepalive_timeout_s: announced on every response as ``Keep-Alive: timeout=N``
         (seconds), so that client pools know how long an idle connection stays open.
     :param authenticate: called with each HTTP scope before the app; raises a
-        :class:`GatewayError` (401) to refuse it, and may put ``tenant`` (an object
-        with a ``name``) and ``priority`` into ``scope["state"]`` for the labels.
+        :class:`GatewayError` (401) to refuse it, and may set the request record's
+        ``tenant`` (an object with a ``name``) and ``priority`` for the labels.
     :param routes: ``POST`` paths served by their own ASGI callable instead of ``app``.
     """
 
@@ -101,16 +100,14 @@ class RequestAccounting:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        state: dict[str, Any] = scope.setdefault("state", {})
-        status = 0
-        began = time.monotonic()
         request_id, upstream_id = request_id_of(scope["headers"])
-        state["upstream_request_id"] = upstream_id
+        record = AccessRecord(request_id=request_id, upstream_id=upstream_id,
+                              method=scope["method"], path=scope["path"])
+        scope.setdefault("state", {})[SCOPE_KEY] = record
 
         async def tracking_send(message: Message) -> None:
-            nonlocal status
             if message["type"] == "http.response.start":
-                status = message["status"]
+                record.status = message["status"]
                 headers = message.get("headers", [])
                 closing = any(k.lower() == b"connection" and v.lower() == b"close"
                               for k, v in headers)
@@ -134,44 +131,23 @@ class RequestAccounting:
             direct = self.routes.get(scope["path"]) if scope["method"] == "POST" else None
             await (direct or self.app)(scope, receive, tracking_send)
         except GatewayError as exc:
-            count_rejection(self.metrics, state, exc)
-            if not status:
+            count_rejection(self.metrics, record, exc)
+            if not record.status:
                 for message in error_messages(exc, shape_of(scope["path"])):
                     await tracking_send(message)
         except ClientDisconnect:
             log.info("client left while sending its body (%s)", scope.get("path"))
         except Exception:
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            if not status:
+            if not record.status:
                 for message in error_messages(_InternalError(
                     "The gateway failed on this request; the error is in its log."
                 ), shape_of(scope["path"])):
                     await tracking_send(message)
         finally:
-            final = state.get("final_status") or status or 499
-            tenant = getattr(state.get("tenant"), "name", "none")
-            backend, route = state.get("backend", "none"), (state.get("route")
-                                                            or route_of(scope["path"]))
-            self.metrics.requests.labels(backend, route, str(final), tenant,
-                                         state.get("priority") or "none").inc()
-            level = access_level(scope["path"], final)
+            record.duration_s = time.monotonic() - record.began
+            route = route_of(scope["path"])
+            self.metrics.requests.labels(*record.labels(route)).inc()
+            level = access_level(scope["path"], record.counted_status)
             if level is not None:  # the line's fields are gathered only when written
-                log_access({
-                    "request_id": request_id.decode(),
-                    "upstream_request_id": upstream_id.decode() if state.get("forwarded")
-                    and upstream_id != request_id else None,
-                    "method": scope["method"], "path": scope["path"], "route": route,
-                    "backend": backend, "tenant": tenant, "status": final,
-                    "reason": state.get("reason"),
-                    "upstream_error": state.get("upstream_error"),
-                    "prompt_tokens": state.get("prompt_tokens"),
-                    "count_source": state.get("count_source"),
-                    "max_tokens": state.get("max_tokens"),
-                    "queue_wait_ms": _ms(state.get("queue_wait_s")),
-                    "ttft_ms": _ms(state.get("ttft_s")),
-                    "duration_ms": _ms(time.monotonic() - began),
-                }, level)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 1)
+                log_access(record.line(route), level)

@@ -27,18 +27,13 @@ from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
 from gateway.config import ServerSettings
+from gateway.observe.record import ACCESS_FIELDS
 
 __all__ = ["ACCESS_FIELDS", "QUIET_PATHS", "TextFormatter", "access_level", "configure_logging",
            "log_access", "request_id_of"]
 
 access_log = logging.getLogger("gateway.access")
 
-#: The access line's fields, in the order the text format writes them. Times are in
-#: milliseconds, token counts in tokens; a field the request never reached is left out
-#: of the text line and ``null`` in JSON.
-ACCESS_FIELDS = ("request_id", "upstream_request_id", "method", "path", "route", "backend",
-                 "tenant", "status", "reason", "upstream_error", "prompt_tokens",
-                 "count_source", "max_tokens", "queue_wait_ms", "ttft_ms", "duration_ms")
 
 #: Paths whose access lines are DEBUG: load balancer probes, scrapes, the status page.
 QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/status", "/status.json"})

@@ -42,6 +42,7 @@ from gateway.errors import (
     describe,
 )
 from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.record import record_of
 from gateway.relay.send import (
     Started,
     Unraced,
@@ -177,15 +178,15 @@ class ProxyResponse(Response):
             self._settle_tokens()
             # gateway.http.middleware counts the request with this status (499: client left),
             # under the backend that took it (in a pool, known once admitted).
-            state = scope.setdefault("state", {})
+            record = record_of(scope)
             if x.status or not failed:
-                state["final_status"] = x.status or 499
-            state["backend"] = x.backend.name
-            state["queue_wait_s"], state["ttft_s"] = x.queue_wait_s, x.ttft_s
-            state["forwarded"] = self._forwarded
-            state["upstream_error"] = x.upstream_error
+                record.final_status = x.status or 499
+            record.backend = x.backend.name
+            record.queue_wait_s, record.ttft_s = x.queue_wait_s, x.ttft_s
+            record.forwarded = self._forwarded
+            record.upstream_error = x.upstream_error
             if x.reason is not None:
-                state["reason"] = x.reason
+                record.reason = x.reason
             self.metrics.duration.labels(x.backend.name).observe(self.clock.now() - x.started)
 
     async def _send_error(self, send: Send, exc: GatewayError) -> None:

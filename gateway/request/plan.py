@@ -31,6 +31,7 @@ from gateway.errors import (
 )
 from gateway.fleet.pool import Candidate, ModelQueue, affinity_key
 from gateway.fleet.state import GatewayState
+from gateway.observe.record import AccessRecord, record_of
 from gateway.request.exchange import Exchange
 from gateway.request.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
 from gateway.wire.resume import resumable
@@ -100,13 +101,14 @@ async def estimate_prompt(state: GatewayState, backend: Target, req: ParsedReque
 
 
 async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest,
-                       note: Any = None,
+                       note: AccessRecord | None = None,
                        ) -> tuple[int, int | None, Callable[[], None] | None]:
     """Prompt tokens as the backend counts them (the longest prompt of a batch), else a
     local estimate; as (charged, raw estimate or ``None`` when counted exactly, and for
     a single prompt counted exactly, how to drop its kept count should the backend's
-    usage disagree with it). ``note`` (a request's ``state``), if given, gets the
-    count's source as ``count_source``, for the access line.
+    usage disagree with it). ``note`` (the request's
+    :class:`~gateway.observe.record.AccessRecord`), if given, gets the count's source as
+    ``count_source``, for the access line.
 
     A prompt the backend already counted is not sent again: its count comes from the
     backend's :class:`~gateway.backends.countcache.CountCache` (``source="cache"`` in
@@ -208,7 +210,7 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         the one from the backend with the largest slot.
     """
     started = state.clock.now()
-    request.state.route = route
+    record_of(request.scope).route = route
     if state.draining:
         raise ShuttingDown("The gateway is shutting down; retry after the Retry-After "
                            "delay.", retry_after_s=1.0)
@@ -223,15 +225,15 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         req = parse_body(route, raw)
     else:
         req = parse_route_body(route, raw)
-    tenant = getattr(request.state, "tenant", None) or state.tenants.authenticate(
+    tenant = record_of(request.scope).tenant or state.tenants.authenticate(
         request.headers.raw)
     party = _party(state, request, tenant, req.body)
     members = state.resolve(req.body.get("model"), "ollama" if native else None,
                             route=route)
-    request.state.backend = members[0].name
+    record_of(request.scope).backend = members[0].name
     backends = state.usable(members)
     counter = backends[0]
-    request.state.backend = counter.name
+    record_of(request.scope).backend = counter.name
     counter.check_request(req)
     queue = state.queue_for(members)
     if queue is not None:
@@ -264,7 +266,8 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         raise max(refusals, key=lambda r: r[0])[1]
     first = candidates[0]
     charge = first.charge
-    request.state.prompt_tokens, request.state.max_tokens = prompt_tokens, charge.max_tokens
+    record = record_of(request.scope)
+    record.prompt_tokens, record.max_tokens = prompt_tokens, charge.max_tokens
     prompt_total = prompt_tokens * batch  # a batch's prompts, each at most the longest
     hold = tenant.hold_tokens(state.clock.now(), prompt_total)  # 429 over the quota
     extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]
@@ -282,7 +285,7 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
     return Exchange(
         backend=first.backend, route=route, body=first.body, charge=charge,
         stream=req.stream, started=started, headers=list(request.headers.raw),
-        request_id=getattr(request.state, "upstream_request_id", None),
+        request_id=record_of(request.scope).upstream_id or None,
         client_wants_usage=bool(options.get("include_usage")),
         extra_headers=extra, tag=first.tag, api=req.api,
         progress_s=admission.queue_progress_s if req.stream and req.api != "ollama"
@@ -318,7 +321,7 @@ def _party(state: GatewayState, request: Request, tenant: Tenant, body: dict[str
         raise InvalidRequest("priority must be a class name (a string) or, for vLLM's "
                              "own priority scheduling, an integer.", param="priority")
     party = state.tenants.party(tenant, asked.strip() if isinstance(asked, str) else asked)
-    request.state.priority = party.priority
+    record_of(request.scope).priority = party.priority
     return party
 
 
@@ -334,9 +337,9 @@ async def _count_on_one(state: GatewayState, request: Request, req: ParsedReques
     """
     routing = state.settings.routing
     for i, counter in enumerate(backends):
-        request.state.backend = counter.name
+        record_of(request.scope).backend = counter.name
         try:
-            counted, raw, forget = await count_prompt(state, counter, req, request.state)
+            counted, raw, forget = await count_prompt(state, counter, req, record_of(request.scope))
             return counted, raw, forget, backends[i:]
         except GatewayError as exc:
             passed_over = never_reached(exc) or isinstance(exc, BackendNotReady)
