@@ -43,6 +43,7 @@ from gateway.errors import (
 )
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import record_of
+from gateway.relay.attempt import Attempt, NextStep
 from gateway.relay.send import (
     Started,
     Unraced,
@@ -142,14 +143,8 @@ class ProxyResponse(Response):
         self.cut = cut  # set when the gateway's drain runs out of time
         # Once a relayed stream has sent its 200: how to write its final error event.
         self._stream_final: Callable[[GatewayError], bytes] | None = None
-        self._lease: Lease | None = None
-        self._sent = False  # the generation request went upstream
-        self._done = False  # ... and the backend is known to have finished with it
-        self._launched = False  # ... and a stream's headers came: its task is running
-        self._pending: asyncio.Task[httpx.Response] | None = None  # send left open
+        self._attempt: Attempt | None = None  # the upstream try under way, or the last
         self._progress: Started | None = None  # the send that may open the stream early
-        self._again = False  # send the request once more (an overflow failed it whole)
-        self._failed: GatewayError | None = None  # failed before any byte: fail over
         self._restarts = 0
         self._gated = False  # past the tenant's gate (gateway.admission.tenants.Tenant.enter)
         self._forwarded = False  # some attempt went upstream
@@ -314,10 +309,12 @@ class ProxyResponse(Response):
         lease, send = await self._obtain(watcher, send)
         while lease is not None:
             await self._hold(watcher, send, lease)
-            if self._failed is not None:
+            assert self._attempt is not None
+            step = self._attempt.next_step()
+            if step is NextStep.FAIL_OVER:
                 lease = await self._fail_over(watcher, send)
                 continue
-            if not self._again:
+            if step is NextStep.STOP:
                 return
             name = x.backend.name
             # The backend overflowed and failed this whole answer before any of it was
@@ -350,7 +347,8 @@ class ProxyResponse(Response):
         log.warning("backend %s failed a %s request before answering (%s); down for "
                     "%.0f s, trying another backend of %s", x.backend.name, x.route,
                     describe(exc), down, x.queue.model)
-        self._failed = exc
+        assert self._attempt is not None
+        self._attempt.failed = exc
         return True
 
     async def _fail_over(self, watcher: DisconnectWatcher, send: Send) -> Lease | None:
@@ -358,7 +356,6 @@ class ProxyResponse(Response):
         marked down): admit the request on another backend of its model, ahead of the
         queue; or answer the refusal."""
         x, m = self.x, self.metrics
-        self._failed = None
         assert x.queue is not None
         failed = x.backend
         x.candidates = [c for c in x.candidates if c.backend is not failed]
@@ -415,12 +412,12 @@ class ProxyResponse(Response):
             pass  # the client is gone too
 
     def _start_attempt(self, lease: Lease) -> float:
-        """Forget the last attempt's upstream state and hold ``lease``; returns the clock
-        time the attempt starts (for :meth:`_give_back`)."""
-        self._lease, self._pending = lease, None
+        """Begin a new :class:`~gateway.relay.attempt.Attempt` on ``lease`` (the last
+        one's upstream state is forgotten); returns the clock time it starts (for
+        :meth:`_give_back`)."""
+        self._attempt = Attempt(lease, self.clock.now())
         self.x.backend.remember_slot(self.x.prefix, lease)  # what its slot will cache
-        self._sent = self._done = self._launched = self._again = False
-        return self.clock.now()
+        return self._attempt.started
 
     def _give_back(self, lease: Lease, held_since: float, *, served: bool, stream: bool,
                    quick: bool = False) -> None:
@@ -434,18 +431,30 @@ class ProxyResponse(Response):
         x = self.x
         if served:
             x.backend.record_duration(self.clock.now() - held_since, x.charge)
-        if self._sent and not self._done:
+        attempt = self._attempt
+        if attempt is not None and attempt.abandoned:
             # The gateway left before the backend finished (client gone, timeout,
             # preemption). The backend may go on using the slot's cells for a while: keep
             # the reservation until it is seen to end (gateway.admission.slotwatch). An upstream
             # request still waiting for its answer is handed on open, so that the backend
             # cannot drop it unseen and start it later.
             x.backend.release_abandoned(
-                lease, self._ticket(lease), served=served, pending=self._pending,
-                stream=stream, launched=self._launched, quick=quick,
+                lease, self._ticket(lease), served=served, pending=attempt.pending,
+                stream=stream, launched=attempt.launched, quick=quick,
             )
         else:
             x.backend.release(lease, served=served)
+
+    @property
+    def _now(self) -> Attempt:
+        """The attempt under way (there is one from :meth:`_start_attempt` on)."""
+        assert self._attempt is not None
+        return self._attempt
+
+    def _sent_upstream(self) -> None:
+        """The attempt's request is going upstream now."""
+        self._now.sent()
+        self._forwarded = True
 
     def _upstream_error(self, backend: str, kind: str) -> None:
         """Count a failure of ``backend`` in ``gateway_upstream_errors_total`` under
@@ -461,9 +470,10 @@ class ProxyResponse(Response):
         ``/slots`` cannot tell its tasks apart); a timeout may leave it running.
         """
         kind = failure_kind(exc)
-        unpinned = self._lease is not None and not self._lease.pinned
-        if kind == "connect" or (unpinned and kind != "timeout"):
-            self._done = True
+        attempt = self._attempt
+        unpinned = attempt is not None and not attempt.lease.pinned
+        if attempt is not None and (kind == "connect" or (unpinned and kind != "timeout")):
+            attempt.finished()
         return kind
 
     def _ticket(self, lease: Lease) -> Ticket:
@@ -491,7 +501,7 @@ class ProxyResponse(Response):
             # The server closes the connection after a chunked answer despite announcing
             # keep-alive; reusing that pooled connection would fail the next request.
             headers.append((b"connection", b"close"))
-        body = x.body if self._lease is None else x.backend.pin(x.body, self._lease)
+        body = x.body if self._attempt is None else x.backend.pin(x.body, self._attempt.lease)
         return upstream_request("POST", x.backend.route_url(x.route), headers=headers,
                                 content=json_bytes(body), timeout=x.backend.timeout)
 
@@ -500,14 +510,14 @@ class ProxyResponse(Response):
         try:
             with map_upstream_errors(name):
                 request = self._upstream_request()
-                self._sent = self._forwarded = True
+                self._sent_upstream()
                 sending = asyncio.ensure_future(
                     send_upstream(self.client, request, stream=True))
                 try:
                     resp = await watcher.race(self._begun(sending))
                 except BaseException:
                     if not sending.done():
-                        self._pending = sending  # handed on open (see _hold)
+                        self._now.pending = sending  # handed on open (see _hold)
                     raise
         except GatewayError as exc:
             kind = self._broke(exc)
@@ -518,8 +528,7 @@ class ProxyResponse(Response):
             return
         # llama-server sends a stream's headers with its first result and a whole answer
         # all at once: either way the task has started, or ended.
-        self._launched = True
-        self._done = self._done or not x.stream
+        self._now.began(stream=x.stream)
         try:
             ctype = resp.headers.get("content-type", "")
             ndjson = ctype.startswith("application/x-ndjson")
@@ -542,7 +551,7 @@ class ProxyResponse(Response):
         try:
             with map_upstream_errors(self.x.backend.name):
                 body = await watcher.race(resp.aread())
-                self._done = True
+                self._now.finished()
                 return body
         except GatewayError as exc:
             kind = self._broke(exc)
@@ -570,7 +579,7 @@ class ProxyResponse(Response):
                 if (kind == "context_overflow" and x.backend.predictive
                         and self._restarts < MAX_OVERFLOW_RESTARTS):
                     self._restarts += 1
-                    self._again = True  # nothing was sent: try the whole request again
+                    self._now.restart = True  # nothing was sent: try it whole again
                     return
                 if (resp.status_code >= 500 and kind != "context_overflow"
                         and self._fails_over(exc)):
@@ -742,7 +751,7 @@ class ProxyResponse(Response):
                 return
             await emit(final(exc))
         else:
-            self._done = True
+            self._now.finished()
             if not state.done and not state.errored:
                 self._upstream_error(name, "stream_aborted")
                 exc2 = UpstreamError(f"Backend {name!r} closed the stream before it finished.")

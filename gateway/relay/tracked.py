@@ -131,7 +131,7 @@ class TrackedResponse(ProxyResponse):
         self._cap = cap
         state = _StreamState()
         while True:
-            reason = await self._attempt(watcher, client, lease, cont, state)
+            reason = await self._try_once(watcher, client, lease, cont, state)
             if reason is None:
                 return
             if reason != OVERFLOW:  # an overflow's was counted with it (_overflowed)
@@ -212,7 +212,7 @@ class TrackedResponse(ProxyResponse):
         return replace(x.charge, prompt_tokens=counted, max_tokens=left,
                        predicted=x.backend.predicted_output(left), clamped=False)
 
-    async def _attempt(self, watcher: DisconnectWatcher, client: _Client, lease: Lease,
+    async def _try_once(self, watcher: DisconnectWatcher, client: _Client, lease: Lease,
                        cont: Continuation, state: _StreamState) -> str | None:
         """Run one attempt on ``lease`` and release it. Returns the reason it was cut
         short (``pool_pressure``, or :data:`OVERFLOW`), or ``None`` when the answer is
@@ -277,7 +277,7 @@ class TrackedResponse(ProxyResponse):
             timeout=x.backend.timeout)
         try:
             with map_upstream_errors(name):
-                self._sent = self._forwarded = True
+                self._sent_upstream()
                 sending = asyncio.ensure_future(
                     send_upstream(self.client, request, stream=True))
                 try:
@@ -286,7 +286,7 @@ class TrackedResponse(ProxyResponse):
                     # Preempted (or the client left) before the answer began: the open
                     # request is handed on, so that the backend cannot start it unseen.
                     if not sending.done():
-                        self._pending = sending
+                        self._now.pending = sending
                     raise
         except GatewayError as exc:
             kind = self._broke(exc)
@@ -297,7 +297,7 @@ class TrackedResponse(ProxyResponse):
                                                             x.queue.down_max_s))
             await client.error(exc)
             return None
-        self._launched = True
+        self._now.began(stream=True)
         if resp.status_code < 500:
             x.backend.request_served()  # a probe that succeeds brings the backend back
         try:
@@ -319,7 +319,7 @@ class TrackedResponse(ProxyResponse):
             self._upstream_error(name, self._broke(exc))
             await client.error(exc)
             return None
-        self._done = True
+        self._now.finished()
         exc, kind = x.backend.translate_error(resp.status_code, body,
                                               resp.headers.get("retry-after"))
         if kind == "context_overflow":
@@ -357,7 +357,7 @@ class TrackedResponse(ProxyResponse):
                         if obj is None:
                             continue
                         if "error" in obj:
-                            self._done = True
+                            self._now.finished()
                             return await self._stream_error(client, obj)
                         before = cont.total_tokens
                         first_attempt = cont.attempts == 0
@@ -385,7 +385,7 @@ class TrackedResponse(ProxyResponse):
             self._upstream_error(name, self._broke(exc))
             await client.error(exc)
             return None
-        self._done = True
+        self._now.finished()
         if not done:
             self._upstream_error(name, "stream_aborted")
             await client.error(UpstreamError(

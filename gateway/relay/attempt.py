@@ -1,0 +1,114 @@
+"""One upstream try of a request, with its phase explicit, and what to do after it.
+
+A request admitted on a lease is sent upstream at least once; an :class:`Attempt` is one
+such try on one lease. Its :class:`AttemptState` says how far the backend got with it,
+which decides how its lease is given back: at once when the backend is known to be done
+with the request (or never saw it), else through the slot watch
+(:mod:`gateway.admission.slotwatch`), which holds the reservation until ``/slots`` shows
+the backend's task ended. Every transition is a method here, so the phase is written in
+one place:
+
+    NOT_SENT --sent()--> SENT --began(stream)--> LAUNCHED --finished()--> DONE
+                           |    (a whole answer: DONE at once)              ^
+                           +--------------------finished()------------------+
+
+After the try, :meth:`Attempt.next_step` answers the one retry question of the plain
+relay (fail over to another backend, restart at the head of the queue, or stop); the
+tracked relay's third way, resuming a preempted stream, is decided in
+:mod:`gateway.relay.tracked`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass
+
+import httpx
+
+from gateway.admission.admission import Lease
+from gateway.errors import GatewayError
+
+__all__ = ["Attempt", "AttemptState", "NextStep"]
+
+
+class AttemptState(enum.Enum):
+    """How far the backend got with one upstream try."""
+
+    #: Nothing went upstream yet: the lease can be given back at once.
+    NOT_SENT = "not_sent"
+    #: The request went upstream; no answer has begun (a long prefill sends nothing).
+    SENT = "sent"
+    #: A stream's headers came: the backend's task is running.
+    LAUNCHED = "launched"
+    #: The backend is known to have finished with the request (a whole answer read, a
+    #: stream ended, or a connection that never reached it).
+    DONE = "done"
+
+
+class NextStep(enum.Enum):
+    """What the plain relay does once an attempt has ended."""
+
+    #: The answer (or its error) went to the client: nothing more.
+    STOP = "stop"
+    #: The backend failed before any byte reached the client: admit the request on
+    #: another backend of its model, ahead of the queue.
+    FAIL_OVER = "fail_over"
+    #: The backend overflowed its KV pool and failed the whole answer before any of it
+    #: was sent (predictive policy): the same request again, at the head of the queue.
+    RESTART = "restart"
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One upstream try of a request on ``lease``.
+
+    :param lease: the admission lease the try runs on (its slot pins the request).
+    :param started: when the try began, seconds on the injected clock.
+    :param pending: an upstream send still waiting for its answer when the gateway left
+        it (handed to the slot watch, which closes it only once the backend shows the
+        task, so that the backend cannot drop it unseen and start it later).
+    :param failed: the backend failed the request before answering, and the relay keeps
+        this error to try another backend instead of answering it.
+    :param restart: the backend overflowed and failed the whole answer unsent.
+    """
+
+    lease: Lease
+    started: float
+    state: AttemptState = AttemptState.NOT_SENT
+    pending: asyncio.Future[httpx.Response] | None = None
+    failed: GatewayError | None = None
+    restart: bool = False
+
+    def sent(self) -> None:
+        """The request is going upstream now."""
+        self.state = AttemptState.SENT
+
+    def began(self, *, stream: bool) -> None:
+        """The upstream answer began: a stream's task is running, a whole answer is
+        complete (llama-server sends a stream's headers with its first result, a whole
+        answer all at once)."""
+        if self.state is not AttemptState.DONE:
+            self.state = AttemptState.LAUNCHED if stream else AttemptState.DONE
+
+    def finished(self) -> None:
+        """The backend is known to be done with the request."""
+        self.state = AttemptState.DONE
+
+    @property
+    def abandoned(self) -> bool:
+        """The request went upstream and the backend may still be working on it (the
+        client left, a timeout, a preemption): its reservation must wait for the slot
+        watch."""
+        return self.state in (AttemptState.SENT, AttemptState.LAUNCHED)
+
+    @property
+    def launched(self) -> bool:
+        """The backend's task is known to have started."""
+        return self.state is AttemptState.LAUNCHED
+
+    def next_step(self) -> NextStep:
+        """The retry decision once the try has ended: fail over, restart, or stop."""
+        if self.failed is not None:
+            return NextStep.FAIL_OVER
+        return NextStep.RESTART if self.restart else NextStep.STOP
