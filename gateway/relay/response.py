@@ -15,10 +15,9 @@ failure becomes one final ``data: {"error": …}`` event, and no ``[DONE]`` is i
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -44,26 +43,25 @@ from gateway.errors import (
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import record_of
 from gateway.relay.attempt import Attempt, NextStep
+from gateway.relay.inspect import StreamInspector, TokenTimes
 from gateway.relay.send import (
+    SSE_HEADERS,
     Started,
     Unraced,
     body_message,
     failure_kind,
-    json_object,
     unless_gone,
     usage_of,
 )
 from gateway.relay.watcher import DisconnectWatcher
 from gateway.request.exchange import Exchange
-from gateway.wire.events import Seen, quick_token, read_event
 from gateway.wire.shapes import (
     error_messages,
     ndjson_error_line,
-    reshape_upstream_error,
     reshaped,
     sse_error_event,
 )
-from gateway.wire.sse import EventSplitter, EventTooLarge, event_data
+from gateway.wire.sse import EventSplitter, EventTooLarge
 
 __all__ = ["ProxyResponse"]
 
@@ -81,14 +79,8 @@ _FORWARD_REQUEST_HEADERS = {
 _PASS_RESPONSE_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
 # Times a whole answer failed by an overflow is sent again (predictive policy).
 MAX_OVERFLOW_RESTARTS = 2
-_QUICK_ROUTES = frozenset({"chat", "completions"})  # streams quick_token can read
 STREAM_DRAIN_S = 0.25  # how long a finished stream's tail is read for connection reuse
 _NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"x-accel-buffering", b"no")]
-_SSE_HEADERS = [
-    (b"content-type", b"text/event-stream"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
 
 
 _DRAINING: set[asyncio.Task[None]] = set()  # drains under way (held against collection)
@@ -214,7 +206,7 @@ class ProxyResponse(Response):
             return admit.result()
         try:
             if send.can_open:
-                await send.open(_SSE_HEADERS + x.extra_headers)
+                await send.open(SSE_HEADERS + x.extra_headers)
             while True:
                 tick = asyncio.ensure_future(self.clock.sleep(x.progress_s))
                 try:
@@ -298,7 +290,7 @@ class ProxyResponse(Response):
                 continue
             try:
                 if progress.can_open:
-                    await progress.open(_SSE_HEADERS + x.extra_headers)
+                    await progress.open(SSE_HEADERS + x.extra_headers)
                 if progress.streaming:
                     await progress.raw(body_message(b": processing prompt\n\n"))
             except OSError:
@@ -697,7 +689,7 @@ class ProxyResponse(Response):
         event; a failure after the start becomes one final error event or line."""
         x, name = self.x, self.x.backend.name
         x.status = resp.status_code
-        headers = _NDJSON_HEADERS if ndjson else _SSE_HEADERS
+        headers = _NDJSON_HEADERS if ndjson else SSE_HEADERS
         start = {"type": "http.response.start", "status": resp.status_code,
                  "headers": headers + x.extra_headers}
         opened = False  # the 200 goes out with the first event, so that a backend dying
@@ -723,10 +715,12 @@ class ProxyResponse(Response):
             return True
 
         splitter = EventSplitter(lines=ndjson)
-        inspect = self._inspect_line if ndjson else self._inspect_event
+        state = StreamInspector(x.route, x.api, x.charge.n, x.client_wants_usage,
+                                x.backend.is_overflow_event, ndjson=ndjson)
+        times = TokenTimes()
+
         def final(exc: GatewayError) -> bytes:
             return ndjson_error_line(exc) if ndjson else sse_error_event(exc, x.api)
-        state = _StreamState()
         chunks = resp.aiter_raw()
         try:
             with map_upstream_errors(name):
@@ -734,10 +728,10 @@ class ProxyResponse(Response):
                     # The events of one upstream read go out in one write: one ASGI
                     # message and one socket write, not one per event.
                     out = [relayed for raw in splitter.feed(chunk)
-                           if (relayed := inspect(raw, state)) is not None]
+                           if (relayed := self._inspected(raw, state, times)) is not None]
                     if out:
                         await emit(out[0] if len(out) == 1 else b"".join(out))
-                    if state.done and not state.errored:
+                    if state.whole:
                         # The last event is relayed: the answer is whole. A client that
                         # closes now (the OpenAI SDK does, at [DONE]) has not left early.
                         break
@@ -761,28 +755,26 @@ class ProxyResponse(Response):
         if not opened:
             opened = True
             await send(start)
-        usage = state.usage
-        if (isinstance(usage, dict) and state.final_chunks > 1
-                and x.backend.dialect.usage_covers_one_choice):
-            usage = {**usage, "completion_tokens": state.final_completion}
-        self._record_usage(usage)
+        self._record_usage(state.stream_usage(x.backend.dialect.usage_covers_one_choice))
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        if state.done and not state.errored and not x.backend.dialect.closes_streams:
+        if state.whole and not x.backend.dialect.closes_streams:
             self._tail = chunks  # read to its end in the background, to pool the connection
 
-    def _inspect_line(self, raw: bytes, state: _StreamState) -> bytes | None:
-        """Read one NDJSON line of an Ollama stream; every line is relayed."""
-        obj = json_object(raw)
-        if obj is None:
-            return raw
-        if "error" in obj:
-            state.errored = True
-            self._upstream_error(self.x.backend.name, "stream_aborted")
-            return raw
-        self._seen(read_event(self.x.route, obj), state)
-        return raw
+    def _inspected(self, raw: bytes, inspector: StreamInspector, times: TokenTimes
+                   ) -> bytes | None:
+        """Feed one event to ``inspector`` and act on what it showed (TTFT and ITL for
+        output, the upstream error's count); return what to relay, or ``None``."""
+        relayed, token, error = inspector.feed(raw)
+        if token:
+            self._token_seen(times)
+        if error is not None:
+            backend = self.x.backend
+            self._upstream_error(backend.name, error)
+            if error == "context_overflow":
+                backend.upstream_failed(error)
+        return relayed
 
-    def _token_seen(self, state: _StreamState) -> None:
+    def _token_seen(self, state: TokenTimes) -> None:
         self._streamed += 1
         if not self.x.stream:
             # A whole answer followed token by token upstream (the predictive policy):
@@ -800,75 +792,3 @@ class ProxyResponse(Response):
                 self._itl, self._itl_of = self.metrics.itl.labels(name), name
             self._itl.observe(now - state.last_token)
         state.last_token = now
-
-    def _seen(self, seen: Seen, state: _StreamState) -> None:
-        if seen.token:
-            self._token_seen(state)
-        if seen.usage:
-            state.usage = {**(state.usage or {}), **seen.usage}
-        if seen.done and self.x.route in ("completion", "infill"):
-            # llama-server's native stream ends each task (prompt × n) with its own
-            # "stop": true chunk and counts; the stream is over after the last one.
-            state.final_completion += (seen.usage or {}).get("completion_tokens", 0)
-            state.final_chunks += 1
-            if state.final_chunks < self.x.charge.n:
-                return
-            if state.usage is not None:
-                state.usage["completion_tokens"] = state.final_completion
-        state.done = state.done or seen.done
-
-    def _inspect_event(self, raw: bytes, state: _StreamState) -> bytes | None:
-        """Read one SSE event; return what to relay, or ``None`` to drop it (usage the
-        client did not ask for; a ``[DONE]`` after an error, which stays the final
-        event). An upstream error event on an OpenAI route is relayed in the OpenAI
-        shape."""
-        if self.x.route in _QUICK_ROUTES and (token := quick_token(raw)) is not None:
-            if token:  # a plain chunk: no usage, no error, nothing to change
-                self._token_seen(state)
-            return raw
-        data = event_data(raw)
-        if data is None:
-            return raw
-        if data.strip() == "[DONE]":
-            state.done = True
-            return None if state.errored else raw
-        obj = json_object(data)
-        if obj is None:
-            return raw
-        x = self.x
-        if "error" in obj or obj.get("type") == "error":
-            state.errored = True
-            backend = x.backend
-            overflow = backend.is_overflow_event(obj)
-            kind = "context_overflow" if overflow else "stream_aborted"
-            self._upstream_error(backend.name, kind)
-            if overflow:
-                backend.upstream_failed(kind)
-            if x.api == "openai" and isinstance(obj.get("error"), dict):
-                code = obj["error"].get("code")
-                status = code if isinstance(code, int) and 400 <= code < 600 else 500
-                obj["error"] = reshape_upstream_error(status, obj["error"])
-                return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-            return raw
-        seen = read_event(x.route, obj)
-        if seen.usage and "completion_tokens" in seen.usage and x.route in (
-                "chat", "completions"):
-            # llama-server sends usage once per choice of an n > 1 stream (on the
-            # choice's last chunk, or a chunk of its own): their sum is the total.
-            state.final_completion += seen.usage["completion_tokens"]
-            state.final_chunks += 1
-        self._seen(seen, state)
-        if (obj.get("choices") == [] and seen.usage and not x.client_wants_usage
-                and x.route in ("chat", "completions")):
-            return None
-        return raw
-
-
-@dataclass
-class _StreamState:
-    done: bool = False
-    errored: bool = False
-    usage: dict[str, Any] | None = None
-    last_token: float | None = None
-    final_completion: int = 0  # completion tokens summed over the usage chunks
-    final_chunks: int = 0  # usage chunks seen

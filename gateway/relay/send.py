@@ -15,8 +15,17 @@ from gateway.relay.watcher import DisconnectWatcher
 from gateway.wire.events import usage_of_whole
 from gateway.wire.shapes import sse_error_prefix
 
-__all__ = ["THREAD_PARSE_BYTES", "Started", "Unraced", "body_message", "failure_kind",
-           "json_object", "unless_gone", "usage_of"]
+__all__ = ["SSE_HEADERS", "THREAD_PARSE_BYTES", "Started", "Unraced", "body_message",
+           "failure_kind", "json_object", "unless_gone", "usage_of"]
+
+
+#: The response headers of a relayed SSE stream (no caching; nginx must not buffer it,
+#: shared case P06).
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 
 
 def body_message(chunk: bytes) -> Message:

@@ -39,8 +39,9 @@ from gateway.backends.upstream import (
     upstream_request,
 )
 from gateway.errors import ClientDisconnected, GatewayError, UpstreamError
-from gateway.relay.response import _SSE_HEADERS, ProxyResponse, _StreamState
-from gateway.relay.send import body_message, json_object
+from gateway.relay.inspect import TokenTimes
+from gateway.relay.response import ProxyResponse
+from gateway.relay.send import SSE_HEADERS, body_message, json_object
 from gateway.relay.watcher import DisconnectWatcher
 from gateway.wire.resume import CAP_FIELDS, Continuation, Reassembler
 from gateway.wire.shapes import reshaped, sse_error_event
@@ -86,7 +87,7 @@ class _Client:
         x = self.owner.x
         x.status = 200
         await self.send({"type": "http.response.start", "status": 200,
-                         "headers": _SSE_HEADERS + x.extra_headers})
+                         "headers": SSE_HEADERS + x.extra_headers})
 
     async def finish(self) -> None:
         """End the answer: ``[DONE]`` and the end of a stream, or the whole answer."""
@@ -129,7 +130,7 @@ class TrackedResponse(ProxyResponse):
         cont = Continuation(x.route, x.charge.prompt_tokens)
         first_body, cap = x.body, x.charge.max_tokens
         self._cap = cap
-        state = _StreamState()
+        state = TokenTimes()
         while True:
             reason = await self._try_once(watcher, client, lease, cont, state)
             if reason is None:
@@ -213,7 +214,7 @@ class TrackedResponse(ProxyResponse):
                        predicted=x.backend.predicted_output(left), clamped=False)
 
     async def _try_once(self, watcher: DisconnectWatcher, client: _Client, lease: Lease,
-                       cont: Continuation, state: _StreamState) -> str | None:
+                       cont: Continuation, state: TokenTimes) -> str | None:
         """Run one attempt on ``lease`` and release it. Returns the reason it was cut
         short (``pool_pressure``, or :data:`OVERFLOW`), or ``None`` when the answer is
         over (served, failed, or the client left)."""
@@ -267,7 +268,7 @@ class TrackedResponse(ProxyResponse):
         return body
 
     async def _forward_tracked(self, client: _Client, lease: Lease, cont: Continuation,
-                               state: _StreamState) -> str | None:
+                               state: TokenTimes) -> str | None:
         x, name = self.x, self.x.backend.name
         headers = self._forward_headers()
         headers.append((b"connection", b"close"))  # see ProxyResponse._upstream_request
@@ -338,7 +339,7 @@ class TrackedResponse(ProxyResponse):
         return None
 
     async def _relay_events(self, client: _Client, resp: httpx.Response, lease: Lease,
-                            cont: Continuation, state: _StreamState) -> str | None:
+                            cont: Continuation, state: TokenTimes) -> str | None:
         x, name = self.x, self.x.backend.name
         admission = x.backend.admission
         splitter = EventSplitter()
