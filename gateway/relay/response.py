@@ -53,6 +53,7 @@ from gateway.relay.send import (
     unless_gone,
     usage_of,
 )
+from gateway.relay.usage import UsageBook
 from gateway.relay.watcher import DisconnectWatcher
 from gateway.request.exchange import Exchange
 from gateway.wire.shapes import (
@@ -140,9 +141,7 @@ class ProxyResponse(Response):
         self._restarts = 0
         self._gated = False  # past the tenant's gate (gateway.admission.tenants.Tenant.enter)
         self._forwarded = False  # some attempt went upstream
-        self._completion: int | None = None  # completion tokens, from the usage
-        self._reported_prompt: int | None = None  # the backend's usage.prompt_tokens
-        self._streamed = 0  # generated events relayed (a completion count if no usage)
+        self.usage = UsageBook(exchange, metrics, clock)  # the tokens it used
         self._itl: Any = None  # gateway_itl_seconds for the backend named _itl_of
         self._itl_of: str | None = None
         self._tail: AsyncIterator[bytes] | None = None  # a whole stream's unread rest
@@ -162,7 +161,7 @@ class ProxyResponse(Response):
             await watcher.stop()
             if self._gated and x.tenant is not None:
                 x.tenant.leave()
-            self._settle_tokens()
+            self.usage.settle(self._forwarded)
             # gateway.http.middleware counts the request with this status (499: client left),
             # under the backend that took it (in a pool, known once admitted).
             record = record_of(scope)
@@ -582,7 +581,7 @@ class ProxyResponse(Response):
                 body = reshaped(resp.status_code, body, x.api)
         else:
             usage, reasons = await usage_of(x.route, body)
-            self._record_usage(self._all_choices(usage, reasons))
+            self.usage.record(self.usage.all_choices(usage, reasons))
         await self._send_whole(send, resp, body)
 
     async def _send_whole(self, send: Send, resp: httpx.Response, body: bytes) -> None:
@@ -600,88 +599,6 @@ class ProxyResponse(Response):
             "headers": headers + self.x.extra_headers,
         })
         await send({"type": "http.response.body", "body": body})
-
-    def _all_choices(self, usage: Any, reasons: list[Any]) -> Any:
-        """``usage`` with ``completion_tokens`` for every choice of an ``n > 1`` answer.
-
-        llama-server reports one choice's tokens in a whole (non-streamed) answer
-        (``usage_covers_one_choice``); each choice that stopped at the cap then counts
-        the cap charged, which is exact, and each other choice counts as the one
-        reported. Other kinds report the sum themselves.
-        """
-        if (len(reasons) < 2 or not isinstance(usage, dict)
-                or not self.x.backend.dialect.usage_covers_one_choice):
-            return usage
-        one = usage.get("completion_tokens")
-        if not isinstance(one, int):
-            return usage
-        cap = self.x.charge.max_tokens
-        total = sum(cap if reason == "length" else min(one, cap) for reason in reasons)
-        return {**usage, "completion_tokens": total}
-
-    def _settle_tokens(self) -> None:
-        """Count the request in its tenant's tokens: prompt + completion once it went
-        upstream (the tokens-per-minute window and ``gateway_tenant_tokens_total``);
-        nothing when it never did."""
-        x = self.x
-        if x.tenant is None or not self._forwarded:
-            if x.tenant is not None:
-                x.tenant.settle(x.hold, 0, 0, self.clock.now())
-            return
-        # The gateway's own count (a continuation's prompt would count its earlier
-        # answer again); a batch's true sum from the backend's usage.
-        prompt = x.prompt_total
-        if x.batched and self._reported_prompt is not None:
-            prompt = self._reported_prompt
-        completion = self._completion if self._completion is not None else self._streamed
-        x.tenant.settle(x.hold, prompt, completion, self.clock.now())
-        tokens = self.metrics.tenant_tokens
-        tokens.labels(x.tenant.name, "prompt").inc(prompt)
-        tokens.labels(x.tenant.name, "completion").inc(completion)
-
-    def _record_usage(self, usage: Any) -> None:
-        name = self.x.backend.name
-        prompt = self.x.charge.prompt_tokens
-        completion = None
-        who = self.x.who
-        if isinstance(usage, dict):
-            completion = usage.get("completion_tokens")
-            if isinstance(completion, int):
-                self._completion = (self._completion or 0) + completion
-                self.metrics.completion_tokens.labels(name, *who).observe(completion)
-                if self.x.route in ("chat", "completions", "completion", "ollama_chat",
-                                    "ollama_generate", "messages", "responses"):
-                    self.x.backend.record_completion(completion // max(1, self.x.charge.n))
-            reported = usage.get("prompt_tokens")
-            if isinstance(reported, int):
-                if reported > prompt and self.x.route not in ("embeddings", "rerank"):
-                    # (embeddings and rerank report the tokens of every item together)
-                    log.warning(
-                        "backend %s counted %d prompt tokens, the gateway charged %d",
-                        name, reported, prompt,
-                    )
-                if reported != prompt and self.x.forget_count is not None and \
-                        self.x.route in ("chat", "messages", "responses", "completions"):
-                    # An exact count the backend disagrees with (it may count otherwise
-                    # now: a new template, unseen by discovery): count it afresh.
-                    self.x.forget_count()
-                self._calibrate(reported)
-                prompt = self._reported_prompt = reported
-        self.metrics.prompt_tokens.labels(name, *who).observe(prompt)
-        if isinstance(completion, int):
-            self.metrics.request_tokens.labels(name, *who).observe(prompt + completion)
-
-    def _calibrate(self, reported: int) -> None:
-        """Compare a locally estimated prompt with the backend's count of it."""
-        x = self.x
-        if x.raw_estimate is None or reported <= 0:
-            return
-        name = x.backend.name
-        self.metrics.estimate_error.labels(name).observe(
-            (x.charge.prompt_tokens - reported) / reported)
-        if x.backend.dialect.observe(str(x.body.get("model") or ""), x.raw_estimate,
-                                     reported):
-            self.metrics.suspected_truncations.labels(name).inc()
 
     async def _relay_stream(self, send: Send, resp: httpx.Response, *, ndjson: bool = False
                             ) -> None:
@@ -755,7 +672,7 @@ class ProxyResponse(Response):
         if not opened:
             opened = True
             await send(start)
-        self._record_usage(state.stream_usage(x.backend.dialect.usage_covers_one_choice))
+        self.usage.record(state.stream_usage(x.backend.dialect.usage_covers_one_choice))
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         if state.whole and not x.backend.dialect.closes_streams:
             self._tail = chunks  # read to its end in the background, to pool the connection
@@ -775,7 +692,7 @@ class ProxyResponse(Response):
         return relayed
 
     def _token_seen(self, state: TokenTimes) -> None:
-        self._streamed += 1
+        self.usage.streamed += 1
         if not self.x.stream:
             # A whole answer followed token by token upstream (the predictive policy):
             # its client sees no first token, so no TTFT or ITL, as under strict.

@@ -392,7 +392,7 @@ class TrackedResponse(ProxyResponse):
             await client.error(UpstreamError(
                 f"Backend {name!r} closed the stream before it finished."))
             return None
-        self._record_usage(state.usage)
+        self.usage.record(state.usage)
         await client.finish()
         return None
 

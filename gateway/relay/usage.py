@@ -1,0 +1,119 @@
+"""A request's token accounting, from the answers' usage to the metrics, the output
+prediction and the tenant's window: the :class:`UsageBook`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from gateway.admission.admission import Clock
+from gateway.observe.metrics import GatewayMetrics
+from gateway.request.exchange import Exchange
+
+__all__ = ["UsageBook"]
+
+log = logging.getLogger(__name__)
+
+
+class UsageBook:
+    """The tokens one request used, over all its upstream attempts.
+
+    :param x: the request (its backend is read at each call: in a pool, admission binds
+        it).
+    :ivar completion: completion tokens the backends reported, summed (``None``: none).
+    :ivar reported_prompt: the backend's last ``usage.prompt_tokens``.
+    :ivar streamed: output events relayed (the completion count when no usage came).
+    """
+
+    def __init__(self, x: Exchange, metrics: GatewayMetrics, clock: Clock) -> None:
+        self.x = x
+        self.metrics = metrics
+        self.clock = clock
+        self.completion: int | None = None
+        self.reported_prompt: int | None = None
+        self.streamed = 0
+
+    def all_choices(self, usage: Any, reasons: list[Any]) -> Any:
+        """``usage`` with ``completion_tokens`` for every choice of an ``n > 1`` answer.
+
+        llama-server reports one choice's tokens in a whole (non-streamed) answer
+        (``usage_covers_one_choice``); each choice that stopped at the cap then counts
+        the cap charged, which is exact, and each other choice counts as the one
+        reported. Other kinds report the sum themselves.
+        """
+        if (len(reasons) < 2 or not isinstance(usage, dict)
+                or not self.x.backend.dialect.usage_covers_one_choice):
+            return usage
+        one = usage.get("completion_tokens")
+        if not isinstance(one, int):
+            return usage
+        cap = self.x.charge.max_tokens
+        total = sum(cap if reason == "length" else min(one, cap) for reason in reasons)
+        return {**usage, "completion_tokens": total}
+
+    def settle(self, forwarded: bool) -> None:
+        """Count the request in its tenant's tokens: prompt + completion once it went
+        upstream (the tokens-per-minute window and ``gateway_tenant_tokens_total``);
+        nothing when it never did."""
+        x = self.x
+        if x.tenant is None or not forwarded:
+            if x.tenant is not None:
+                x.tenant.settle(x.hold, 0, 0, self.clock.now())
+            return
+        # The gateway's own count (a continuation's prompt would count its earlier
+        # answer again); a batch's true sum from the backend's usage.
+        prompt = x.prompt_total
+        if x.batched and self.reported_prompt is not None:
+            prompt = self.reported_prompt
+        completion = self.completion if self.completion is not None else self.streamed
+        x.tenant.settle(x.hold, prompt, completion, self.clock.now())
+        tokens = self.metrics.tenant_tokens
+        tokens.labels(x.tenant.name, "prompt").inc(prompt)
+        tokens.labels(x.tenant.name, "completion").inc(completion)
+
+    def record(self, usage: Any) -> None:
+        """Observe a finished answer's ``usage`` (or ``None``): the token histograms, the
+        completion for the output prediction, the prompt count against the one charged
+        (a disagreement drops the kept count; an estimate is calibrated)."""
+        name = self.x.backend.name
+        prompt = self.x.charge.prompt_tokens
+        completion = None
+        who = self.x.who
+        if isinstance(usage, dict):
+            completion = usage.get("completion_tokens")
+            if isinstance(completion, int):
+                self.completion = (self.completion or 0) + completion
+                self.metrics.completion_tokens.labels(name, *who).observe(completion)
+                if self.x.route in ("chat", "completions", "completion", "ollama_chat",
+                                    "ollama_generate", "messages", "responses"):
+                    self.x.backend.record_completion(completion // max(1, self.x.charge.n))
+            reported = usage.get("prompt_tokens")
+            if isinstance(reported, int):
+                if reported > prompt and self.x.route not in ("embeddings", "rerank"):
+                    # (embeddings and rerank report the tokens of every item together)
+                    log.warning(
+                        "backend %s counted %d prompt tokens, the gateway charged %d",
+                        name, reported, prompt,
+                    )
+                if reported != prompt and self.x.forget_count is not None and \
+                        self.x.route in ("chat", "messages", "responses", "completions"):
+                    # An exact count the backend disagrees with (it may count otherwise
+                    # now: a new template, unseen by discovery): count it afresh.
+                    self.x.forget_count()
+                self.calibrate(reported)
+                prompt = self.reported_prompt = reported
+        self.metrics.prompt_tokens.labels(name, *who).observe(prompt)
+        if isinstance(completion, int):
+            self.metrics.request_tokens.labels(name, *who).observe(prompt + completion)
+
+    def calibrate(self, reported: int) -> None:
+        """Compare a locally estimated prompt with the backend's count of it."""
+        x = self.x
+        if x.raw_estimate is None or reported <= 0:
+            return
+        name = x.backend.name
+        self.metrics.estimate_error.labels(name).observe(
+            (x.charge.prompt_tokens - reported) / reported)
+        if x.backend.dialect.observe(str(x.body.get("model") or ""), x.raw_estimate,
+                                     reported):
+            self.metrics.suspected_truncations.labels(name).inc()
