@@ -27,9 +27,22 @@ from dataclasses import dataclass
 import httpx
 
 from gateway.admission.admission import Lease
+from gateway.admission.slotwatch import Ticket
+from gateway.backends.upstream import json_bytes, upstream_request
 from gateway.errors import GatewayError
+from gateway.request.exchange import Exchange
 
-__all__ = ["Attempt", "AttemptState", "NextStep"]
+__all__ = ["Attempt", "AttemptState", "NextStep", "forward_headers", "ticket_for",
+           "upstream_request_for"]
+
+# Client request headers forwarded upstream; every other one is dropped (cookies, the
+# client's own Authorization, hop-by-hop headers, and X-Conversation-Id, which makes
+# llama-server keep generating after a disconnect: shared/design/backends.md §1.5).
+# The client's X-Request-Id is not among them: the backend gets the gateway's id of the
+# request (Exchange.request_id) instead.
+_FORWARD_REQUEST_HEADERS = {
+    b"accept", b"user-agent", b"x-correlation-id", b"traceparent", b"tracestate",
+}
 
 
 class AttemptState(enum.Enum):
@@ -112,3 +125,34 @@ class Attempt:
         if self.failed is not None:
             return NextStep.FAIL_OVER
         return NextStep.RESTART if self.restart else NextStep.STOP
+
+
+def forward_headers(x: Exchange) -> list[tuple[bytes, bytes]]:
+    """The headers of ``x``'s upstream request: the client headers passed on, the JSON
+    content type, the request's id (unique per request:
+    :func:`gateway.observe.logs.request_id_of`) and the backend's key."""
+    headers = [(k, v) for k, v in x.headers if k.lower() in _FORWARD_REQUEST_HEADERS]
+    headers.append((b"content-type", b"application/json"))
+    if x.request_id is not None:
+        headers.append((b"x-request-id", x.request_id))
+    headers += [(k.encode(), v.encode()) for k, v in x.backend.settings.auth_headers.items()]
+    return headers
+
+
+def upstream_request_for(x: Exchange, lease: Lease | None) -> httpx.Request:
+    """``x``'s upstream request, its body pinned to ``lease``'s slot (when it has one)."""
+    headers = forward_headers(x)
+    if x.stream and x.backend.dialect.closes_streams:
+        # The server closes the connection after a chunked answer despite announcing
+        # keep-alive; reusing that pooled connection would fail the next request.
+        headers.append((b"connection", b"close"))
+    body = x.body if lease is None else x.backend.pin(x.body, lease)
+    return upstream_request("POST", x.backend.route_url(x.route), headers=headers,
+                            content=json_bytes(body), timeout=x.backend.timeout)
+
+
+def ticket_for(x: Exchange, lease: Lease, now: float) -> Ticket:
+    """What the slot watch needs to find ``x``'s abandoned task on the backend (its slot
+    when pinned, its tasks, its tag and output cap; ``now``: seconds on the clock)."""
+    return Ticket(slot=lease.slot_ids[0] if lease.pinned else None, tasks=x.charge.n,
+                  tag=x.tag, n_predict=x.charge.max_tokens, since=now)

@@ -27,11 +27,9 @@ from starlette.types import Receive, Scope, Send
 from gateway.admission.admission import Clock, Lease
 from gateway.admission.slotwatch import Ticket
 from gateway.backends.upstream import (
-    json_bytes,
     map_upstream_errors,
     never_reached,
     send_upstream,
-    upstream_request,
 )
 from gateway.errors import (
     ClientDisconnected,
@@ -42,7 +40,12 @@ from gateway.errors import (
 )
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import record_of
-from gateway.relay.attempt import Attempt, NextStep
+from gateway.relay.attempt import (
+    Attempt,
+    NextStep,
+    ticket_for,
+    upstream_request_for,
+)
 from gateway.relay.inspect import StreamInspector, TokenTimes
 from gateway.relay.send import (
     SSE_HEADERS,
@@ -68,14 +71,6 @@ __all__ = ["ProxyResponse"]
 
 log = logging.getLogger(__name__)
 
-# Client request headers forwarded upstream; every other one is dropped (cookies, the
-# client's own Authorization, hop-by-hop headers, and X-Conversation-Id, which makes
-# llama-server keep generating after a disconnect: shared/design/backends.md §1.5).
-# The client's X-Request-Id is not among them: the backend gets the gateway's id of the
-# request (Exchange.request_id) instead.
-_FORWARD_REQUEST_HEADERS = {
-    b"accept", b"user-agent", b"x-correlation-id", b"traceparent", b"tracestate",
-}
 # Upstream response headers relayed on whole (non-SSE) answers.
 _PASS_RESPONSE_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
 # Times a whole answer failed by an overflow is sent again (predictive policy).
@@ -468,33 +463,11 @@ class ProxyResponse(Response):
         return kind
 
     def _ticket(self, lease: Lease) -> Ticket:
-        x = self.x
-        return Ticket(
-            slot=lease.slot_ids[0] if lease.pinned else None, tasks=x.charge.n,
-            tag=x.tag, n_predict=x.charge.max_tokens, since=self.clock.now(),
-        )
-
-    def _forward_headers(self) -> list[tuple[bytes, bytes]]:
-        """The client headers passed on, the JSON content type, the request's id (unique
-        per request: :func:`gateway.observe.logs.request_id_of`) and the backend's key."""
-        x = self.x
-        headers = [(k, v) for k, v in x.headers if k.lower() in _FORWARD_REQUEST_HEADERS]
-        headers.append((b"content-type", b"application/json"))
-        if x.request_id is not None:
-            headers.append((b"x-request-id", x.request_id))
-        headers += [(k.encode(), v.encode()) for k, v in x.backend.settings.auth_headers.items()]
-        return headers
+        return ticket_for(self.x, lease, self.clock.now())
 
     def _upstream_request(self) -> httpx.Request:
-        x = self.x
-        headers = self._forward_headers()
-        if x.stream and x.backend.dialect.closes_streams:
-            # The server closes the connection after a chunked answer despite announcing
-            # keep-alive; reusing that pooled connection would fail the next request.
-            headers.append((b"connection", b"close"))
-        body = x.body if self._attempt is None else x.backend.pin(x.body, self._attempt.lease)
-        return upstream_request("POST", x.backend.route_url(x.route), headers=headers,
-                                content=json_bytes(body), timeout=x.backend.timeout)
+        lease = None if self._attempt is None else self._attempt.lease
+        return upstream_request_for(self.x, lease)
 
     async def _forward(self, watcher: DisconnectWatcher, send: Send) -> None:
         x, name = self.x, self.x.backend.name

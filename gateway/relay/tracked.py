@@ -39,6 +39,7 @@ from gateway.backends.upstream import (
     upstream_request,
 )
 from gateway.errors import ClientDisconnected, GatewayError, UpstreamError
+from gateway.relay.attempt import forward_headers
 from gateway.relay.inspect import TokenTimes
 from gateway.relay.response import ProxyResponse
 from gateway.relay.send import SSE_HEADERS, body_message, json_object
@@ -270,7 +271,7 @@ class TrackedResponse(ProxyResponse):
     async def _forward_tracked(self, client: _Client, lease: Lease, cont: Continuation,
                                state: TokenTimes) -> str | None:
         x, name = self.x, self.x.backend.name
-        headers = self._forward_headers()
+        headers = forward_headers(x)
         headers.append((b"connection", b"close"))  # see ProxyResponse._upstream_request
         request = upstream_request(
             "POST", x.backend.route_url(x.route), headers=headers,
