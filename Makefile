@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: install run test test-fast lint demo bench backend clean
+.PHONY: install run test test-fast lint docs demo bench backend clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ test-fast: install        ## everything but the real-backend tests
 
 lint: install             ## ruff over the code and tests
 	$(VENV)/bin/ruff check gateway tests bench scripts
+
+docs: install             ## the documentation site (docs/, mkdocs.yml), built strictly into site/
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(VENV)/bin/mkdocs build --strict --site-dir site
 
 demo: backend             ## the shared-KV overflow, straight vs through the gateway
 	$(PY) scripts/demo.py
