@@ -14,10 +14,12 @@ from typing import Any
 
 import httpx
 
-from gateway.admission.admission import Admission, AdmissionStats, Clock, Lease, MonotonicClock
+from gateway.admission.admission import Admission
+from gateway.admission.lease import AdmissionStats, Lease
 from gateway.admission.slotwatch import SlotWatch, Ticket
 from gateway.backends import BackendKind, Discovered, SideCalls, kind_class
 from gateway.backends.countcache import CountCache
+from gateway.clock import Clock, MonotonicClock
 from gateway.config import AdmissionPolicy, AdmissionSettings, BackendSettings
 from gateway.core.capacity import Charge, Layout
 from gateway.core.fairness import Party

@@ -33,10 +33,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.admission.admission import Clock, Lease, shed_error
+from gateway.admission.lease import Lease
+from gateway.admission.waitroom import Waiter, Waitroom, shed_error
 from gateway.backends.target import Target
+from gateway.clock import Clock
 from gateway.core.capacity import Charge
-from gateway.core.fairness import FairQueue, Party
+from gateway.core.fairness import Party
 from gateway.core.prefix import AFFINITY_PROMPT_CHARS, Prefix, digest
 from gateway.errors import QueueFull, QueueTimeout
 
@@ -84,14 +86,16 @@ def score(candidate: Candidate, affinity: str | None = None) -> float:
 
 
 @dataclass(eq=False)
-class _Waiter:
+class _Ask:
+    """What a waiter of a pool's queue asks for."""
+
     candidates: Sequence[Candidate]
-    future: asyncio.Future[tuple[Candidate, Lease]]
-    since: float
     affinity: str | None = None
     reason: str = "queued"  # for gateway_route_decisions_total
-    party: Party = field(default_factory=Party)
     prefix: Prefix | None = None  # what its prompt holds (slot affinity)
+
+
+_Grant = tuple[Candidate, Lease]
 
 
 @dataclass(eq=False)
@@ -121,7 +125,7 @@ class ModelQueue:
     on_route: Callable[[str, str], None] | None = None
     retired: bool = False  # replaced by a reload; serves only those waiting here
     age_s: float = 30.0
-    _queue: FairQueue[_Waiter] = field(init=False)
+    _room: Waitroom[_Ask, _Grant] = field(init=False)
     _timers: set[asyncio.TimerHandle] = field(default_factory=set)
     # Conversation prefix key -> the backend that served it last, least recent first.
     _affinity: OrderedDict[str, str] = field(default_factory=OrderedDict)
@@ -141,20 +145,20 @@ class ModelQueue:
             self._affinity.popitem(last=False)
 
     def __post_init__(self) -> None:
-        self._queue = FairQueue(self.age_s)
+        self._room = Waitroom(self.clock, age_s=self.age_s, max_queue=self.max_queue,
+                              full=self._full, give_back=self._give_back, on_leave=self.wake)
         for backend in self.members:
             backend.admission.add_listener(self.wake)
 
     @property
     def waiting(self) -> int:
         """Requests waiting in this queue."""
-        return len(self._queue)
+        return len(self._room)
 
     def oldest_wait_s(self) -> float:
         """How long the request waiting longest here has waited so far, seconds (0.0
         when none waits)."""
-        now = self.clock.now()
-        return max((now - w.since for w in self._queue), default=0.0)
+        return self._room.oldest_wait_s()
 
     def retire(self) -> None:
         """A reload replaced this queue: new requests go to another. The requests
@@ -165,10 +169,7 @@ class ModelQueue:
 
     def refuse_waiting(self, exc: Exception) -> None:
         """Fail every request waiting here with ``exc`` (the gateway is stopping)."""
-        for waiter in list(self._queue):
-            self._queue.remove(waiter)
-            if not waiter.future.done():
-                waiter.future.set_exception(exc)
+        self._room.refuse_waiting(exc)
 
     def check_room(self, party: Party | None = None) -> None:
         """Raise at once when a new request could only queue and the queue is full.
@@ -176,16 +177,11 @@ class ModelQueue:
         :raises QueueFull: ``max_queue`` requests wait already (and at least one does),
             none of a class lower than ``party``'s (which it would shed).
         """
-        if (self._queue and len(self._queue) >= self.max_queue
-                and self._queue.shed_for(party or Party()) is None):
-            raise self._full()
+        self._room.check_room(party)
 
     def position(self, candidates: Sequence[Candidate]) -> int | None:
         """1-based place in the queue of the request planned as ``candidates``."""
-        for i, waiter in enumerate(self._queue.order(self.clock.now()), 1):
-            if waiter.candidates is candidates:
-                return i
-        return None
+        return self._room.position(lambda ask: ask.candidates is candidates)
 
     def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
                   party: Party | None = None, prefix: Prefix | None = None
@@ -195,12 +191,12 @@ class ModelQueue:
         ``prefix`` picks the slot there whose cached prompt the request continues."""
         party = party or Party()
         cost = candidates[0].charge.tokens if candidates else 0
-        ahead = self._queue.ahead_of(party, cost, self.clock.now()) if self._queue else []
+        ahead = self._room.ahead_of(party, cost) if self._room else []
         blocked = self._blocked(ahead)
         got = self._grant([c for c in candidates if id(c.backend) not in blocked], affinity,
                           prefix=prefix)
         if got is not None:
-            self._queue.charge(party, got[0].charge.tokens)
+            self._room.charge(party, got[0].charge.tokens)
         return got
 
     async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
@@ -219,73 +215,55 @@ class ModelQueue:
         if front:
             got = self._grant(candidates, affinity, "failover", prefix)
             if got is not None:
-                self._queue.charge(party, got[0].charge.tokens)
+                self._room.charge(party, got[0].charge.tokens)
         else:
             got = self.try_admit(candidates, affinity, party, prefix)
         if got is not None:
             return got
-        if len(self._queue) >= self.max_queue and not front:
-            victim = self._queue.shed_for(party)
-            if victim is None:
-                raise self._full()
-            self._queue.remove(victim)
-            victim.future.set_exception(shed_error(
+        victim = None if front else self._room.victim_for(party)
+        if victim is not None:
+            self._room.fail(victim, shed_error(
                 f"The queue for this model is full ({self.max_queue} waiting).",
                 self.retry_after_s()))
         max_wait = self.max_wait_s if party.max_wait_s is None else party.max_wait_s
-        now = self.clock.now()
-        waiter = _Waiter(candidates, asyncio.get_running_loop().create_future(),
-                         now, affinity, "failover" if front else "queued", party, prefix)
         cost = candidates[0].charge.tokens if candidates else 0
-        self._queue.push(waiter, party, cost, now, front=front)
+        waiter = self._room.join(
+            _Ask(candidates, affinity, "failover" if front else "queued", prefix), party,
+            cost, front=front)
         self.wake()  # it may go before waiters that wait for room it does not need
-        timer = asyncio.ensure_future(self.clock.sleep(max_wait))
-        try:
-            await asyncio.wait({waiter.future, timer}, return_when=asyncio.FIRST_COMPLETED)
-            if waiter.future.done():
-                candidate, lease = waiter.future.result()
-                lease.waited_s = self.clock.now() - waiter.since
-                return candidate, lease
-            raise QueueTimeout(
-                f"The request waited {max_wait:g} s in the queue without room on "
-                "any backend of its model; retry after the Retry-After delay.",
-                retry_after_s=self.retry_after_s())
-        except BaseException:
-            self._leave(waiter)
-            raise
-        finally:
-            timer.cancel()
+        candidate, lease = await self._room.wait(waiter, max_wait, lambda: QueueTimeout(
+            f"The request waited {max_wait:g} s in the queue without room on "
+            "any backend of its model; retry after the Retry-After delay.",
+            retry_after_s=self.retry_after_s()))
+        lease.waited_s = self.clock.now() - waiter.since
+        return candidate, lease
 
     def wake(self) -> None:
         """Start waiters in the queue's order. A waiter that fits nowhere yet keeps
         every backend it could use from the waiters behind it, which may still start on
         backends it cannot use: nothing starves, and no backend idles behind a head that
         waits for another one."""
-        if self.retired and not self._queue:
+        if self.retired and not self._room:
             for backend in self.members:
                 backend.admission.remove_listener(self.wake)
             return
         blocked: set[int] = set()
-        for waiter in self._queue.order(self.clock.now()):
-            if waiter.future.done():
-                self._queue.remove(waiter)
-                continue
-            allowed = [c for c in waiter.candidates if id(c.backend) not in blocked]
-            got = (self._grant(allowed, waiter.affinity, waiter.reason, waiter.prefix)
+        for waiter in self._room.order():
+            ask = waiter.request
+            allowed = [c for c in ask.candidates if id(c.backend) not in blocked]
+            got = (self._grant(allowed, ask.affinity, ask.reason, ask.prefix)
                    if allowed else None)
             if got is None:
-                blocked.update(id(c.backend) for c in waiter.candidates)
+                blocked.update(id(c.backend) for c in ask.candidates)
                 if len(blocked) >= len(self.members):
                     return
                 continue
-            self._queue.take(waiter)
-            waiter.future.set_result(got)
+            self._room.grant(waiter, got)
 
     @staticmethod
-    def _blocked(ahead: Iterable[_Waiter]) -> set[int]:
+    def _blocked(ahead: Iterable[Waiter[_Ask, _Grant]]) -> set[int]:
         """The backends (ids) the waiters ``ahead`` could use."""
-        return {id(c.backend) for waiter in ahead
-                for c in waiter.candidates if not waiter.future.done()}
+        return {id(c.backend) for waiter in ahead for c in waiter.request.candidates}
 
     def wake_later(self, delay_s: float) -> None:
         """Look at the queue again in ``delay_s`` seconds (when a backend marked down
@@ -322,15 +300,11 @@ class ModelQueue:
                 "affinity" if best.backend.name == affinity else "fit"))
         return best, lease
 
-    def _leave(self, waiter: _Waiter) -> None:
-        fut = waiter.future
-        if fut.done() and not fut.cancelled() and fut.exception() is None:
-            candidate, lease = fut.result()  # granted while it was leaving: give it back
-            candidate.backend.release(lease, served=False)
-            return
-        self._queue.remove(waiter)
-        fut.cancel()
-        self.wake()  # the head may have been the blocker
+    @staticmethod
+    def _give_back(got: _Grant) -> None:
+        """Release a lease granted to a waiter as it was leaving."""
+        candidate, lease = got
+        candidate.backend.release(lease, served=False)
 
     def _full(self) -> QueueFull:
         return QueueFull(

@@ -25,7 +25,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.admission.admission import Clock, Lease
+from gateway.admission.lease import Lease
 from gateway.admission.slotwatch import Ticket
 from gateway.backends.upstream import (
     json_bytes,
@@ -34,6 +34,7 @@ from gateway.backends.upstream import (
     send_upstream,
     upstream_request,
 )
+from gateway.clock import Clock
 from gateway.errors import (
     ClientDisconnected,
     GatewayError,
