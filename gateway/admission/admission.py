@@ -17,17 +17,16 @@ wait predictions (:class:`gateway.core.waits.WaitPredictor`).
 from __future__ import annotations
 
 import asyncio
-import math
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from gateway.admission.lease import AdmissionStats, Lease
+from gateway.admission.live import GROWTH_HORIZON_S, LiveAccounting
 from gateway.admission.waitroom import Waiter, Waitroom, shed_error
 from gateway.clock import Clock, MonotonicClock
 from gateway.core import capacity
-from gateway.core.capacity import Budget, Charge, Layout, LiveUse
+from gateway.core.capacity import Budget, Charge, Layout
 from gateway.core.fairness import Party
 from gateway.core.slots import SlotMap
 from gateway.core.waits import MIN_HISTORY, WaitPredictor
@@ -41,12 +40,6 @@ from gateway.errors import (
 
 __all__ = ["GROWTH_HORIZON_S", "MIN_HISTORY", "Admission"]
 
-# How far ahead live use is projected, seconds: the gateway sees each token as its event
-# arrives, and llama-server cancels a stream at its next write, so a victim's cells are
-# free a decode step or two after the gateway decides; this covers those steps.
-GROWTH_HORIZON_S = 0.25
-DEFAULT_DECODE_RATE = 100.0  # tokens/s per sequence assumed before any is measured
-
 
 @dataclass(eq=False)
 class _Ask:
@@ -55,6 +48,25 @@ class _Ask:
     charge: Charge
     predicted: float | None = None  # the wait predicted when it queued
     prefer: int | None = None  # the slot to take if it is free
+
+
+def _never_fits(layout: Layout, charge: Charge) -> ContextLengthExceeded:
+    """The 400 of a charge planned against a layout that changed meanwhile."""
+    return ContextLengthExceeded(
+        f"This request needs {charge.prompt_tokens + charge.max_tokens} tokens "
+        f"(prompt {charge.prompt_tokens} + max_tokens {charge.max_tokens}) x n "
+        f"{charge.n}, but the backend's layout changed while it was being counted "
+        f"and is now {layout.slots} slots of {layout.ctx_per_slot} tokens "
+        f"(at most {layout.usable_per_slot} usable per slot, "
+        f"{layout.capacity_tokens} in all). Lower max_tokens or shorten the prompt.")
+
+
+def _doomed(predicted: float, max_wait: float) -> QueueWaitPredicted:
+    """The 503 of a request whose predicted wait is longer than it may wait."""
+    return QueueWaitPredicted(
+        f"The queue ahead of this request needs about {predicted:.0f} s to drain "
+        f"at the backend's recent pace, longer than the {max_wait:g} s a "
+        "request may wait; retry after the Retry-After delay.", retry_after_s=predicted)
 
 
 class Admission:
@@ -90,14 +102,12 @@ class Admission:
         age_s: float = 30.0,
     ) -> None:
         self._layout = layout
-        self._predictive = predictive
-        self._margin = preempt_margin_tokens
-        self._decode_rates: deque[float] = deque(maxlen=32)  # tokens/s per sequence seen
-        self.preemptions: dict[str, int] = {}  # preemptions chosen, by reason
         self._max_queue = max_queue
         self._max_wait_s = max_wait_s
         self._reject_doomed = reject_doomed
         self._clock = clock or MonotonicClock()
+        self._live = LiveAccounting(self._clock, predictive=predictive,
+                                    margin_tokens=preempt_margin_tokens)
         self._budget = Budget()
         self._layout_changes = 0
         self._inflight = 0
@@ -274,14 +284,7 @@ class Admission:
         """
         layout = self._require_layout()
         if not capacity.fits_alone(layout, charge):
-            raise ContextLengthExceeded(
-                f"This request needs {charge.prompt_tokens + charge.max_tokens} tokens "
-                f"(prompt {charge.prompt_tokens} + max_tokens {charge.max_tokens}) x n "
-                f"{charge.n}, but the backend's layout changed while it was being counted "
-                f"and is now {layout.slots} slots of {layout.ctx_per_slot} tokens "
-                f"(at most {layout.usable_per_slot} usable per slot, "
-                f"{layout.capacity_tokens} in all). Lower max_tokens or shorten the prompt."
-            )
+            raise _never_fits(layout, charge)
         if (self._room and not front) or not self._fits(layout, charge):
             return None
         self._room.charge(party or Party(), charge.tokens)
@@ -313,11 +316,7 @@ class Admission:
         victim = None if front else self._room.victim_for(party)
         predicted = None if front else self.predict_wait_s(charge, party)
         if self._reject_doomed and predicted is not None and predicted > max_wait:
-            raise QueueWaitPredicted(
-                f"The queue ahead of this request needs about {predicted:.0f} s to drain "
-                f"at the backend's recent pace, longer than the {max_wait:g} s a "
-                "request may wait; retry after the Retry-After delay.",
-                retry_after_s=predicted)
+            raise _doomed(predicted, max_wait)
         if victim is not None:
             self._room.fail(victim, shed_error(
                 f"The queue for this backend is full ({self._max_queue} waiting).",
@@ -355,9 +354,7 @@ class Admission:
         self._budget = capacity.release(self._budget, lease.charge)
         self._inflight -= 1
         self._active.pop(id(lease), None)
-        rate = self._rate_of(lease, now)
-        if rate is not None:
-            self._decode_rates.append(rate)
+        self._live.released(lease, now)
         if served:
             self._waits.record_release(now)
         self._wake()
@@ -376,15 +373,6 @@ class Admission:
         self._delayed.add(task)
         task.add_done_callback(self._delayed.discard)
 
-    def is_free(self, slot: int) -> bool:
-        """No lease holds ``slot`` and it exists in the current layout."""
-        return self.slots.is_free(slot)
-
-    def last_released(self, slot: int) -> int:
-        """When ``slot`` was last given back, as a count of releases (-1: never held);
-        the lower, the less recently used."""
-        return self.slots.last_released(slot)
-
     @property
     def held_slots(self) -> frozenset[int]:
         """Slot ids held by leases in flight (abandoned ones awaiting release included)."""
@@ -394,9 +382,7 @@ class Admission:
         if self._layout is None:
             raise BackendNotReady(
                 "The backend's capacity is not known yet (it is unreachable or still "
-                "loading); retry after the Retry-After delay.",
-                retry_after_s=1.0,
-            )
+                "loading); retry after the Retry-After delay.", retry_after_s=1.0)
         return self._layout
 
     def _grant(self, charge: Charge, *, waited_s: float, prefer: int | None = None) -> Lease:
@@ -423,7 +409,12 @@ class Admission:
         for listener in self._listeners:
             listener()
 
-    # -- live accounting (the predictive policy) -----------------------------------------
+    # -- live accounting (the predictive policy, gateway.admission.live) --------------
+
+    @property
+    def preemptions(self) -> dict[str, int]:
+        """Preemptions chosen, by reason."""
+        return self._live.preemptions
 
     def observe(self, lease: Lease, generated: int) -> None:
         """Note that ``lease``'s request has generated ``generated`` tokens (per
@@ -431,82 +422,28 @@ class Admission:
         Ignored for a released lease."""
         if lease.released:
             return
-        if generated > 0 and lease.first_token_at is None:
-            lease.first_token_at = self._clock.now()
-        lease.generated = max(lease.generated, generated)
+        self._live.observe(lease, generated)
         self.check_pressure()
 
     def check_pressure(self) -> list[Lease]:
         """Preempt tracked leases, least progress first, while live use plus the growth
         possible within :data:`GROWTH_HORIZON_S` would pass the pool less the margin
-        (:func:`gateway.core.capacity.choose_victims`); each victim's ``on_preempt`` is
-        called with the reason ``"pool_pressure"``. Nothing is preempted while the
-        whole caps of everything in flight fit the pool: then nothing can overflow.
+        (:meth:`gateway.admission.live.LiveAccounting.victims`); each victim's
+        ``on_preempt`` is called with the reason ``"pool_pressure"``.
 
         :returns: the leases preempted now.
         """
-        layout = self._layout
-        if not self._predictive or layout is None or layout.pool_tokens is None:
-            return []
-        if sum(replace(lease.charge, predicted=None).tokens
-               for lease in self._active.values()) <= layout.pool_tokens:
-            return []  # even every whole cap fits: nothing can overflow
-        now = self._clock.now()
-        uses = []
-        for key, lease in self._active.items():
-            if lease.preempted is not None:
-                continue  # already on its way out: its cells free within the horizon
-            used, growth = self._use_of(lease, now)
-            uses.append(LiveUse(key, used, growth, lease.earlier + lease.generated,
-                                lease.preemptible and lease.tracked, lease.granted_at))
-        victims = [self._active[key] for key in
-                   capacity.choose_victims(uses, layout.pool_tokens - self._margin)]
+        victims = self._live.victims(self._layout, self._active)
         for lease in victims:
             self.preempt(lease, "pool_pressure")
         return victims
 
     def preempt(self, lease: Lease, reason: str) -> None:
-        """Mark ``lease`` preempted for ``reason`` and tell its holder (``on_preempt``);
-        the holder cancels its request and releases the lease. Once per lease, and never
-        a lease that is not (or no longer) preemptible: an answer that has finished, or
-        reached its cap, is left to end."""
-        if lease.preempted is not None or lease.released or not lease.preemptible:
-            return
-        lease.preempted = reason
-        self.preemptions[reason] = self.preemptions.get(reason, 0) + 1
-        if lease.on_preempt is not None:
-            lease.on_preempt(reason)
-
-    def _rate_of(self, lease: Lease, now: float) -> float | None:
-        """A tracked lease's decode rate, tokens/s per sequence, once it has two tokens."""
-        if lease.first_token_at is None or lease.generated < 2:
-            return None
-        elapsed = now - lease.first_token_at
-        return (lease.generated - 1) / elapsed if elapsed > 0 else None
-
-    def _use_of(self, lease: Lease, now: float) -> tuple[int, int]:
-        """(cells held now, cells it may add within the horizon) of one lease in flight.
-        An untracked lease is taken at its charge and does not grow past it."""
-        if not lease.tracked:
-            return lease.live_tokens, 0
-        remaining = max(0, lease.charge.max_tokens - lease.generated)
-        rate = self._rate_of(lease, now)
-        if rate is None:
-            rate = max(self._decode_rates, default=DEFAULT_DECODE_RATE)
-        growth = min(remaining, math.ceil(rate * GROWTH_HORIZON_S) + 1)
-        return lease.live_tokens, lease.charge.n * growth
+        """Mark ``lease`` preempted for ``reason`` and tell its holder (see
+        :meth:`gateway.admission.live.LiveAccounting.preempt`)."""
+        self._live.preempt(lease, reason)
 
     def _fits(self, layout: Layout, charge: Charge) -> bool:
-        """:func:`gateway.core.capacity.fits` against what is reserved; under ``predictive``,
-        a tracked lease counts as the larger of its charge and its live use plus growth,
-        and a unified pool in use keeps ``preempt_margin_tokens`` free."""
-        budget = self._budget
-        if self._predictive and layout.pool_tokens is not None and self._active:
-            now = self._clock.now()
-            excess = 0
-            for lease in self._active.values():
-                used, growth = self._use_of(lease, now)
-                excess += max(0, used + growth - lease.charge.tokens)
-            budget = Budget(budget.reserved_tokens + excess + self._margin,
-                            budget.busy_slots)
-        return capacity.fits(layout, budget, charge)
+        """:func:`gateway.core.capacity.fits` against what is reserved, with the leases in
+        flight as live accounting counts them."""
+        return self._live.fits(layout, self._budget, self._active.values(), charge)
