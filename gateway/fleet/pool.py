@@ -31,7 +31,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.admission.lease import Lease
 from gateway.admission.waitroom import Waiter, Waitroom, shed_error
@@ -42,7 +42,8 @@ from gateway.core.fairness import Party
 from gateway.core.prefix import AFFINITY_PROMPT_CHARS, Prefix, digest
 from gateway.errors import QueueFull, QueueTimeout
 
-__all__ = ["AFFINITY_BONUS", "Candidate", "ModelQueue", "affinity_key", "score"]
+__all__ = ["AFFINITY_BONUS", "AdmitPath", "Candidate", "LoneBackend", "ModelQueue",
+           "affinity_key", "score"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,113 @@ def score(candidate: Candidate, affinity: str | None = None) -> float:
     tokens, slots = candidate.backend.admission.headroom(candidate.charge)
     bonus = AFFINITY_BONUS if candidate.backend.name == affinity else 0.0
     return tokens + slots + bonus
+
+
+class AdmitPath(Protocol):
+    """The way to a lease for a planned request, whether its model is one backend
+    (:class:`LoneBackend`) or a pool (:class:`ModelQueue`): callers ask it and never
+    branch on which it is.
+
+    A request is planned as ``candidates``, one :class:`Candidate` per backend it may
+    run on (one for a lone backend); a grant names the candidate it went to.
+    """
+
+    @property
+    def failover(self) -> bool:
+        """Another backend may take a request its backend failed before any byte."""
+        ...
+
+    def check_room(self, party: Party | None = None) -> None:
+        """Raise at once when a new request could only queue and the queue is full.
+
+        :raises QueueFull: as :meth:`ModelQueue.check_room`.
+        """
+        ...
+
+    def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
+                  party: Party | None = None, prefix: Prefix | None = None
+                  ) -> tuple[Candidate, Lease] | None:
+        """A lease now, or ``None`` (see :meth:`ModelQueue.try_admit`)."""
+        ...
+
+    async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
+                    *, front: bool = False, party: Party | None = None,
+                    prefix: Prefix | None = None) -> tuple[Candidate, Lease]:
+        """Wait for a lease (see :meth:`ModelQueue.admit`).
+
+        :raises GatewayError: as :meth:`gateway.admission.admission.Admission.admit`.
+        """
+        ...
+
+    def position(self, candidates: Sequence[Candidate]) -> int | None:
+        """1-based place in the queue of the request planned as ``candidates`` (``None``:
+        it is not waiting)."""
+        ...
+
+    def progress(self, candidates: Sequence[Candidate]) -> tuple[int, float | None] | None:
+        """While it waits: its place (1 = next) and the predicted seconds to its start
+        (``None`` when not predicted); ``None`` when it is not waiting."""
+        ...
+
+    def remember(self, key: str | None, backend: str) -> None:
+        """Note that ``backend`` now serves the conversation prefix ``key``."""
+        ...
+
+
+@dataclass(eq=False)
+class LoneBackend:
+    """The :class:`AdmitPath` of a model served by one backend: its own admission queue.
+
+    The request is planned as one candidate, on ``backend``; its slot affinity
+    (``prefix``) picks the slot to prefer there. Affinity between backends means nothing
+    here, and no other backend may take a failed request.
+    """
+
+    backend: Target
+    failover: bool = False
+
+    def check_room(self, party: Party | None = None) -> None:
+        """Raise ``QueueFull`` at once when a new request could only queue
+        (:meth:`gateway.admission.admission.Admission.check_queue_room`)."""
+        self.backend.check_queue_room(party)
+
+    def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
+                  party: Party | None = None, prefix: Prefix | None = None
+                  ) -> tuple[Candidate, Lease] | None:
+        """A lease now on the backend, or ``None`` (refused while others wait there)."""
+        candidate = self._one(candidates)
+        lease = self.backend.try_admit(candidate.charge, party,
+                                       self.backend.slot_for(prefix))
+        return None if lease is None else (candidate, lease)
+
+    async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
+                    *, front: bool = False, party: Party | None = None,
+                    prefix: Prefix | None = None) -> tuple[Candidate, Lease]:
+        """Wait for a lease in the backend's queue (with ``front``, at its head).
+
+        :raises GatewayError: as :meth:`gateway.admission.admission.Admission.admit`.
+        """
+        candidate = self._one(candidates)
+        lease = await self.backend.admit(candidate.charge, front=front, party=party,
+                                         prefer=self.backend.slot_for(prefix))
+        return candidate, lease
+
+    def position(self, candidates: Sequence[Candidate]) -> int | None:
+        """1-based place in the backend's queue (``None``: not waiting)."""
+        return self.backend.admission.queue_position(self._one(candidates).charge)
+
+    def progress(self, candidates: Sequence[Candidate]) -> tuple[int, float | None] | None:
+        """Its place in the backend's queue and its predicted wait, seconds."""
+        return self.backend.queue_progress(self._one(candidates).charge)
+
+    def remember(self, key: str | None, backend: str) -> None:
+        """Nothing to remember: there is no other backend to prefer."""
+
+    def _one(self, candidates: Sequence[Candidate]) -> Candidate:
+        if len(candidates) != 1 or candidates[0].backend is not self.backend:
+            raise ValueError("a lone backend's request is planned as one candidate, on "
+                             f"that backend ({self.backend.name!r}); got {len(candidates)}")
+        return candidates[0]
 
 
 @dataclass(eq=False)
@@ -182,6 +290,11 @@ class ModelQueue:
     def position(self, candidates: Sequence[Candidate]) -> int | None:
         """1-based place in the queue of the request planned as ``candidates``."""
         return self._room.position(lambda ask: ask.candidates is candidates)
+
+    def progress(self, candidates: Sequence[Candidate]) -> tuple[int, float | None] | None:
+        """Its place in the queue while it waits; a pool predicts no wait (``None``)."""
+        position = self.position(candidates)
+        return None if position is None else (position, None)
 
     def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
                   party: Party | None = None, prefix: Prefix | None = None
