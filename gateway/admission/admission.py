@@ -87,6 +87,13 @@ class Admission:
     :param preempt_margin_tokens: tokens of a unified pool kept free under
         ``predictive``.
     :param age_s: priority ageing, seconds per class (:class:`FairQueue`).
+
+    Its size (about 350 lines, under 200 statements) is its public surface: the one
+    admission API of a backend that the target, the relay and the slot watch call (queue
+    and grant, Retry-After and wait forecasts, live accounting), each a few lines over its
+    part: :class:`~gateway.admission.waitroom.Waitroom`,
+    :class:`~gateway.core.slots.SlotMap`, :class:`~gateway.core.waits.WaitPredictor` and
+    :class:`~gateway.admission.live.LiveAccounting`.
     """
 
     def __init__(
