@@ -17,9 +17,12 @@ from typing import Any
 
 import httpx
 
+from gateway.clock import Clock
 
-class ManualClock:
-    """A clock that only moves when told to; ``sleep`` wakes once ``advance`` passes it."""
+
+class ManualClock(Clock):
+    """A clock that only moves when told to; ``sleep`` wakes once ``advance`` passes it
+    (and so does a :meth:`~gateway.clock.Clock.wait` whose deadline it passes)."""
 
     def __init__(self) -> None:
         self.t = 1000.0

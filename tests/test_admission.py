@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.admission.admission import Admission, Lease
+from gateway.admission.admission import Admission
+from gateway.admission.lease import Lease
 from gateway.core.capacity import Charge, Layout
 from gateway.errors import BackendNotReady, ContextLengthExceeded, QueueFull, QueueTimeout
 from tests.fakes import ManualClock

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from gateway.admission.admission import Lease
+from gateway.admission.lease import Lease
 from gateway.backends.target import Target
 from gateway.config import load_settings
 from gateway.core.capacity import Charge, Layout

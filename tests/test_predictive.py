@@ -18,7 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.admission.admission import Admission, Lease
+from gateway.admission.admission import Admission
+from gateway.admission.lease import Lease
 from gateway.core.capacity import Charge, Layout, LiveUse, choose_victims
 from gateway.core.predict import CompletionLengths
 from gateway.wire.resume import Continuation, Reassembler, resumable

@@ -596,3 +596,48 @@ async def test_p18_priority_and_tenant_labels_never_come_from_the_client(make: A
         await h.client.post(CHAT, json=chat_body(priority=f"p-{i}"), headers=bearer(
             f"sk-random-{i}"))
     assert series() == before
+
+
+# -- Tenant's own counts, without the app --------------------------------------------------
+
+def _tenant(**quota: Any) -> Any:
+    from gateway.admission.tenants import Tenant
+    from gateway.config import TenantSettings
+
+    entry = TenantSettings(name="t", key_hashes=[digest("sk-t-0123456789")], **quota)
+    return Tenant("t", entry, 0, "interactive")
+
+
+def test_the_waiting_count_is_changed_only_through_the_tenant() -> None:
+    from gateway.errors import RateLimited
+
+    tenant = _tenant(max_queued=1)
+    with tenant.counted_waiting(0.0):
+        assert tenant.waiting == 1
+        with pytest.raises(RateLimited) as info:
+            tenant.start_waiting(0.0)  # a second would pass max_queued
+        assert info.value.rejection_reason == "max_queued" and tenant.waiting == 1
+    assert tenant.waiting == 0
+    tenant.start_waiting(0.0)
+    tenant.stop_waiting()
+    assert tenant.waiting == 0
+
+
+async def test_the_gate_passes_places_on_in_order_and_gives_back_a_cancelled_grant() -> None:
+    clock = ManualClock()
+    tenant = _tenant(max_inflight=1)
+    assert await tenant.enter(5.0, clock) == 0.0  # a free place: at once
+    second = asyncio.ensure_future(tenant.enter(5.0, clock))
+    third = asyncio.ensure_future(tenant.enter(5.0, clock))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert tenant.waiting == 2 and tenant.inflight == 1
+    clock.advance(1.0)
+    tenant.leave()  # the place passes to the second, in arrival order
+    second.cancel()  # cancelled as it was let through: the place goes on to the third
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    assert await third == 1.0
+    assert tenant.waiting == 0 and tenant.inflight == 1
+    tenant.leave()
+    assert tenant.inflight == 0

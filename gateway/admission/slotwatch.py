@@ -52,7 +52,9 @@ from typing import Any
 
 import httpx
 
-from gateway.admission.admission import Admission, Clock, Lease
+from gateway.admission.admission import Admission
+from gateway.admission.lease import Lease
+from gateway.clock import Clock
 from gateway.errors import GatewayError, UpstreamUnavailable
 
 __all__ = [

@@ -25,15 +25,16 @@ and nothing is checked.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from gateway.admission.admission import Clock
+from gateway.admission.waitroom import Waitroom
+from gateway.clock import Clock
 from gateway.config import Settings, TenantSettings
 from gateway.core.fairness import ANONYMOUS, Party
 from gateway.errors import Forbidden, InvalidRequest, RateLimited, Unauthorized
@@ -133,8 +134,12 @@ class Tenant:
     rank: int
     priority: str
     inflight: int = 0  # requests past its gate
-    waiting: int = 0  # requests waiting, at its gate or for capacity
-    _gate: deque[asyncio.Future[None]] = field(default_factory=deque)
+    # Requests waiting, at its gate or for capacity; changed only by its methods (enter,
+    # and start_waiting / stop_waiting / counted_waiting around the wait for capacity).
+    waiting: int = 0
+    # Requests waiting at the gate, in arrival order (one party: FIFO). Made by the first
+    # request that waits there, on the clock that request's wait is measured on.
+    _gate: Waitroom[None, None] | None = None
     _window: deque[TokenHold] = field(default_factory=deque)
 
     @property
@@ -210,18 +215,16 @@ class Tenant:
         """Let waiters through the gate while its (new) ``max_inflight`` allows: after
         a reload raised or removed it."""
         cap = self.settings.max_inflight if self.settings else None
-        while self._gate and (cap is None or self.inflight < cap):
-            turn = self._gate.popleft()
-            if not turn.done():
-                self.inflight += 1
-                turn.set_result(None)
+        gate = self._gate
+        while gate is not None and (turn := gate.head()) is not None and (
+                cap is None or self.inflight < cap):
+            self.inflight += 1
+            gate.grant(turn, None)
 
     def refuse_waiting(self, exc: Exception) -> None:
         """Fail every request waiting at the gate with ``exc`` (the gateway drains)."""
-        while self._gate:
-            turn = self._gate.popleft()
-            if not turn.done():
-                turn.set_exception(exc)
+        if self._gate is not None:
+            self._gate.refuse_waiting(exc)
 
     def _reset_s(self, now: float, used: int, need: int, limit: int) -> float:
         """Seconds until ``need`` more tokens fit the window (entries leaving it)."""
@@ -249,6 +252,33 @@ class Tenant:
                 f"max_queued ({cap}); retry when some have been served.",
                 reason="max_queued", retry_after_s=1.0, headers=self.rate_headers(now))
 
+    def start_waiting(self, now: float) -> None:
+        """Count one more of its requests as waiting (for capacity, past the gate);
+        pair with :meth:`stop_waiting`.
+
+        :raises RateLimited: that would pass ``max_queued`` (see :meth:`check_queued`);
+            then nothing is counted.
+        """
+        self.check_queued(now)
+        self.waiting += 1
+
+    def stop_waiting(self) -> None:
+        """One of its requests counted by :meth:`start_waiting` waits no more."""
+        self.waiting -= 1
+
+    @contextmanager
+    def counted_waiting(self, now: float) -> Iterator[None]:
+        """Count one of its requests as waiting for the ``with`` block (as
+        :meth:`start_waiting`, then :meth:`stop_waiting` however the block ends).
+
+        :raises RateLimited: one more waiting would pass ``max_queued``.
+        """
+        self.start_waiting(now)
+        try:
+            yield
+        finally:
+            self.stop_waiting()
+
     async def enter(self, timeout_s: float, clock: Clock) -> float:
         """Pass the tenant's gate: at once while fewer than ``max_inflight`` of its
         requests are past it, else wait in arrival order (counted as waiting).
@@ -264,39 +294,22 @@ class Tenant:
         if cap is None or (self.inflight < cap and not self._gate):
             self.inflight += 1
             return 0.0
-        self.check_queued(clock.now())
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._gate.append(turn)
-        self.waiting += 1
-        started = clock.now()
-        timer = asyncio.ensure_future(clock.sleep(timeout_s))
-        try:
-            await asyncio.wait({turn, timer}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            if turn.done() and not turn.cancelled() and turn.exception() is None:
-                self.leave()  # passed while it was being cancelled: give it back
-            raise
-        finally:
-            timer.cancel()
-            self.waiting -= 1
-            if turn in self._gate:
-                self._gate.remove(turn)
-                turn.cancel()
-        if turn.done() and not turn.cancelled():
-            turn.result()  # raises what refused it (the gateway drains)
-            return clock.now() - started
-        raise RateLimited(
-            f"Tenant {self.name!r} had {cap} requests in hand (its max_inflight) for the "
-            f"{timeout_s:g} s this request may wait; retry later.", reason="max_inflight",
-            retry_after_s=1.0, headers=self.rate_headers(clock.now()))
+        if self._gate is None:
+            self._gate = Waitroom(clock, give_back=lambda _: self.leave())
+        with self.counted_waiting(clock.now()):
+            turn = self._gate.join(None, Party(self.name))
+            await self._gate.wait(turn, timeout_s, lambda: RateLimited(
+                f"Tenant {self.name!r} had {cap} requests in hand (its max_inflight) for "
+                f"the {timeout_s:g} s this request may wait; retry later.",
+                reason="max_inflight", retry_after_s=1.0,
+                headers=self.rate_headers(clock.now())))
+        return clock.now() - turn.since
 
     def leave(self) -> None:
         """A request past the gate has ended: let the next waiting one through."""
-        while self._gate:
-            turn = self._gate.popleft()
-            if not turn.done():
-                turn.set_result(None)  # its place passes on: inflight stays the same
-                return
+        if self._gate is not None and (turn := self._gate.head()) is not None:
+            self._gate.grant(turn, None)  # its place passes on: inflight stays the same
+            return
         self.inflight -= 1
 
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol
 
 import httpx
 
-from gateway.admission.admission import Lease
+from gateway.admission.lease import Lease
 from gateway.admission.slotwatch import SlotsUnsupported, SlotView
 from gateway.backends.upstream import json_bytes, send_upstream, upstream_request
 from gateway.config import BackendSettings

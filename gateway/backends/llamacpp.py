@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import httpx
 
-from gateway.admission.admission import Lease
+from gateway.admission.lease import Lease
 from gateway.admission.slotwatch import SlotsUnsupported, SlotView, parse_slots
 from gateway.backends.base import (
     Discovered,

@@ -14,15 +14,18 @@ from typing import Any
 
 import httpx
 
-from gateway.admission.admission import Admission, AdmissionStats, Clock, Lease, MonotonicClock
+from gateway.admission.admission import Admission
+from gateway.admission.lease import AdmissionStats, Lease
 from gateway.admission.slotwatch import SlotWatch, Ticket
 from gateway.backends import BackendKind, Discovered, SideCalls, kind_class
 from gateway.backends.countcache import CountCache
+from gateway.clock import Clock, MonotonicClock
 from gateway.config import AdmissionPolicy, AdmissionSettings, BackendSettings
 from gateway.core.capacity import Charge, Layout
 from gateway.core.fairness import Party
 from gateway.core.predict import CompletionLengths
 from gateway.core.prefix import Prefix
+from gateway.core.slots import PromptIndex
 from gateway.errors import GatewayError
 from gateway.wire.validation import ParsedRequest
 
@@ -81,10 +84,8 @@ class Target:
         # half-open probe, and a success brings it back.
         self.failures = 0  # consecutive failed requests
         self.down_until = 0.0  # clock time; 0: up
-        # Slot id -> the prompt it last held (gateway.core.prefix.Prefix), for slot affinity,
-        # and the same indexed by the prompt's parts.
-        self._slot_prompts: dict[int, Prefix] = {}
-        self._slots_by_prompt: dict[tuple[str, ...], set[int]] = {}
+        # The prompt each slot last held, for slot affinity (gateway.core.slots).
+        self._prompts = PromptIndex()
         self.draining = False  # takes no new requests; those in flight finish
         self.owned_clients: list[httpx.AsyncClient] = []  # closed when it is retired
         # The predictive policy needs a server whose answers the gateway can cancel and
@@ -256,36 +257,13 @@ class Target:
         later turn pinned there (``id_slot``) computes only what is new; a slot another
         conversation has used since is not chosen. Looked up by each shorter prefix of
         the request (one dict lookup per message), not by scanning the slots."""
-        if prefix is None:
-            return None
-        admission = self.admission
-        # A slot holding exactly this prompt is not extended by it (Prefix.extends): only
-        # the shorter prefixes are looked up, and any slot found under one is extended.
-        for n in range(len(prefix.parts) - 1, 0, -1):
-            slots = self._slots_by_prompt.get(prefix.parts[:n])
-            if not slots:
-                continue
-            free = [s for s in slots if admission.is_free(s)]
-            if free:
-                return min(free, key=admission.last_released)
-        return None
+        return self._prompts.slot_for(prefix, self.admission.slots)
 
     def remember_slot(self, prefix: Prefix | None, lease: Lease) -> None:
         """Note what the slot a pinned ``lease`` holds will have cached: this request's
         prompt (``None``: unknown, so nothing continues there)."""
-        if not lease.pinned:
-            return
-        slot = lease.slot_ids[0]
-        old = self._slot_prompts.pop(slot, None)
-        if old is not None:
-            holders = self._slots_by_prompt.get(old.parts)
-            if holders is not None:
-                holders.discard(slot)
-                if not holders:
-                    del self._slots_by_prompt[old.parts]
-        if prefix is not None:
-            self._slot_prompts[slot] = prefix
-            self._slots_by_prompt.setdefault(prefix.parts, set()).add(slot)
+        if lease.pinned:
+            self._prompts.remember(lease.slot_ids[0], prefix)
 
     async def admit(self, charge: Charge, *, front: bool = False,
                     prefer: int | None = None, party: Party | None = None) -> Lease:

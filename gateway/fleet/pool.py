@@ -31,16 +31,19 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from gateway.admission.admission import Clock, Lease, shed_error
+from gateway.admission.lease import Lease
+from gateway.admission.waitroom import Waiter, Waitroom, shed_error
 from gateway.backends.target import Target
+from gateway.clock import Clock
 from gateway.core.capacity import Charge
-from gateway.core.fairness import FairQueue, Party
+from gateway.core.fairness import Party
 from gateway.core.prefix import AFFINITY_PROMPT_CHARS, Prefix, digest
 from gateway.errors import QueueFull, QueueTimeout
 
-__all__ = ["AFFINITY_BONUS", "Candidate", "ModelQueue", "affinity_key", "score"]
+__all__ = ["AFFINITY_BONUS", "AdmitPath", "Candidate", "LoneBackend", "ModelQueue",
+           "affinity_key", "score"]
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +86,124 @@ def score(candidate: Candidate, affinity: str | None = None) -> float:
     return tokens + slots + bonus
 
 
+class AdmitPath(Protocol):
+    """The way to a lease for a planned request, whether its model is one backend
+    (:class:`LoneBackend`) or a pool (:class:`ModelQueue`): callers ask it and never
+    branch on which it is.
+
+    A request is planned as ``candidates``, one :class:`Candidate` per backend it may
+    run on (one for a lone backend); a grant names the candidate it went to.
+    """
+
+    @property
+    def failover(self) -> bool:
+        """Another backend may take a request its backend failed before any byte."""
+        ...
+
+    def check_room(self, party: Party | None = None) -> None:
+        """Raise at once when a new request could only queue and the queue is full.
+
+        :raises QueueFull: as :meth:`ModelQueue.check_room`.
+        """
+        ...
+
+    def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
+                  party: Party | None = None, prefix: Prefix | None = None
+                  ) -> tuple[Candidate, Lease] | None:
+        """A lease now, or ``None`` (see :meth:`ModelQueue.try_admit`)."""
+        ...
+
+    async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
+                    *, front: bool = False, party: Party | None = None,
+                    prefix: Prefix | None = None) -> tuple[Candidate, Lease]:
+        """Wait for a lease (see :meth:`ModelQueue.admit`).
+
+        :raises GatewayError: as :meth:`gateway.admission.admission.Admission.admit`.
+        """
+        ...
+
+    def position(self, candidates: Sequence[Candidate]) -> int | None:
+        """1-based place in the queue of the request planned as ``candidates`` (``None``:
+        it is not waiting)."""
+        ...
+
+    def progress(self, candidates: Sequence[Candidate]) -> tuple[int, float | None] | None:
+        """While it waits: its place (1 = next) and the predicted seconds to its start
+        (``None`` when not predicted); ``None`` when it is not waiting."""
+        ...
+
+    def remember(self, key: str | None, backend: str) -> None:
+        """Note that ``backend`` now serves the conversation prefix ``key``."""
+        ...
+
+
 @dataclass(eq=False)
-class _Waiter:
+class LoneBackend:
+    """The :class:`AdmitPath` of a model served by one backend: its own admission queue.
+
+    The request is planned as one candidate, on ``backend``; its slot affinity
+    (``prefix``) picks the slot to prefer there. Affinity between backends means nothing
+    here, and no other backend may take a failed request.
+    """
+
+    backend: Target
+    failover: bool = False
+
+    def check_room(self, party: Party | None = None) -> None:
+        """Raise ``QueueFull`` at once when a new request could only queue
+        (:meth:`gateway.admission.admission.Admission.check_queue_room`)."""
+        self.backend.check_queue_room(party)
+
+    def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
+                  party: Party | None = None, prefix: Prefix | None = None
+                  ) -> tuple[Candidate, Lease] | None:
+        """A lease now on the backend, or ``None`` (refused while others wait there)."""
+        candidate = self._one(candidates)
+        lease = self.backend.try_admit(candidate.charge, party,
+                                       self.backend.slot_for(prefix))
+        return None if lease is None else (candidate, lease)
+
+    async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
+                    *, front: bool = False, party: Party | None = None,
+                    prefix: Prefix | None = None) -> tuple[Candidate, Lease]:
+        """Wait for a lease in the backend's queue (with ``front``, at its head).
+
+        :raises GatewayError: as :meth:`gateway.admission.admission.Admission.admit`.
+        """
+        candidate = self._one(candidates)
+        lease = await self.backend.admit(candidate.charge, front=front, party=party,
+                                         prefer=self.backend.slot_for(prefix))
+        return candidate, lease
+
+    def position(self, candidates: Sequence[Candidate]) -> int | None:
+        """1-based place in the backend's queue (``None``: not waiting)."""
+        return self.backend.admission.queue_position(self._one(candidates).charge)
+
+    def progress(self, candidates: Sequence[Candidate]) -> tuple[int, float | None] | None:
+        """Its place in the backend's queue and its predicted wait, seconds."""
+        return self.backend.queue_progress(self._one(candidates).charge)
+
+    def remember(self, key: str | None, backend: str) -> None:
+        """Nothing to remember: there is no other backend to prefer."""
+
+    def _one(self, candidates: Sequence[Candidate]) -> Candidate:
+        if len(candidates) != 1 or candidates[0].backend is not self.backend:
+            raise ValueError("a lone backend's request is planned as one candidate, on "
+                             f"that backend ({self.backend.name!r}); got {len(candidates)}")
+        return candidates[0]
+
+
+@dataclass(eq=False)
+class _Ask:
+    """What a waiter of a pool's queue asks for."""
+
     candidates: Sequence[Candidate]
-    future: asyncio.Future[tuple[Candidate, Lease]]
-    since: float
     affinity: str | None = None
     reason: str = "queued"  # for gateway_route_decisions_total
-    party: Party = field(default_factory=Party)
     prefix: Prefix | None = None  # what its prompt holds (slot affinity)
+
+
+_Grant = tuple[Candidate, Lease]
 
 
 @dataclass(eq=False)
@@ -121,7 +233,7 @@ class ModelQueue:
     on_route: Callable[[str, str], None] | None = None
     retired: bool = False  # replaced by a reload; serves only those waiting here
     age_s: float = 30.0
-    _queue: FairQueue[_Waiter] = field(init=False)
+    _room: Waitroom[_Ask, _Grant] = field(init=False)
     _timers: set[asyncio.TimerHandle] = field(default_factory=set)
     # Conversation prefix key -> the backend that served it last, least recent first.
     _affinity: OrderedDict[str, str] = field(default_factory=OrderedDict)
@@ -141,20 +253,20 @@ class ModelQueue:
             self._affinity.popitem(last=False)
 
     def __post_init__(self) -> None:
-        self._queue = FairQueue(self.age_s)
+        self._room = Waitroom(self.clock, age_s=self.age_s, max_queue=self.max_queue,
+                              full=self._full, give_back=self._give_back, on_leave=self.wake)
         for backend in self.members:
             backend.admission.add_listener(self.wake)
 
     @property
     def waiting(self) -> int:
         """Requests waiting in this queue."""
-        return len(self._queue)
+        return len(self._room)
 
     def oldest_wait_s(self) -> float:
         """How long the request waiting longest here has waited so far, seconds (0.0
         when none waits)."""
-        now = self.clock.now()
-        return max((now - w.since for w in self._queue), default=0.0)
+        return self._room.oldest_wait_s()
 
     def retire(self) -> None:
         """A reload replaced this queue: new requests go to another. The requests
@@ -165,10 +277,7 @@ class ModelQueue:
 
     def refuse_waiting(self, exc: Exception) -> None:
         """Fail every request waiting here with ``exc`` (the gateway is stopping)."""
-        for waiter in list(self._queue):
-            self._queue.remove(waiter)
-            if not waiter.future.done():
-                waiter.future.set_exception(exc)
+        self._room.refuse_waiting(exc)
 
     def check_room(self, party: Party | None = None) -> None:
         """Raise at once when a new request could only queue and the queue is full.
@@ -176,16 +285,16 @@ class ModelQueue:
         :raises QueueFull: ``max_queue`` requests wait already (and at least one does),
             none of a class lower than ``party``'s (which it would shed).
         """
-        if (self._queue and len(self._queue) >= self.max_queue
-                and self._queue.shed_for(party or Party()) is None):
-            raise self._full()
+        self._room.check_room(party)
 
     def position(self, candidates: Sequence[Candidate]) -> int | None:
         """1-based place in the queue of the request planned as ``candidates``."""
-        for i, waiter in enumerate(self._queue.order(self.clock.now()), 1):
-            if waiter.candidates is candidates:
-                return i
-        return None
+        return self._room.position(lambda ask: ask.candidates is candidates)
+
+    def progress(self, candidates: Sequence[Candidate]) -> tuple[int, float | None] | None:
+        """Its place in the queue while it waits; a pool predicts no wait (``None``)."""
+        position = self.position(candidates)
+        return None if position is None else (position, None)
 
     def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
                   party: Party | None = None, prefix: Prefix | None = None
@@ -195,12 +304,12 @@ class ModelQueue:
         ``prefix`` picks the slot there whose cached prompt the request continues."""
         party = party or Party()
         cost = candidates[0].charge.tokens if candidates else 0
-        ahead = self._queue.ahead_of(party, cost, self.clock.now()) if self._queue else []
+        ahead = self._room.ahead_of(party, cost) if self._room else []
         blocked = self._blocked(ahead)
         got = self._grant([c for c in candidates if id(c.backend) not in blocked], affinity,
                           prefix=prefix)
         if got is not None:
-            self._queue.charge(party, got[0].charge.tokens)
+            self._room.charge(party, got[0].charge.tokens)
         return got
 
     async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
@@ -219,73 +328,55 @@ class ModelQueue:
         if front:
             got = self._grant(candidates, affinity, "failover", prefix)
             if got is not None:
-                self._queue.charge(party, got[0].charge.tokens)
+                self._room.charge(party, got[0].charge.tokens)
         else:
             got = self.try_admit(candidates, affinity, party, prefix)
         if got is not None:
             return got
-        if len(self._queue) >= self.max_queue and not front:
-            victim = self._queue.shed_for(party)
-            if victim is None:
-                raise self._full()
-            self._queue.remove(victim)
-            victim.future.set_exception(shed_error(
+        victim = None if front else self._room.victim_for(party)
+        if victim is not None:
+            self._room.fail(victim, shed_error(
                 f"The queue for this model is full ({self.max_queue} waiting).",
                 self.retry_after_s()))
         max_wait = self.max_wait_s if party.max_wait_s is None else party.max_wait_s
-        now = self.clock.now()
-        waiter = _Waiter(candidates, asyncio.get_running_loop().create_future(),
-                         now, affinity, "failover" if front else "queued", party, prefix)
         cost = candidates[0].charge.tokens if candidates else 0
-        self._queue.push(waiter, party, cost, now, front=front)
+        waiter = self._room.join(
+            _Ask(candidates, affinity, "failover" if front else "queued", prefix), party,
+            cost, front=front)
         self.wake()  # it may go before waiters that wait for room it does not need
-        timer = asyncio.ensure_future(self.clock.sleep(max_wait))
-        try:
-            await asyncio.wait({waiter.future, timer}, return_when=asyncio.FIRST_COMPLETED)
-            if waiter.future.done():
-                candidate, lease = waiter.future.result()
-                lease.waited_s = self.clock.now() - waiter.since
-                return candidate, lease
-            raise QueueTimeout(
-                f"The request waited {max_wait:g} s in the queue without room on "
-                "any backend of its model; retry after the Retry-After delay.",
-                retry_after_s=self.retry_after_s())
-        except BaseException:
-            self._leave(waiter)
-            raise
-        finally:
-            timer.cancel()
+        candidate, lease = await self._room.wait(waiter, max_wait, lambda: QueueTimeout(
+            f"The request waited {max_wait:g} s in the queue without room on "
+            "any backend of its model; retry after the Retry-After delay.",
+            retry_after_s=self.retry_after_s()))
+        lease.waited_s = self.clock.now() - waiter.since
+        return candidate, lease
 
     def wake(self) -> None:
         """Start waiters in the queue's order. A waiter that fits nowhere yet keeps
         every backend it could use from the waiters behind it, which may still start on
         backends it cannot use: nothing starves, and no backend idles behind a head that
         waits for another one."""
-        if self.retired and not self._queue:
+        if self.retired and not self._room:
             for backend in self.members:
                 backend.admission.remove_listener(self.wake)
             return
         blocked: set[int] = set()
-        for waiter in self._queue.order(self.clock.now()):
-            if waiter.future.done():
-                self._queue.remove(waiter)
-                continue
-            allowed = [c for c in waiter.candidates if id(c.backend) not in blocked]
-            got = (self._grant(allowed, waiter.affinity, waiter.reason, waiter.prefix)
+        for waiter in self._room.order():
+            ask = waiter.request
+            allowed = [c for c in ask.candidates if id(c.backend) not in blocked]
+            got = (self._grant(allowed, ask.affinity, ask.reason, ask.prefix)
                    if allowed else None)
             if got is None:
-                blocked.update(id(c.backend) for c in waiter.candidates)
+                blocked.update(id(c.backend) for c in ask.candidates)
                 if len(blocked) >= len(self.members):
                     return
                 continue
-            self._queue.take(waiter)
-            waiter.future.set_result(got)
+            self._room.grant(waiter, got)
 
     @staticmethod
-    def _blocked(ahead: Iterable[_Waiter]) -> set[int]:
+    def _blocked(ahead: Iterable[Waiter[_Ask, _Grant]]) -> set[int]:
         """The backends (ids) the waiters ``ahead`` could use."""
-        return {id(c.backend) for waiter in ahead
-                for c in waiter.candidates if not waiter.future.done()}
+        return {id(c.backend) for waiter in ahead for c in waiter.request.candidates}
 
     def wake_later(self, delay_s: float) -> None:
         """Look at the queue again in ``delay_s`` seconds (when a backend marked down
@@ -322,15 +413,11 @@ class ModelQueue:
                 "affinity" if best.backend.name == affinity else "fit"))
         return best, lease
 
-    def _leave(self, waiter: _Waiter) -> None:
-        fut = waiter.future
-        if fut.done() and not fut.cancelled() and fut.exception() is None:
-            candidate, lease = fut.result()  # granted while it was leaving: give it back
-            candidate.backend.release(lease, served=False)
-            return
-        self._queue.remove(waiter)
-        fut.cancel()
-        self.wake()  # the head may have been the blocker
+    @staticmethod
+    def _give_back(got: _Grant) -> None:
+        """Release a lease granted to a waiter as it was leaving."""
+        candidate, lease = got
+        candidate.backend.release(lease, served=False)
 
     def _full(self) -> QueueFull:
         return QueueFull(

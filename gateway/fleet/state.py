@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from gateway.admission.admission import AdmissionStats, Clock
+from gateway.admission.lease import AdmissionStats
 from gateway.admission.tenants import Tenants
 from gateway.backends.target import Target
+from gateway.clock import Clock
 from gateway.config import (
     AdmissionSettings,
     BackendSettings,

@@ -17,11 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 
-from gateway.admission.admission import Clock, MonotonicClock
 from gateway.admission.tenants import OPEN_PATHS, Tenants, check_admin_key
 from gateway.backends import SIDE_CONNECTIONS
 from gateway.backends.target import Target
 from gateway.backends.upstream import build_client
+from gateway.clock import Clock, MonotonicClock
 from gateway.config import AdmissionSettings, BackendSettings, Settings
 from gateway.errors import GatewayError
 from gateway.fleet.state import GatewayState

@@ -24,9 +24,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter
 
-from gateway.admission.admission import Clock
 from gateway.admission.tenants import admin_key_matches
 from gateway.backends.target import Target
+from gateway.clock import Clock
 from gateway.errors import Unauthorized
 from gateway.fleet.state import GatewayState
 

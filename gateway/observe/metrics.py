@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.admission.admission import AdmissionStats
+from gateway.admission.lease import AdmissionStats
 
 __all__ = ["GatewayMetrics"]
 

@@ -24,13 +24,14 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.admission.admission import Clock, Lease
+from gateway.admission.lease import Lease
 from gateway.admission.slotwatch import Ticket
 from gateway.backends.upstream import (
     map_upstream_errors,
     never_reached,
     send_upstream,
 )
+from gateway.clock import Clock
 from gateway.errors import (
     ClientDisconnected,
     GatewayError,

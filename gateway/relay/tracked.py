@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 from starlette.types import Send
 
-from gateway.admission.admission import Lease
+from gateway.admission.lease import Lease
 from gateway.backends.upstream import (
     json_bytes,
     map_upstream_errors,

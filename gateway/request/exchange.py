@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.admission.admission import Lease
+from gateway.admission.lease import Lease
 from gateway.admission.tenants import Tenant, TokenHold
 from gateway.backends.target import Target
 from gateway.core.capacity import Charge
