@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway.admission.admission import Lease
+from gateway.admission.lease import Lease
 from gateway.admission.slotwatch import Ticket
 from gateway.backends.upstream import json_bytes, upstream_request
 from gateway.errors import GatewayError

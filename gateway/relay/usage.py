@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gateway.admission.admission import Clock
+from gateway.clock import Clock
 from gateway.observe.metrics import GatewayMetrics
 from gateway.request.exchange import Exchange
 
