@@ -195,11 +195,9 @@ class BackendKind(Protocol):
         ...
 
 
-# The cap field each route's API reads (the charged cap is written there), and the
-# fields llama-server also reads as a cap on any route: every one the client sent gets
-# the charged cap too, so that no field lets a request past its reservation.
-_CAP_FIELDS = {"messages": "max_tokens", "responses": "max_output_tokens",
-               "completion": "n_predict", "infill": "n_predict"}
+# The fields llama-server also reads as a cap on any route (besides the route's own
+# RouteSpec.cap_field): every one the client sent gets the charged cap too, so that no
+# field lets a request past its reservation.
 _CAP_ALIASES = ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens")
 
 
@@ -212,13 +210,14 @@ def openai_body(req: ParsedRequest, charge: Charge, aliases: tuple[str, ...]
     ``stream_options.include_usage`` so that completion tokens are known. Embeddings and
     rerank bodies, which generate nothing, are sent unchanged."""
     body = dict(req.body)
-    if req.route in ("embeddings", "rerank"):
+    spec = req.spec
+    if not spec.generates:
         return body
-    if req.route in _CAP_FIELDS:
+    if not spec.openai_chunks:  # Messages, Responses, llama-server's native routes
         for alias in _CAP_ALIASES:
             if alias in body:
                 body[alias] = charge.max_tokens
-        body[_CAP_FIELDS[req.route]] = charge.max_tokens
+        body[spec.cap_field] = charge.max_tokens
         return body
     body["max_tokens"] = charge.max_tokens
     for alias in aliases:

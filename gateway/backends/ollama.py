@@ -45,6 +45,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamRefused,
 )
+from gateway.wire.routes import Api, Route
 from gateway.wire.validation import ParsedRequest
 
 __all__ = ["Calibration", "Ollama"]
@@ -99,8 +100,8 @@ class Ollama(WithoutSlots):
 
     kind: ClassVar[str] = "ollama"
     route_paths: ClassVar[dict[str, str]] = {
-        "chat": "/v1/chat/completions", "completions": "/v1/completions",
-        "ollama_chat": "/api/chat", "ollama_generate": "/api/generate",
+        Route.chat: "/v1/chat/completions", Route.completions: "/v1/completions",
+        Route.ollama_chat: "/api/chat", Route.ollama_generate: "/api/generate",
     }
     unified_pool: ClassVar[bool] = False
     default_slots: ClassVar[int] = 1
@@ -178,7 +179,7 @@ class Ollama(WithoutSlots):
         ``truncate: false`` so that Ollama refuses rather than drops what does not fit
         (``api/types.go``, since v0.12.4). A client's ``options.num_ctx`` is replaced by
         the loaded context."""
-        if req.api == "ollama":
+        if req.api == Api.ollama:
             body = dict(req.body)
             options = dict(body.get("options") or {})
             options["num_predict"] = charge.max_tokens

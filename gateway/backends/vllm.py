@@ -55,6 +55,7 @@ from gateway.errors import (
     UpstreamAuthFailed,
     UpstreamError,
 )
+from gateway.wire.routes import Route
 from gateway.wire.validation import ParsedRequest
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_NUM_SEQS", "Vllm", "parse_metrics"]
@@ -108,7 +109,7 @@ class Vllm(WithoutSlots, ExactCount):
 
     kind: ClassVar[str] = "vllm"
     route_paths: ClassVar[dict[str, str]] = {
-        "chat": "/v1/chat/completions", "completions": "/v1/completions",
+        Route.chat: "/v1/chat/completions", Route.completions: "/v1/completions",
     }
     unified_pool: ClassVar[bool] = True  # one block pool for every sequence
     default_slots: ClassVar[int] = DEFAULT_MAX_NUM_SEQS
@@ -119,7 +120,7 @@ class Vllm(WithoutSlots, ExactCount):
     closes_streams: ClassVar[bool] = False  # uvicorn keeps the connection open
     stop_margin: ClassVar[int] = 0  # prompt + max_tokens <= max_model_len, strictly
     # vLLM's own cap when a request sets none, per route (None: the room left).
-    default_caps: ClassVar[dict[str, int]] = {"completions": 16}
+    default_caps: ClassVar[dict[str, int]] = {Route.completions: 16}
 
     def __init__(self, settings: Any, side: SideCalls) -> None:
         self.name = settings.name
@@ -215,7 +216,7 @@ class Vllm(WithoutSlots, ExactCount):
         :raises UpstreamAuthFailed: the gateway's API key was refused.
         :raises UpstreamUnavailable: vLLM cannot be connected to.
         """
-        if route == "chat":
+        if route == Route.chat:
             query = {k: body[k] for k in _CHAT_COUNT_FIELDS if k in body}
             if "documents" in body:  # a chat's documents reach the template as a kwarg
                 query["chat_template_kwargs"] = {**(body.get("chat_template_kwargs") or {}),

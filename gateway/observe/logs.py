@@ -27,6 +27,7 @@ from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
 from gateway.config import ServerSettings
+from gateway.wire import routes
 
 __all__ = ["ACCESS_FIELDS", "QUIET_PATHS", "TextFormatter", "access_level", "configure_logging",
            "log_access", "request_id_of"]
@@ -41,9 +42,9 @@ ACCESS_FIELDS = ("request_id", "upstream_request_id", "method", "path", "route",
                  "count_source", "max_tokens", "queue_wait_ms", "ttft_ms", "duration_ms")
 
 #: Paths whose access lines are DEBUG: load balancer probes, scrapes, the status page.
-QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/status", "/status.json"})
+QUIET_PATHS = routes.QUIET_PATHS
 
-_PROBES = frozenset({"/health", "/ready"})
+_PROBES = routes.PROBE_PATHS
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
