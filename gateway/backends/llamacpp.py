@@ -38,6 +38,7 @@ from gateway.errors import (
     UpstreamAuthFailed,
     UpstreamContextOverflow,
     UpstreamError,
+    UpstreamKind,
 )
 from gateway.wire.routes import Route
 from gateway.wire.validation import ParsedRequest
@@ -341,13 +342,14 @@ class LlamaCpp(ExactCount):
 
     def translate_error(
         self, status: int, body: bytes, retry_after: str | None, *, retry_after_s: float
-    ) -> tuple[GatewayError | None, str]:
+    ) -> GatewayError | None:
         """Map an upstream error answer to a gateway error, or ``None`` to relay it.
 
         :param retry_after: the upstream ``Retry-After`` header, if any (seconds); it is
             kept on the 503 the gateway answers.
         :param retry_after_s: the gateway's own estimate, for an overflow (seconds).
-        :returns: (error or None, kind label for ``gateway_upstream_errors_total``).
+        :returns: the error (its ``upstream_kind`` the ``gateway_upstream_errors_total``
+            kind, ``None`` for the client's mistakes), or ``None``.
 
         500 "Context size has been exceeded." becomes a retryable 503 (the KV model was
         wrong); 503 (model loading) stays a 503 with Retry-After; 501 (a feature the
@@ -360,28 +362,22 @@ class LlamaCpp(ExactCount):
         """
         message = error_message(body)
         if status >= 500 and CONTEXT_OVERFLOW_TEXT in message:
-            return (
-                UpstreamContextOverflow(
-                    f"Backend {self.name!r} ran out of KV cache ({message.strip()}); "
-                    "the gateway's model of its pool was too large. Retry later.",
-                    retry_after_s=retry_after_s,
-                ),
-                "context_overflow",
+            return UpstreamContextOverflow(
+                f"Backend {self.name!r} ran out of KV cache ({message.strip()}); "
+                "the gateway's model of its pool was too large. Retry later.",
+                retry_after_s=retry_after_s,
             )
         if status == 503:
             wait = seconds(retry_after) or 1.0  # llama-server's 503 means "loading"
-            return (
-                BackendNotReady(f"Backend {self.name!r} is unavailable: {message}",
-                                retry_after_s=wait),
-                "status_5xx",
-            )
+            return BackendNotReady(f"Backend {self.name!r} is unavailable: {message}",
+                                   retry_after_s=wait, kind=UpstreamKind.status_5xx)
         if status == 500 and _TOO_LARGE in message:
             # An embedding input over the physical batch (tools/server/server-context.cpp):
             # the same request can never succeed, so it is the client's to change.
             return InvalidRequest(f"Backend {self.name!r}: {message.strip()} Shorten the "
-                                  "input.", param="input"), ""
+                                  "input.", param="input")
         if status == 501 and is_error_object(body):
-            return None, ""  # a feature this server lacks (--embeddings, FIM tokens): relayed
+            return None  # a feature this server lacks (--embeddings, FIM tokens): relayed
         return other_error(self.name, status, body, retry_after, self._auth_problem(status))
 
     def is_overflow_event(self, data: dict[str, Any]) -> bool:

@@ -54,6 +54,7 @@ from gateway.errors import (
     ModelNotFound,
     UpstreamAuthFailed,
     UpstreamError,
+    UpstreamKind,
 )
 from gateway.wire.routes import Route
 from gateway.wire.validation import ParsedRequest
@@ -263,7 +264,7 @@ class Vllm(WithoutSlots, ExactCount):
 
     def translate_error(
         self, status: int, body: bytes, retry_after: str | None, *, retry_after_s: float
-    ) -> tuple[GatewayError | None, str]:
+    ) -> GatewayError | None:
         """Map a vLLM error answer to a gateway error, or ``None`` to relay it.
 
         400 naming the context length → ``context_length_exceeded``; 503 → 503 with the
@@ -273,11 +274,11 @@ class Vllm(WithoutSlots, ExactCount):
         """
         message = error_message(body)
         if status == 400 and any(t in message.lower() for t in _TOO_LONG):
-            return ContextLengthExceeded(f"Backend {self.name!r}: {message}"), ""
+            return ContextLengthExceeded(f"Backend {self.name!r}: {message}")
         if status == 503:
             wait = seconds(retry_after) or retry_after_s
             return BackendNotReady(f"Backend {self.name!r} is unavailable: {message}",
-                                   retry_after_s=wait), "status_5xx"
+                                   retry_after_s=wait, kind=UpstreamKind.status_5xx)
         return other_error(self.name, status, body, retry_after, self._auth_problem(status))
 
     def is_overflow_event(self, data: dict[str, Any]) -> bool:

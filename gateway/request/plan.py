@@ -28,6 +28,7 @@ from gateway.errors import (
     InvalidRequest,
     PayloadTooLarge,
     ShuttingDown,
+    UpstreamKind,
 )
 from gateway.fleet.pool import Candidate, ModelQueue, affinity_key
 from gateway.fleet.state import GatewayState
@@ -137,7 +138,7 @@ async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest,
         raise
     except Exception as exc:
         kind = getattr(exc, "upstream_kind", None)
-        if kind == "connect":
+        if kind is UpstreamKind.connect:
             state.metrics.upstream_errors.labels(backend.name, kind).inc()
         raise
     raw = None
