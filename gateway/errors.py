@@ -27,13 +27,21 @@ Tree::
 
 No I/O here, and no format: each exception carries its status, type, code and message;
 :mod:`gateway.wire.shapes` renders it in the shape of the route's API, in one place.
+
+Two vocabularies are types here, so that producers and the metrics cannot spell them
+apart: :class:`UpstreamKind` (how a backend failed: ``gateway_upstream_errors_total
+{kind}``), set on the exception when it is raised, and :class:`RejectionReason` (why the
+gateway answered a request itself: ``gateway_rejections_total{reason}``).
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import ClassVar
 
 __all__ = [
+    "RejectionReason",
+    "UpstreamKind",
     "BackendNotReady",
     "describe",
     "ClientDisconnected",
@@ -65,25 +73,66 @@ __all__ = [
 ]
 
 
+class UpstreamKind(StrEnum):
+    """How a backend failed: the ``kind`` label of ``gateway_upstream_errors_total``,
+    the access line's ``upstream_error``, and what a backend's health reacts to. A
+    ``StrEnum``, so a member equals its label value."""
+
+    connect = "connect"  # the connection was refused or timed out while connecting
+    timeout = "timeout"  # no answer within the read timeout
+    status_5xx = "status_5xx"  # the backend answered with a 5xx (or its busy 503)
+    context_overflow = "context_overflow"  # llama-server ran out of KV cache
+    stream_aborted = "stream_aborted"  # the connection broke, or an odd answer
+    auth = "auth"  # the backend refused the gateway's API key (401/403)
+
+
+class RejectionReason(StrEnum):
+    """Why the gateway answered a request itself, without forwarding it: the ``reason``
+    label of ``gateway_rejections_total`` and the access line's ``reason``."""
+
+    invalid_request = "invalid_request"  # a client mistake (4xx)
+    context_length_exceeded = "context_length_exceeded"  # never fits a slot
+    unauthorized = "unauthorized"  # no valid key
+    forbidden = "forbidden"  # a priority class above the tenant's
+    tokens_per_minute = "tokens_per_minute"  # a tenant's quotas (429)
+    max_queued = "max_queued"
+    max_inflight = "max_inflight"
+    queue_full = "queue_full"  # the admission queue is full
+    shed = "shed"  # dropped from a full queue for a higher class
+    queue_timeout = "queue_timeout"  # waited longer than max_queue_wait_s
+    queue_wait_predicted = "queue_wait_predicted"  # would wait longer, refused at once
+    backend_unavailable = "backend_unavailable"  # not ready, or cannot be reached
+    shutting_down = "shutting_down"  # the gateway drains before it stops
+
+
 class GatewayError(Exception):
     """Base of every error the gateway answers itself.
 
     Class attributes give the HTTP status, the OpenAI ``error.type`` and ``error.code``.
     ``param`` names the offending request field, when there is one.
+
+    :param kind: how the backend failed, when this error is a backend's failure
+        (:attr:`upstream_kind`); by default the class's own (``None``: not a failure of
+        the backend). Set at construction, by whoever read the failure, so that the
+        count, the access line and the log all read the same value.
     """
 
     status_code: ClassVar[int] = 500
     error_type: ClassVar[str] = "server_error"
     code: ClassVar[str | None] = None
     # Label for gateway_rejections_total{reason}; None means it is not a rejection.
-    rejection_reason: ClassVar[str | None] = None
-    # Label for gateway_upstream_errors_total{kind} when the backend failed this way.
-    upstream_kind: ClassVar[str | None] = None
+    rejection_reason: ClassVar[RejectionReason | None] = None
+    # Label for gateway_upstream_errors_total{kind} when the backend failed this way (a
+    # class default; an instance may carry its own, given at construction).
+    upstream_kind: UpstreamKind | None = None
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None,
+                 kind: UpstreamKind | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        if kind is not None:
+            self.upstream_kind = kind
 
 
 class ClientError(GatewayError):
@@ -91,7 +140,7 @@ class ClientError(GatewayError):
 
     status_code = 400
     error_type = "invalid_request_error"
-    rejection_reason = "invalid_request"
+    rejection_reason = RejectionReason.invalid_request
 
 
 class InvalidRequest(ClientError):
@@ -104,7 +153,7 @@ class ContextLengthExceeded(ClientError):
     """Raised when a request can never fit one slot of the backend (HTTP 400)."""
 
     code = "context_length_exceeded"
-    rejection_reason = "context_length_exceeded"
+    rejection_reason = RejectionReason.context_length_exceeded
 
 
 class PayloadTooLarge(ClientError):
@@ -170,13 +219,16 @@ class ServiceError(GatewayError):
 
 
 class Overloaded(ServiceError):
-    """A retryable 503. ``retry_after_s`` (seconds, float) becomes ``Retry-After``."""
+    """A retryable 503. ``retry_after_s`` (seconds, float) becomes ``Retry-After``;
+    ``kind`` as for :class:`GatewayError` (a backend's busy or loading 503 is
+    ``status_5xx``)."""
 
     status_code = 503
     error_type = "server_error"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, retry_after_s: float = 1.0,
+                 kind: UpstreamKind | None = None) -> None:
+        super().__init__(message, kind=kind)
         self.retry_after_s = retry_after_s
 
 
@@ -191,7 +243,7 @@ class Unauthorized(ClientError):
     status_code = 401
     error_type = "authentication_error"
     code = "invalid_api_key"
-    rejection_reason = "unauthorized"
+    rejection_reason = RejectionReason.unauthorized
 
     def __init__(self, message: str, *, challenge: str | None = None) -> None:
         super().__init__(message)
@@ -204,7 +256,7 @@ class Forbidden(ClientError):
     status_code = 403
     error_type = "permission_error"
     code = "priority_not_allowed"
-    rejection_reason = "forbidden"
+    rejection_reason = RejectionReason.forbidden
 
 
 class RateLimited(ClientError):
@@ -222,10 +274,10 @@ class RateLimited(ClientError):
     error_type = "rate_limit_error"
     code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, reason: str, retry_after_s: float | None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(self, message: str, *, reason: RejectionReason | str,
+                 retry_after_s: float | None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.rejection_reason = reason  # type: ignore[misc]
+        self.rejection_reason = RejectionReason(reason)  # type: ignore[misc]
         self.retry_after_s = retry_after_s
         self.headers = headers or {}
 
@@ -242,21 +294,21 @@ class QueueFull(Overloaded):
     """Raised when the admission queue already holds ``max_queue`` requests."""
 
     code = "queue_full"
-    rejection_reason = "queue_full"
+    rejection_reason = RejectionReason.queue_full
 
 
 class Shed(QueueFull):
     """Raised for a waiting request dropped from a full queue to make room for one of a
     higher priority class (``queue_full``; ``gateway_rejections_total{reason="shed"}``)."""
 
-    rejection_reason = "shed"
+    rejection_reason = RejectionReason.shed
 
 
 class QueueTimeout(Overloaded):
     """Raised when a request waited longer than ``max_queue_wait_s`` in the queue."""
 
     code = "queue_timeout"
-    rejection_reason = "queue_timeout"
+    rejection_reason = RejectionReason.queue_timeout
 
 
 class QueueWaitPredicted(Overloaded):
@@ -264,14 +316,14 @@ class QueueWaitPredicted(Overloaded):
     ``max_queue_wait_s``: the request is refused at once rather than after the wait."""
 
     code = "queue_wait_too_long"
-    rejection_reason = "queue_wait_predicted"
+    rejection_reason = RejectionReason.queue_wait_predicted
 
 
 class BackendNotReady(Overloaded):
     """Raised when the backend's capacity is not known yet (not reachable, or loading)."""
 
     code = "backend_unavailable"
-    rejection_reason = "backend_unavailable"
+    rejection_reason = RejectionReason.backend_unavailable
 
 
 class ShuttingDown(Overloaded):
@@ -279,7 +331,7 @@ class ShuttingDown(Overloaded):
     before it stops (SIGTERM): retry on another instance, or after the restart."""
 
     code = "shutting_down"
-    rejection_reason = "shutting_down"
+    rejection_reason = RejectionReason.shutting_down
 
 
 class UpstreamContextOverflow(Overloaded):
@@ -290,7 +342,7 @@ class UpstreamContextOverflow(Overloaded):
     """
 
     code = "upstream_context_overflow"
-    upstream_kind = "context_overflow"
+    upstream_kind = UpstreamKind.context_overflow
 
 
 class UpstreamUnavailable(ServiceError):
@@ -298,8 +350,8 @@ class UpstreamUnavailable(ServiceError):
 
     status_code = 502
     code = "upstream_unavailable"
-    rejection_reason = "backend_unavailable"  # when it happens before forwarding
-    upstream_kind = "connect"
+    rejection_reason = RejectionReason.backend_unavailable  # before forwarding
+    upstream_kind = UpstreamKind.connect
 
 
 class UpstreamTimeout(ServiceError):
@@ -307,15 +359,17 @@ class UpstreamTimeout(ServiceError):
 
     status_code = 504
     code = "upstream_timeout"
-    upstream_kind = "timeout"
+    upstream_kind = UpstreamKind.timeout
 
 
 class UpstreamError(ServiceError):
-    """Raised when the backend answered with a 5xx the gateway does not translate (502)."""
+    """Raised when the backend answered with a 5xx the gateway does not translate (502,
+    raised with ``kind=UpstreamKind.status_5xx``), or when the connection broke after
+    the request was sent (the class's kind, ``stream_aborted``)."""
 
     status_code = 502
     code = "upstream_error"
-    upstream_kind = "stream_aborted"  # the connection broke, or an odd answer
+    upstream_kind = UpstreamKind.stream_aborted
 
 
 class UpstreamAuthFailed(UpstreamError):
@@ -323,7 +377,7 @@ class UpstreamAuthFailed(UpstreamError):
     wrong (a configuration problem, not the client's)."""
 
     code = "upstream_auth_failed"
-    upstream_kind = "auth"
+    upstream_kind = UpstreamKind.auth
 
 
 class ClientDisconnected(Exception):

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequest
-from gateway.wire.validation import parse_body
+from gateway.wire.routes import BY_NAME
 from tests.conftest import Harness
 
 pytestmark = pytest.mark.anyio
@@ -115,12 +115,12 @@ async def test_missing_content_type_is_accepted(harness: Harness) -> None:
 
 def test_ids_mixed_with_texts_are_one_prompt() -> None:
     # llama-server reads [2, 818, 5279, "of France", 563] as one prompt (tokenize_mixed).
-    req = parse_body("completions", b'{"prompt": [2, 818, 5279, "of France", 563]}')
+    req = BY_NAME["completions"].parse(b'{"prompt": [2, 818, 5279, "of France", 563]}')
     assert req.prompts == ((2, 818, 5279, "of France", 563),)
-    batch = parse_body("completions", b'{"prompt": [[1, "a"], "b", [3, 4]]}')
+    batch = BY_NAME["completions"].parse(b'{"prompt": [[1, "a"], "b", [3, 4]]}')
     assert batch.prompts == ((1, "a"), "b", (3, 4))
     with pytest.raises(InvalidRequest):
-        parse_body("completions", b'{"prompt": [1, -5, "a"]}')
+        BY_NAME["completions"].parse(b'{"prompt": [1, -5, "a"]}')
 
 
 # -- body decoding: orjson first, the standard library for what it cannot settle -------

@@ -83,10 +83,10 @@ def test_each_routes_required_fields(route: str, body: dict[str, Any], param: st
     import json
 
     from gateway.errors import InvalidRequest
-    from gateway.wire.validation import parse_route_body
+    from gateway.wire.routes import BY_NAME
 
     with pytest.raises(InvalidRequest) as info:
-        parse_route_body(route, json.dumps(body).encode())
+        BY_NAME[route].parse(json.dumps(body).encode())
     assert info.value.param == param
 
 
@@ -98,18 +98,18 @@ def test_every_cap_field_llama_server_reads_gets_the_charge() -> None:
     from gateway.backends.base import openai_body
     from gateway.core.capacity import Charge
     from gateway.errors import InvalidRequest
-    from gateway.wire.validation import parse_route_body
+    from gateway.wire.routes import BY_NAME
 
     with pytest.raises(InvalidRequest):
-        parse_route_body("responses", json.dumps({"input": "hi", "max_output_tokens": 2,
+        BY_NAME["responses"].parse(json.dumps({"input": "hi", "max_output_tokens": 2,
                                                   "n_predict": 12}).encode())
-    req = parse_route_body("responses", json.dumps({"input": "hi", "max_output_tokens": 5,
+    req = BY_NAME["responses"].parse(json.dumps({"input": "hi", "max_output_tokens": 5,
                                                     "max_completion_tokens": 5,
                                                     "n": 3}).encode())
     assert (req.max_tokens, req.n) == (5, 3)
     body = openai_body(req, Charge(10, 4, n=3), ())
     assert body["max_output_tokens"] == body["max_completion_tokens"] == 4
-    infill = parse_route_body("infill", json.dumps({"input_prefix": "a", "n_cmpl": 2,
+    infill = BY_NAME["infill"].parse(json.dumps({"input_prefix": "a", "n_cmpl": 2,
                                                     "max_tokens": 7}).encode())
     assert (infill.n, infill.max_tokens) == (2, 7)
     body = openai_body(infill, Charge(10, 6, n=2), ())
@@ -119,15 +119,16 @@ def test_every_cap_field_llama_server_reads_gets_the_charge() -> None:
 def test_media_in_structured_prompts_is_not_read_as_text() -> None:
     import json
 
-    from gateway.wire.validation import IMAGE_TOKENS, parse_route_body
+    from gateway.wire.routes import BY_NAME
+    from gateway.wire.validation import IMAGE_TOKENS
 
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": "iVBOR" * 100_000}}
-    req = parse_route_body("messages", json.dumps({"max_tokens": 5, "messages": [
+    req = BY_NAME["messages"].parse(json.dumps({"max_tokens": 5, "messages": [
         {"role": "user", "content": [image, {"type": "text", "text": "what is this"}]}]}
     ).encode())
     assert all(len(t) < 100 for t in req.texts) and req.extra_prompt_tokens == IMAGE_TOKENS
-    req = parse_route_body("responses", json.dumps({"input": [{"role": "user", "content": [
+    req = BY_NAME["responses"].parse(json.dumps({"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "data:image/png;base64," + "A" * 10_000},
         {"type": "input_text", "text": "hi"}]}]}).encode())
     assert "hi" in req.texts and req.extra_prompt_tokens == IMAGE_TOKENS
@@ -143,10 +144,10 @@ def test_sampling_fields_are_checked_on_every_route(route: str, body: dict[str, 
     import json
 
     from gateway.errors import InvalidRequest
-    from gateway.wire.validation import parse_route_body
+    from gateway.wire.routes import BY_NAME
 
     with pytest.raises(InvalidRequest):
-        parse_route_body(route, json.dumps(body).encode())
+        BY_NAME[route].parse(json.dumps(body).encode())
 
 
 @pytest.mark.anyio

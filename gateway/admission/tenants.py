@@ -38,13 +38,14 @@ from gateway.clock import Clock
 from gateway.config import Settings, TenantSettings
 from gateway.core.fairness import ANONYMOUS, Party
 from gateway.errors import Forbidden, InvalidRequest, RateLimited, Unauthorized
+from gateway.wire import routes
 
 __all__ = ["OPEN_PATHS", "PRIORITY_HEADER", "TOKENS_WINDOW_S", "Tenant", "Tenants",
            "TokenHold", "admin_key_matches", "check_admin_key", "hash_key", "key_of"]
 
 TOKENS_WINDOW_S = 60.0  # the tokens_per_minute window, seconds
 PRIORITY_HEADER = "x-priority"  # a request's class, when it asks for a lower one
-OPEN_PATHS = frozenset({"/health", "/ready"})  # probes: never need a key
+OPEN_PATHS = routes.OPEN_PATHS  # probes: never need a key
 
 
 def hash_key(key: str) -> str:

@@ -28,6 +28,7 @@ from gateway.errors import (
     GatewayError,
     UpstreamAuthFailed,
     UpstreamError,
+    UpstreamKind,
     UpstreamRefused,
     describe,
 )
@@ -35,7 +36,7 @@ from gateway.wire.validation import ParsedRequest
 
 __all__ = ["BackendKind", "Discovered", "ExactCount", "SideCalls", "WithoutSlots",
            "auth_problem", "count_or_none", "error_message", "is_error_object",
-           "openai_body", "other_error", "seconds"]
+           "openai_body", "other_error", "seconds", "upstream_5xx"]
 
 log = logging.getLogger(__name__)
 
@@ -185,9 +186,10 @@ class BackendKind(Protocol):
 
     def translate_error(
         self, status: int, body: bytes, retry_after: str | None, *, retry_after_s: float
-    ) -> tuple[GatewayError | None, str]:
-        """An upstream error answer as a gateway error (or ``None`` to relay it), and the
-        ``gateway_upstream_errors_total`` kind (empty: not an upstream failure)."""
+    ) -> GatewayError | None:
+        """An upstream error answer as a gateway error, or ``None`` to relay it. The
+        error's ``upstream_kind`` is its ``gateway_upstream_errors_total`` kind (``None``:
+        not a failure of the backend, such as a client's mistake it refused)."""
         ...
 
     def is_overflow_event(self, data: dict[str, Any]) -> bool:
@@ -195,11 +197,9 @@ class BackendKind(Protocol):
         ...
 
 
-# The cap field each route's API reads (the charged cap is written there), and the
-# fields llama-server also reads as a cap on any route: every one the client sent gets
-# the charged cap too, so that no field lets a request past its reservation.
-_CAP_FIELDS = {"messages": "max_tokens", "responses": "max_output_tokens",
-               "completion": "n_predict", "infill": "n_predict"}
+# The fields llama-server also reads as a cap on any route (besides the route's own
+# RouteSpec.cap_field): every one the client sent gets the charged cap too, so that no
+# field lets a request past its reservation.
 _CAP_ALIASES = ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens")
 
 
@@ -212,13 +212,14 @@ def openai_body(req: ParsedRequest, charge: Charge, aliases: tuple[str, ...]
     ``stream_options.include_usage`` so that completion tokens are known. Embeddings and
     rerank bodies, which generate nothing, are sent unchanged."""
     body = dict(req.body)
-    if req.route in ("embeddings", "rerank"):
+    spec = req.spec
+    if not spec.generates:
         return body
-    if req.route in _CAP_FIELDS:
+    if not spec.openai_chunks:  # Messages, Responses, llama-server's native routes
         for alias in _CAP_ALIASES:
             if alias in body:
                 body[alias] = charge.max_tokens
-        body[_CAP_FIELDS[req.route]] = charge.max_tokens
+        body[spec.cap_field] = charge.max_tokens
         return body
     body["max_tokens"] = charge.max_tokens
     for alias in aliases:
@@ -280,7 +281,7 @@ async def count_or_none(name: str, counting: Awaitable[int | None]) -> int | Non
     except (ClientError, BackendNotReady, UpstreamAuthFailed):
         raise
     except GatewayError as exc:
-        if exc.upstream_kind == "connect":
+        if exc.upstream_kind is UpstreamKind.connect:
             raise
         log.info("backend %s could not count tokens: %s", name, describe(exc))
     except (ValueError, KeyError, TypeError) as exc:
@@ -297,25 +298,32 @@ def auth_problem(name: str, status: int, key_set: bool, server: str) -> str:
 
 
 def other_error(name: str, status: int, body: bytes, retry_after: str | None,
-                auth_problem: str) -> tuple[GatewayError | None, str]:
+                auth_problem: str) -> GatewayError | None:
     """The error answers every OpenAI-style kind maps alike, once its own are handled:
-    other 5xx → 502 (``status_5xx``); 401/403 → 502 ``upstream_auth_failed`` naming the
-    key to set (``auth``); an empty or plain-text 4xx → ``upstream_refused`` with its
-    status; a 4xx with an ``{"error": {...}}`` object is relayed (``None``).
+    other 5xx → 502 (kind ``status_5xx``); 401/403 → 502 ``upstream_auth_failed`` naming
+    the key to set (kind ``auth``); an empty or plain-text 4xx → ``upstream_refused``
+    with its status (no kind: the backend refused the request, it did not fail); a 4xx
+    with an ``{"error": {...}}`` object is relayed (``None``).
     """
     message = error_message(body)
     if status >= 500:
-        return UpstreamError(f"Backend {name!r} failed with HTTP {status}: {message}"), \
-            "status_5xx"
+        return upstream_5xx(name, status, message)
     if status in (401, 403):  # the gateway's key: the client's is never forwarded
         log.error("%s", auth_problem)
-        return UpstreamAuthFailed(auth_problem), "auth"
+        return UpstreamAuthFailed(auth_problem)
     if not is_error_object(body):
         shown = message.strip() or "no error message"
         return UpstreamRefused(
             f"Backend {name!r} refused the request with HTTP {status}: {shown}.",
-            status_code=status, retry_after=retry_after), ""
-    return None, ""
+            status_code=status, retry_after=retry_after)
+    return None
+
+
+def upstream_5xx(name: str, status: int, message: str) -> UpstreamError:
+    """A backend's 5xx answer the gateway does not translate otherwise: a 502 of kind
+    ``status_5xx`` (counted, logged and acted on under that one kind)."""
+    return UpstreamError(f"Backend {name!r} failed with HTTP {status}: {message}",
+                         kind=UpstreamKind.status_5xx)
 
 
 def seconds(header: str | None) -> float | None:

@@ -38,7 +38,9 @@ from gateway.errors import (
     UpstreamAuthFailed,
     UpstreamContextOverflow,
     UpstreamError,
+    UpstreamKind,
 )
+from gateway.wire.routes import Route
 from gateway.wire.validation import ParsedRequest
 
 __all__ = ["CONTEXT_OVERFLOW_TEXT", "LlamaCpp"]
@@ -52,9 +54,9 @@ _TOO_LARGE = "is too large to process"
 _RANDOM_SEED = 0xFFFFFFFF
 SLOTS_TIMEOUT_S = 5.0  # a /slots answer comes between two decode steps
 # Routes whose body llama-server counts itself, and where (tools/server/server.cpp).
-_COUNT_ROUTES = {"messages": "/v1/messages/count_tokens",
-                 "count_tokens": "/v1/messages/count_tokens",
-                 "responses": "/v1/responses/input_tokens"}
+_COUNT_ROUTES = {Route.messages: "/v1/messages/count_tokens",
+                 Route.count_tokens: "/v1/messages/count_tokens",
+                 Route.responses: "/v1/responses/input_tokens"}
 RERANK_SEPARATORS = 3  # format_prompt_rerank adds EOS, SEP and EOS around query and doc
 INFILL_MARKERS = 3  # FIM prefix, suffix and middle tokens
 
@@ -68,10 +70,10 @@ class LlamaCpp(ExactCount):
 
     kind: ClassVar[str] = "llama.cpp"
     route_paths: ClassVar[dict[str, str]] = {
-        "chat": "/v1/chat/completions", "completions": "/v1/completions",
-        "responses": "/v1/responses", "messages": "/v1/messages",
-        "count_tokens": "/v1/messages/count_tokens", "embeddings": "/v1/embeddings",
-        "rerank": "/v1/rerank", "infill": "/infill", "completion": "/completion",
+        Route.chat: "/v1/chat/completions", Route.completions: "/v1/completions",
+        Route.responses: "/v1/responses", Route.messages: "/v1/messages",
+        Route.count_tokens: "/v1/messages/count_tokens", Route.embeddings: "/v1/embeddings",
+        Route.rerank: "/v1/rerank", Route.infill: "/infill", Route.completion: "/completion",
     }
     unified_pool: ClassVar[bool] = True  # -np unset, or --kv-unified
     default_slots: ClassVar[int | None] = None  # always discovered from /props
@@ -79,8 +81,8 @@ class LlamaCpp(ExactCount):
     # Routes whose requests llama-server does not let the gateway place: /v1/messages
     # drops id_slot (and n_discard) when it converts the body (measured on the build in
     # use), so those leases are unpinned, like batches.
-    unpinned_routes: ClassVar[frozenset[str]] = frozenset({"messages"})
-    resumable_routes: ClassVar[frozenset[str]] = frozenset({"chat", "completions"})
+    unpinned_routes: ClassVar[frozenset[str]] = frozenset({Route.messages})
+    resumable_routes: ClassVar[frozenset[str]] = frozenset({Route.chat, Route.completions})
     usage_covers_one_choice: ClassVar[bool] = True  # a whole n > 1 answer reports one choice
     # cpp-httplib ends the connection after a chunked answer while announcing keep-alive
     # (measured: the next request on it gets no answer).
@@ -249,14 +251,14 @@ class LlamaCpp(ExactCount):
 
     async def _count(self, route: str, body: dict[str, Any]) -> int | None:
         with map_upstream_errors(self.name):
-            if route == "chat":
+            if route == Route.chat:
                 return await self._count_chat(body)
             if route in _COUNT_ROUTES:
                 return await self._count_by(_COUNT_ROUTES[route], body)
-            if route == "infill":
+            if route == Route.infill:
                 return await self._count_infill(body)
             counted = await self._count_completion(body.get("prompt"))
-            if counted is not None and route == "rerank":
+            if counted is not None and route == Route.rerank:
                 counted += RERANK_SEPARATORS
             return counted
 
@@ -340,13 +342,14 @@ class LlamaCpp(ExactCount):
 
     def translate_error(
         self, status: int, body: bytes, retry_after: str | None, *, retry_after_s: float
-    ) -> tuple[GatewayError | None, str]:
+    ) -> GatewayError | None:
         """Map an upstream error answer to a gateway error, or ``None`` to relay it.
 
         :param retry_after: the upstream ``Retry-After`` header, if any (seconds); it is
             kept on the 503 the gateway answers.
         :param retry_after_s: the gateway's own estimate, for an overflow (seconds).
-        :returns: (error or None, kind label for ``gateway_upstream_errors_total``).
+        :returns: the error (its ``upstream_kind`` the ``gateway_upstream_errors_total``
+            kind, ``None`` for the client's mistakes), or ``None``.
 
         500 "Context size has been exceeded." becomes a retryable 503 (the KV model was
         wrong); 503 (model loading) stays a 503 with Retry-After; 501 (a feature the
@@ -359,28 +362,22 @@ class LlamaCpp(ExactCount):
         """
         message = error_message(body)
         if status >= 500 and CONTEXT_OVERFLOW_TEXT in message:
-            return (
-                UpstreamContextOverflow(
-                    f"Backend {self.name!r} ran out of KV cache ({message.strip()}); "
-                    "the gateway's model of its pool was too large. Retry later.",
-                    retry_after_s=retry_after_s,
-                ),
-                "context_overflow",
+            return UpstreamContextOverflow(
+                f"Backend {self.name!r} ran out of KV cache ({message.strip()}); "
+                "the gateway's model of its pool was too large. Retry later.",
+                retry_after_s=retry_after_s,
             )
         if status == 503:
             wait = seconds(retry_after) or 1.0  # llama-server's 503 means "loading"
-            return (
-                BackendNotReady(f"Backend {self.name!r} is unavailable: {message}",
-                                retry_after_s=wait),
-                "status_5xx",
-            )
+            return BackendNotReady(f"Backend {self.name!r} is unavailable: {message}",
+                                   retry_after_s=wait, kind=UpstreamKind.status_5xx)
         if status == 500 and _TOO_LARGE in message:
             # An embedding input over the physical batch (tools/server/server-context.cpp):
             # the same request can never succeed, so it is the client's to change.
             return InvalidRequest(f"Backend {self.name!r}: {message.strip()} Shorten the "
-                                  "input.", param="input"), ""
+                                  "input.", param="input")
         if status == 501 and is_error_object(body):
-            return None, ""  # a feature this server lacks (--embeddings, FIM tokens): relayed
+            return None  # a feature this server lacks (--embeddings, FIM tokens): relayed
         return other_error(self.name, status, body, retry_after, self._auth_problem(status))
 
     def is_overflow_event(self, data: dict[str, Any]) -> bool:

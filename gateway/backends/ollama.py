@@ -35,6 +35,7 @@ from gateway.backends.base import (
     error_message,
     openai_body,
     seconds,
+    upstream_5xx,
 )
 from gateway.backends.upstream import map_upstream_errors
 from gateway.core.capacity import Charge
@@ -43,8 +44,10 @@ from gateway.errors import (
     ContextLengthExceeded,
     GatewayError,
     UpstreamError,
+    UpstreamKind,
     UpstreamRefused,
 )
+from gateway.wire.routes import Api, Route
 from gateway.wire.validation import ParsedRequest
 
 __all__ = ["Calibration", "Ollama"]
@@ -99,8 +102,8 @@ class Ollama(WithoutSlots):
 
     kind: ClassVar[str] = "ollama"
     route_paths: ClassVar[dict[str, str]] = {
-        "chat": "/v1/chat/completions", "completions": "/v1/completions",
-        "ollama_chat": "/api/chat", "ollama_generate": "/api/generate",
+        Route.chat: "/v1/chat/completions", Route.completions: "/v1/completions",
+        Route.ollama_chat: "/api/chat", Route.ollama_generate: "/api/generate",
     }
     unified_pool: ClassVar[bool] = False
     default_slots: ClassVar[int] = 1
@@ -178,7 +181,7 @@ class Ollama(WithoutSlots):
         ``truncate: false`` so that Ollama refuses rather than drops what does not fit
         (``api/types.go``, since v0.12.4). A client's ``options.num_ctx`` is replaced by
         the loaded context."""
-        if req.api == "ollama":
+        if req.api == Api.ollama:
             body = dict(req.body)
             options = dict(body.get("options") or {})
             options["num_predict"] = charge.max_tokens
@@ -195,7 +198,7 @@ class Ollama(WithoutSlots):
 
     def translate_error(
         self, status: int, body: bytes, retry_after: str | None, *, retry_after_s: float
-    ) -> tuple[GatewayError | None, str]:
+    ) -> GatewayError | None:
         """Map an Ollama error answer (either shape) to a gateway error, or ``None``.
 
         503 "server busy …" and 500s that say busy or "no slots" → 503 with Retry-After;
@@ -208,18 +211,17 @@ class Ollama(WithoutSlots):
         if status == 503 or (status >= 500 and any(b in lowered for b in _BUSY)):
             wait = seconds(retry_after) or retry_after_s
             return BackendNotReady(f"Backend {self.name!r} is busy: {message}",
-                                   retry_after_s=wait), "status_5xx"
+                                   retry_after_s=wait, kind=UpstreamKind.status_5xx)
         if status >= 500:
-            return UpstreamError(f"Backend {self.name!r} failed with HTTP {status}: "
-                                 f"{message}"), "status_5xx"
+            return upstream_5xx(self.name, status, message)
         if status == 400 and any(t in lowered for t in _TOO_LONG):
-            return ContextLengthExceeded(f"Backend {self.name!r}: {message}"), ""
+            return ContextLengthExceeded(f"Backend {self.name!r}: {message}")
         if not message.strip() or not body.lstrip().startswith(b"{"):
             return UpstreamRefused(
                 f"Backend {self.name!r} refused the request with HTTP {status}: "
                 f"{message.strip() or 'no error message'}.",
-                status_code=status, retry_after=retry_after), ""
-        return None, ""
+                status_code=status, retry_after=retry_after)
+        return None
 
     def is_overflow_event(self, data: dict[str, Any]) -> bool:
         """False: Ollama's slots are private, so it has no shared pool to overflow."""

@@ -332,9 +332,13 @@ class Target:
 
     def translate_error(self, status: int, body: bytes, retry_after: str | None
                         ) -> tuple[GatewayError | None, str]:
-        """An upstream error answer as a gateway error (see the dialect)."""
-        return self.dialect.translate_error(status, body, retry_after,
-                                            retry_after_s=self.retry_after_s())
+        """An upstream error answer as a gateway error (see the dialect), and its
+        ``upstream_kind`` (empty: not a failure of the backend). The kind is read off
+        the error, its one source; the pair stays only until the relay reads
+        ``exc.upstream_kind`` itself."""
+        exc = self.dialect.translate_error(status, body, retry_after,
+                                           retry_after_s=self.retry_after_s())
+        return exc, (exc.upstream_kind or "") if exc is not None else ""
 
     def is_overflow_event(self, data: dict[str, Any]) -> bool:
         """True when a streamed error event means the backend ran out of KV cache."""

@@ -33,7 +33,7 @@ import httpx
 import orjson
 from httpx_aiohttp import AiohttpTransport
 
-from gateway.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import UpstreamError, UpstreamKind, UpstreamTimeout, UpstreamUnavailable
 
 __all__ = ["ReuseRetry", "build_client", "json_bytes", "map_upstream_errors",
            "send_upstream", "upstream_error_kind", "upstream_request"]
@@ -203,23 +203,28 @@ def _is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, httpx.TimeoutException)
 
 
-def upstream_error_kind(exc: BaseException) -> str:
-    """Classify a transport error: ``"timeout"``, ``"connect"`` or ``"other"`` (the
+def upstream_error_kind(exc: BaseException) -> UpstreamKind:
+    """Classify a transport error: ``timeout``, ``connect`` or ``stream_aborted`` (the
     connection broke after the request was sent)."""
     if _is_timeout(exc):
-        return "timeout"
+        return UpstreamKind.timeout
     cause = exc.__cause__
     if isinstance(cause, aiohttp.ClientError):
-        return "connect" if isinstance(cause, aiohttp.ClientConnectorError) else "other"
+        return (UpstreamKind.connect if isinstance(cause, aiohttp.ClientConnectorError)
+                else UpstreamKind.stream_aborted)
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return "connect"
-    return "other"
+        return UpstreamKind.connect
+    return UpstreamKind.stream_aborted
 
 
 def never_reached(exc: BaseException) -> bool:
     """True when ``exc`` (a gateway error or a transport error, through its causes)
     means the request never reached the backend: the connection was refused or timed
-    out while connecting. Such a request can be sent to another backend as it is."""
+    out while connecting. Such a request can be sent to another backend as it is.
+
+    Read from the transport errors under ``exc``, not from its :class:`UpstreamKind`:
+    a connection that timed out while connecting is counted as ``timeout`` but never
+    reached the backend either."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, (httpx.ConnectError, httpx.ConnectTimeout,
@@ -245,9 +250,9 @@ def map_upstream_errors(backend: str) -> Iterator[None]:
         yield
     except httpx.TransportError as exc:
         kind = upstream_error_kind(exc)
-        if kind == "timeout":
+        if kind is UpstreamKind.timeout:
             raise UpstreamTimeout(f"Backend {backend!r} did not answer in time.") from exc
-        if kind == "connect":
+        if kind is UpstreamKind.connect:
             raise UpstreamUnavailable(
                 f"Backend {backend!r} cannot be reached: {exc or type(exc).__name__}."
             ) from exc

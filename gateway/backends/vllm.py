@@ -54,7 +54,9 @@ from gateway.errors import (
     ModelNotFound,
     UpstreamAuthFailed,
     UpstreamError,
+    UpstreamKind,
 )
+from gateway.wire.routes import Route
 from gateway.wire.validation import ParsedRequest
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_NUM_SEQS", "Vllm", "parse_metrics"]
@@ -108,7 +110,7 @@ class Vllm(WithoutSlots, ExactCount):
 
     kind: ClassVar[str] = "vllm"
     route_paths: ClassVar[dict[str, str]] = {
-        "chat": "/v1/chat/completions", "completions": "/v1/completions",
+        Route.chat: "/v1/chat/completions", Route.completions: "/v1/completions",
     }
     unified_pool: ClassVar[bool] = True  # one block pool for every sequence
     default_slots: ClassVar[int] = DEFAULT_MAX_NUM_SEQS
@@ -119,7 +121,7 @@ class Vllm(WithoutSlots, ExactCount):
     closes_streams: ClassVar[bool] = False  # uvicorn keeps the connection open
     stop_margin: ClassVar[int] = 0  # prompt + max_tokens <= max_model_len, strictly
     # vLLM's own cap when a request sets none, per route (None: the room left).
-    default_caps: ClassVar[dict[str, int]] = {"completions": 16}
+    default_caps: ClassVar[dict[str, int]] = {Route.completions: 16}
 
     def __init__(self, settings: Any, side: SideCalls) -> None:
         self.name = settings.name
@@ -215,7 +217,7 @@ class Vllm(WithoutSlots, ExactCount):
         :raises UpstreamAuthFailed: the gateway's API key was refused.
         :raises UpstreamUnavailable: vLLM cannot be connected to.
         """
-        if route == "chat":
+        if route == Route.chat:
             query = {k: body[k] for k in _CHAT_COUNT_FIELDS if k in body}
             if "documents" in body:  # a chat's documents reach the template as a kwarg
                 query["chat_template_kwargs"] = {**(body.get("chat_template_kwargs") or {}),
@@ -262,7 +264,7 @@ class Vllm(WithoutSlots, ExactCount):
 
     def translate_error(
         self, status: int, body: bytes, retry_after: str | None, *, retry_after_s: float
-    ) -> tuple[GatewayError | None, str]:
+    ) -> GatewayError | None:
         """Map a vLLM error answer to a gateway error, or ``None`` to relay it.
 
         400 naming the context length → ``context_length_exceeded``; 503 → 503 with the
@@ -272,11 +274,11 @@ class Vllm(WithoutSlots, ExactCount):
         """
         message = error_message(body)
         if status == 400 and any(t in message.lower() for t in _TOO_LONG):
-            return ContextLengthExceeded(f"Backend {self.name!r}: {message}"), ""
+            return ContextLengthExceeded(f"Backend {self.name!r}: {message}")
         if status == 503:
             wait = seconds(retry_after) or retry_after_s
             return BackendNotReady(f"Backend {self.name!r} is unavailable: {message}",
-                                   retry_after_s=wait), "status_5xx"
+                                   retry_after_s=wait, kind=UpstreamKind.status_5xx)
         return other_error(self.name, status, body, retry_after, self._auth_problem(status))
 
     def is_overflow_event(self, data: dict[str, Any]) -> bool:

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 
-from gateway.admission.tenants import OPEN_PATHS, Tenants, check_admin_key
+from gateway.admission.tenants import Tenants, check_admin_key
 from gateway.backends import SIDE_CONNECTIONS
 from gateway.backends.target import Target
 from gateway.backends.upstream import build_client
@@ -28,10 +28,11 @@ from gateway.fleet.state import GatewayState
 from gateway.http.connection import guarded_protocol
 from gateway.http.endpoints import register_routes
 from gateway.http.middleware import RequestAccounting, count_rejection
-from gateway.http.status import STATUS_PATHS, register_status
+from gateway.http.status import register_status
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import record_of
 from gateway.relay.response import stop_drains
+from gateway.wire.routes import Access, access_of
 from gateway.wire.shapes import render, shape_of
 
 __all__ = ["GatewayState", "create_app", "uvicorn_options"]
@@ -123,11 +124,11 @@ def create_app(
         tenant's); ``/metrics`` needs the admin key when one is set, unless
         ``server.metrics_public``; every other path needs a tenant's key when tenants
         are configured (:meth:`Tenants.authenticate`)."""
-        path: str = scope["path"]
-        if path in OPEN_PATHS or path in STATUS_PATHS or path.startswith("/admin/"):
+        access = access_of(scope["path"])
+        if access in (Access.open, Access.admin):
             return
         server = state.settings.server
-        if path == "/metrics":
+        if access is Access.scrape:
             if server.admin_key is not None and not server.metrics_public:
                 check_admin_key(scope["headers"], server.admin_key.get_secret_value(),
                                 "/metrics (server.admin_key is set) needs")

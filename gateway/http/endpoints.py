@@ -22,8 +22,8 @@ from gateway.observe.record import record_of
 from gateway.relay.response import ProxyResponse
 from gateway.relay.tracked import TrackedResponse
 from gateway.request.plan import count_prompt, prepare_exchange, read_body, require_ready
-from gateway.wire.routes import FORWARDED
-from gateway.wire.validation import check_content_type, parse_route_body
+from gateway.wire.routes import BY_NAME, DIRECT, FORWARDED, SERVED, Route
+from gateway.wire.validation import check_content_type
 
 __all__ = ["MODELS_TIMEOUT_S", "register_routes"]
 
@@ -89,9 +89,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
 
     for path, route in FORWARDED.items():
         app.add_api_route(path, forward(route), methods=["POST"])
-    served_directly = {path: direct(route) for path, route in
-                       (*FORWARDED.items(), ("/api/chat", "ollama_chat"),
-                        ("/api/generate", "ollama_generate"))}
+    served_directly = {path: direct(route) for path, route in DIRECT.items()}
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
@@ -100,7 +98,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
         record_of(request.scope).route = "count_tokens"
         check_content_type(request.headers.get("content-type"),
                            request.headers.get("content-encoding"))
-        req = parse_route_body("count_tokens", await read_body(
+        req = BY_NAME[Route.count_tokens].parse(await read_body(
             request, state.settings.server.max_body_bytes))
         backend = state.pick_backend(req.body.get("model"), route="count_tokens")
         record_of(request.scope).backend = backend.name
@@ -234,12 +232,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        served = ", ".join(["POST " + p for p in (*FORWARDED, "/v1/messages/count_tokens",
-                                                   "/api/chat", "/api/generate", "/api/show")]
-                           + ["GET /v1/models", "GET /health", "GET /ready", "GET /metrics",
-                              "GET /status", "GET /status.json", "GET /api/tags",
-                              "GET /api/version", "GET /api/ps"])
         raise RouteNotFound(f"{request.method} {request.url.path}: {exc.detail}. The gateway "
-                            f"serves {served}.", status_code=exc.status_code)
+                            f"serves {SERVED}.", status_code=exc.status_code)
 
     return served_directly

@@ -29,11 +29,12 @@ from gateway.backends.target import Target
 from gateway.clock import Clock
 from gateway.errors import Unauthorized
 from gateway.fleet.state import GatewayState
+from gateway.wire import routes
 
 __all__ = ["GAUGES", "RECENT_WINDOW_S", "REFRESH_MS", "STATUS_PATHS", "RejectionLog",
            "backend_status", "register_status", "status_authorized", "status_page"]
 
-STATUS_PATHS = frozenset({"/status", "/status.json"})
+STATUS_PATHS = routes.STATUS_PATHS
 #: A backend row's figure in /status.json -> the /metrics gauge (label ``backend``) that
 #: gives the same number, read from the same source at the call.
 GAUGES = {

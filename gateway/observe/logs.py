@@ -28,6 +28,7 @@ from pythonjsonlogger.json import JsonFormatter
 
 from gateway.config import ServerSettings
 from gateway.observe.record import ACCESS_FIELDS
+from gateway.wire import routes
 
 __all__ = ["ACCESS_FIELDS", "QUIET_PATHS", "TextFormatter", "access_level", "configure_logging",
            "log_access", "request_id_of"]
@@ -36,9 +37,9 @@ access_log = logging.getLogger("gateway.access")
 
 
 #: Paths whose access lines are DEBUG: load balancer probes, scrapes, the status page.
-QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/status", "/status.json"})
+QUIET_PATHS = routes.QUIET_PATHS
 
-_PROBES = frozenset({"/health", "/ready"})
+_PROBES = routes.PROBE_PATHS
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

@@ -7,14 +7,16 @@ admission stats at scrape time by a collector, so they can never drift from the 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.admission.lease import AdmissionStats
+from gateway.errors import RejectionReason, UpstreamKind
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["GatewayMetrics", "PreemptionReason", "ResumeOutcome"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
@@ -125,14 +127,26 @@ class _AdmissionCollector(Collector):
             yield fam
 
 
-#: Label values given a zero series at start and on reload (GatewayMetrics.prime): a
-#: counter series that first appears at 1 hides that first event from rate() and
-#: increase(), and so from the alert rules.
-UPSTREAM_ERROR_KINDS = ("connect", "timeout", "status_5xx", "context_overflow",
-                        "stream_aborted", "auth")
-PREEMPTION_REASONS = ("pool_pressure", "overflow")
-RESUME_OUTCOMES = ("continued", "restarted", "failed", "client_gone")
-QUEUE_REJECTIONS = ("queue_full", "queue_timeout", "queue_wait_predicted")
+class PreemptionReason(StrEnum):
+    """The ``reason`` of ``gateway_preemptions_total``."""
+
+    pool_pressure = "pool_pressure"  # before the pool would overflow (predictive policy)
+    overflow = "overflow"  # after the backend reported an overflow
+
+
+class ResumeOutcome(StrEnum):
+    """The ``outcome`` of ``gateway_resumes_total``: what became of a preempted stream."""
+
+    continued = "continued"  # it went on where it stopped
+    restarted = "restarted"  # it was sent again from its head
+    failed = "failed"  # it could not be continued
+    client_gone = "client_gone"  # its client left meanwhile
+
+
+#: The rejection reasons given a zero series per backend and party (GatewayMetrics.prime,
+#: which primes every member of UpstreamKind, PreemptionReason and ResumeOutcome too).
+QUEUE_REJECTIONS = (RejectionReason.queue_full, RejectionReason.queue_timeout,
+                    RejectionReason.queue_wait_predicted)
 
 
 class GatewayMetrics:
@@ -279,11 +293,11 @@ class GatewayMetrics:
         """
         parties = list(parties)
         for backend in backends:
-            for kind in UPSTREAM_ERROR_KINDS:
+            for kind in UpstreamKind:
                 self.upstream_errors.labels(backend, kind)
-            for reason in PREEMPTION_REASONS:
-                self.preemptions.labels(backend, reason)
-            for outcome in RESUME_OUTCOMES:
+            for preemption in PreemptionReason:
+                self.preemptions.labels(backend, preemption)
+            for outcome in ResumeOutcome:
                 self.resumes.labels(backend, outcome)
             for reason in QUEUE_REJECTIONS:
                 for tenant, priority in parties:

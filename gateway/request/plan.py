@@ -28,6 +28,7 @@ from gateway.errors import (
     InvalidRequest,
     PayloadTooLarge,
     ShuttingDown,
+    UpstreamKind,
 )
 from gateway.fleet.pool import Candidate, ModelQueue, affinity_key
 from gateway.fleet.state import GatewayState
@@ -35,13 +36,8 @@ from gateway.observe.record import AccessRecord, record_of
 from gateway.request.exchange import Exchange
 from gateway.request.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
 from gateway.wire.resume import resumable
-from gateway.wire.validation import (
-    ParsedRequest,
-    check_content_type,
-    parse_body,
-    parse_ollama_body,
-    parse_route_body,
-)
+from gateway.wire.routes import BY_NAME, Api
+from gateway.wire.validation import ParsedRequest, check_content_type
 
 __all__ = ["count_prompt", "estimate_prompt", "prepare_exchange", "read_body",
            "require_ready"]
@@ -74,7 +70,7 @@ def _ids_and_texts(prompt: str | tuple[int | str, ...]) -> tuple[int, list[str]]
 
 
 async def _estimate(req: ParsedRequest, margin: float) -> int:
-    if req.route == "chat":
+    if req.spec.chat:
         text, messages = chat_text(req.body)
         counted = await estimate_tokens(text, messages=messages, margin=margin)
     elif not req.prompts:  # messages, responses, infill: the texts of the structure
@@ -119,10 +115,10 @@ async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest,
     """
     cached = 0  # prompts whose count was kept from an earlier request
     try:
+        route = req.spec.counted_as
         if not req.prompts:  # chat, messages, responses, infill: the body as a whole
-            queries = [(req.route, req.body)]
+            queries = [(route, req.body)]
         else:  # completions, embeddings, rerank: each prompt, the longest charged
-            route = req.route if req.route in ("embeddings", "rerank") else "completions"
             model = {"model": req.body["model"]} if "model" in req.body else {}
             queries = [(route, {"prompt": list(p) if isinstance(p, tuple) else p, **model})
                        for p in req.prompts]
@@ -144,7 +140,7 @@ async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest,
         raise
     except Exception as exc:
         kind = getattr(exc, "upstream_kind", None)
-        if kind == "connect":
+        if kind is UpstreamKind.connect:
             state.metrics.upstream_errors.labels(backend.name, kind).inc()
         raise
     raw = None
@@ -218,18 +214,11 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
     check_content_type(request.headers.get("content-type"),
                        request.headers.get("content-encoding"))
     raw = await read_body(request, state.settings.server.max_body_bytes)
-    native = route.startswith("ollama_")
-    if native:
-        req = parse_ollama_body("chat" if route == "ollama_chat" else "completions", raw)
-    elif route in ("chat", "completions"):
-        req = parse_body(route, raw)
-    else:
-        req = parse_route_body(route, raw)
+    req = BY_NAME[route].parse(raw)
     tenant = record_of(request.scope).tenant or state.tenants.authenticate(
         request.headers.raw)
     party = _party(state, request, tenant, req.body)
-    members = state.resolve(req.body.get("model"), "ollama" if native else None,
-                            route=route)
+    members = state.resolve(req.body.get("model"), req.spec.backend_kind, route=route)
     record_of(request.scope).backend = members[0].name
     backends = state.usable(members)
     counter = backends[0]
@@ -288,14 +277,13 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         request_id=record_of(request.scope).upstream_id or None,
         client_wants_usage=bool(options.get("include_usage")),
         extra_headers=extra, tag=first.tag, api=req.api,
-        progress_s=admission.queue_progress_s if req.stream and req.api != "ollama"
+        progress_s=admission.queue_progress_s if req.stream and req.api != Api.ollama
         and request.headers.get(
             "x-queue-progress", "").strip().lower() in ("1", "true", "yes") else 0.0,
         raw_estimate=raw_estimate, forget_count=forget_count, tracked=first.tracked,
         candidates=candidates if queue is not None else [], queue=queue,
         affinity_key=key, affinity=queue.affinity_for(key) if queue is not None else None,
-        prefix=prefix_of(req.body) if affine and route not in ("embeddings", "rerank")
-        else None,
+        prefix=prefix_of(req.body) if affine and req.spec.generates else None,
         tenant=tenant, party=party, hold=hold, prompt_total=prompt_total,
         batched=batch > 1,
     )
@@ -377,8 +365,7 @@ def _check_shape(backend: Target, req: ParsedRequest, route: str, batch: int) ->
         raise ContextLengthExceeded(
             f"This prompt has at least {floor} tokens, more than a slot of "
             f"{layout.ctx_per_slot} tokens holds. Shorten the prompt.",
-            param="prompt" if req.prompts else "messages" if route in (
-                "chat", "messages", "count_tokens") else "input",
+            param="prompt" if req.prompts else req.spec.prompt_field,
         )
 
 
@@ -388,7 +375,7 @@ def _trackable(backend: Target, req: ParsedRequest, route: str, batch: int) -> b
     return (backend.predictive and route in backend.dialect.resumable_routes
             and req.n == 1 and batch == 1 and not req.queued_batch
             and route not in backend.dialect.unpinned_routes
-            and resumable(route, req.body))
+            and req.spec.resumable and resumable(route, req.body))
 
 
 def _plan(state: GatewayState, backend: Target, req: ParsedRequest, route: str,

@@ -28,10 +28,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.wire.routes import Route
+
 __all__ = ["Seen", "has_token", "quick_token", "read_event", "usage_of_whole"]
 
 _DELTA_TOKENS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
-_NATIVE = ("completion", "infill")
+_NATIVE = (Route.completion, Route.infill)  # llama-server's native stream and answer
+_OLLAMA = (Route.ollama_chat, Route.ollama_generate)
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ def read_event(route: str, obj: dict[str, Any]) -> Seen:
 
     Error objects are the caller's concern; ``[DONE]`` is not JSON and is too.
     """
-    if route in ("chat", "completions"):
+    if route in (Route.chat, Route.completions):
         usage = obj.get("usage")
         return Seen(token=has_token(obj.get("choices")),
                     usage=_ints(prompt_tokens=usage.get("prompt_tokens"),
@@ -142,7 +145,7 @@ def read_event(route: str, obj: dict[str, Any]) -> Seen:
         stop = obj.get("stop") is True
         return Seen(token=bool(obj.get("content")) and not stop,
                     usage=_native_usage(obj) if stop else None, done=stop)
-    if route == "responses":
+    if route == Route.responses:
         kind = str(obj.get("type") or "")
         if kind == "response.completed":
             usage = (obj.get("response") or {}).get("usage") or {}
@@ -150,7 +153,7 @@ def read_event(route: str, obj: dict[str, Any]) -> Seen:
                                     completion_tokens=usage.get("output_tokens")), done=True)
         return Seen(token=kind.endswith(".delta") and bool(obj.get("delta")),
                     done=kind in ("response.failed", "response.incomplete"))
-    if route == "messages":
+    if route == Route.messages:
         kind = obj.get("type")
         if kind == "message_start":
             usage = (obj.get("message") or {}).get("usage") or {}
@@ -163,7 +166,7 @@ def read_event(route: str, obj: dict[str, Any]) -> Seen:
             usage = obj.get("usage") or {}
             return Seen(usage=_ints(completion_tokens=usage.get("output_tokens")))
         return Seen(done=kind == "message_stop")
-    if route.startswith("ollama_"):
+    if route in _OLLAMA:
         message = obj.get("message") if isinstance(obj.get("message"), dict) else {}
         done = obj.get("done") is True
         return Seen(token=bool(obj.get("response") or message.get("content")
@@ -186,13 +189,13 @@ def usage_of_whole(route: str, data: Any) -> tuple[dict[str, int] | None, list[A
         return None, []
     if route in _NATIVE:
         return _native_usage(data), []
-    if route.startswith("ollama_"):
+    if route in _OLLAMA:
         return _ollama_usage(data), []
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
-    if route == "responses":
+    if route == Route.responses:
         return _ints(prompt_tokens=usage.get("input_tokens"),
                      completion_tokens=usage.get("output_tokens")), []
-    if route == "messages":
+    if route == Route.messages:
         return _ints(prompt_tokens=_anthropic_input(usage),
                      completion_tokens=usage.get("output_tokens")), []
     choices = data.get("choices")

@@ -29,6 +29,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.wire.routes import Route
+
 __all__ = ["CAP_FIELDS", "Continuation", "Reassembler", "resumable"]
 
 log = logging.getLogger(__name__)
@@ -61,9 +63,9 @@ def resumable(route: str, body: dict[str, Any]) -> bool:
             continue
         if value not in (None, False):
             return False
-    if route == "completions":
+    if route == Route.completions:
         return isinstance(body.get("prompt"), str)
-    if route != "chat":
+    if route != Route.chat:
         return False
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -122,7 +124,7 @@ class Continuation:
             if name in out:
                 out[name] = left
         out["max_tokens"] = left
-        if self.route == "completions":
+        if self.route == Route.completions:
             out["prompt"] = body["prompt"] + self.text
             return out
         self._strip = self.text
@@ -155,7 +157,7 @@ class Continuation:
         choice = choices[0]
         if choice.get("finish_reason") is not None:
             self.finished = True
-        if self.route == "completions":
+        if self.route == Route.completions:
             text = choice.get("text")
             if isinstance(text, str) and text:
                 self.text += text
@@ -232,7 +234,7 @@ class Reassembler:
         choice = choices[0]
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
-        if self.route == "completions":
+        if self.route == Route.completions:
             self.content += choice.get("text") or ""
             return
         delta = choice.get("delta") or {}
@@ -242,7 +244,7 @@ class Reassembler:
     def answer(self) -> dict[str, Any]:
         """The whole answer, as a JSON object."""
         first = self.first or {}
-        if self.route == "completions":
+        if self.route == Route.completions:
             choice: dict[str, Any] = {"text": self.content, "index": 0, "logprobs": None,
                                       "finish_reason": self.finish_reason}
             kind = "text_completion"

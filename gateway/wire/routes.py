@@ -1,22 +1,292 @@
-"""The paths the gateway serves and the route name each has (in metrics labels and in
-:mod:`gateway.request.plan`). A data module, imported by the routes and the middleware."""
+"""Every path the gateway serves, once: a table of frozen :class:`RouteSpec` entries.
+
+One entry answers every question the gateway asks about a route (as starlette's ``Route``
+carries path, endpoint and methods together): its name (the ``route`` label of
+``gateway_requests_total`` and the name the pipeline, the relay and the backend kinds
+use), its path and method, the API whose shape its answers and errors take (:class:`Api`),
+the parser of its body, who may call it (:class:`Access`), whether its access line is
+quiet, and what its body and answer are like (does it generate, does its usage sum its
+items, which fields cap its output, can its stream be resumed).
+
+Everything else is derived from :data:`ROUTES`: :data:`FORWARDED` and :data:`LABELS`,
+the path sets of the access log (:data:`QUIET_PATHS`, :data:`PROBE_PATHS`), of the status
+page (:data:`STATUS_PATHS`) and of the tenant gate (:data:`OPEN_PATHS`), the routes served
+straight from the middleware (:data:`DIRECT`), the list a 404 names (:data:`SERVED`) and
+who may call a path (:func:`access_of`). A new route is one entry here plus a parser in
+:mod:`gateway.wire.validation`.
+
+A data module, pure: it imports only :mod:`gateway.wire.validation`.
+"""
 
 from __future__ import annotations
 
-__all__ = ["FORWARDED", "LABELS"]
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import StrEnum
 
-# Generation routes forwarded under admission.
-FORWARDED = {
-    "/v1/chat/completions": "chat", "/v1/completions": "completions",
-    "/v1/responses": "responses", "/v1/messages": "messages",
-    "/v1/embeddings": "embeddings", "/v1/rerank": "rerank", "/infill": "infill",
-    "/completion": "completion",
-}
+from gateway.wire import validation as v
+from gateway.wire.validation import ParsedRequest
 
-# Every path's ``route`` label in gateway_requests_total.
-LABELS = {
-    **FORWARDED, "/v1/messages/count_tokens": "count_tokens", "/v1/models": "models",
-    "/health": "health", "/ready": "ready", "/metrics": "metrics",
-    "/status": "status", "/status.json": "status",
-    "/api/chat": "ollama_chat", "/api/generate": "ollama_generate",
-}
+__all__ = ["ADMIN_PREFIX", "BY_NAME", "BY_PATH", "DIRECT", "FORWARDED", "LABELS",
+           "OPEN_PATHS", "PROBE_PATHS", "QUIET_PATHS", "ROUTES", "SERVED", "STATUS_PATHS",
+           "Access", "Api", "Route", "RouteSpec", "access_of", "api_of"]
+
+
+class Api(StrEnum):
+    """The API a route belongs to: the shape of its answers and of its errors
+    (:mod:`gateway.wire.shapes`). A ``StrEnum``, so a member equals its value."""
+
+    openai = "openai"  # {"error": {message, type, param, code}}; SSE data events
+    anthropic = "anthropic"  # {"type": "error", "error": {type, message}}; named events
+    ollama = "ollama"  # {"error": "message"}; NDJSON streams (Ollama's api/types.go)
+
+
+class Access(StrEnum):
+    """Who may call a route (checked by the app before a body is read)."""
+
+    open = "open"  # anyone: load balancer probes never need a key
+    tenant = "tenant"  # a tenant's key, when tenants are configured
+    admin = "admin"  # server.admin_key, checked by the route itself (status page, /admin/)
+    scrape = "scrape"  # server.admin_key when set, unless server.metrics_public (/metrics)
+
+
+class Route(StrEnum):
+    """The route names: the ``route`` label of ``gateway_requests_total`` and the name
+    the pipeline, the relay and the backend kinds (``route_paths``) use. A ``StrEnum``,
+    so a member equals the string used before it existed."""
+
+    chat = "chat"
+    completions = "completions"
+    responses = "responses"
+    messages = "messages"
+    embeddings = "embeddings"
+    rerank = "rerank"
+    infill = "infill"
+    completion = "completion"  # llama-server's native /completion
+    count_tokens = "count_tokens"
+    ollama_chat = "ollama_chat"
+    ollama_generate = "ollama_generate"
+    models = "models"
+    health = "health"
+    ready = "ready"
+    metrics = "metrics"
+    status = "status"  # the status page and its JSON
+    other = "other"  # a path with no label of its own (Ollama's listing routes, 404s)
+
+
+Parser = Callable[["RouteSpec", bytes], ParsedRequest]
+
+# The fields llama-server reads as an output cap, whatever the route
+# (tools/server/server-schema.cpp: n_predict, then max_completion_tokens, then max_tokens).
+_OPENAI_CAPS = ("max_tokens", "max_completion_tokens", "n_predict")
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """One route of the gateway.
+
+    :param name: the route's name (:class:`Route`); several paths may share one
+        (``/status`` and ``/status.json``).
+    :param path: the path it is served on.
+    :param method: the HTTP method of its handler (others answer 405).
+    :param api: the API whose answer and error shapes it uses.
+    :param access: who may call it.
+    :param parser: reads and validates its body (:mod:`gateway.wire.validation`);
+        ``None`` for a route with no body the gateway reads.
+    :param forwarded: a generation route, planned and forwarded under admission
+        (:func:`gateway.request.plan.prepare_exchange`).
+    :param quiet: its access line is DEBUG when it succeeds (scrapes, the status page).
+    :param probe: its access line is always DEBUG (``/ready`` answers 503 while a
+        backend is down; a load balancer probing it every second would fill the log).
+    :param generates: it produces output tokens (embeddings and rerank do not: their
+        bodies are forwarded unchanged and they have no output cap).
+    :param sums_usage: its usage's ``prompt_tokens`` is the sum over its items (every
+        input of an embeddings batch, every document of a rerank), not one prompt's.
+    :param cap_field: the field its API reads as the output cap, where the charged cap
+        is written (``max_tokens``; ``max_output_tokens`` on Responses, llama-server's
+        ``n_predict`` on its native routes, ``options.num_predict`` on Ollama's).
+    :param cap_keys: every body field the parser reads as the cap (they must agree).
+    :param resumable: a stream the gateway can cancel and continue where it stopped
+        (:mod:`gateway.wire.resume`), when the backend kind can (its
+        ``resumable_routes``).
+    :param chat: its prompt is a ``messages`` array of chat messages, counted and
+        estimated as a chat (OpenAI's and Ollama's chat).
+    :param count_as: the route a backend counts its prompt as
+        (``BackendKind.count_prompt``): a completion-like route's prompts are counted
+        as completions.
+    :param openai_chunks: its stream is OpenAI's chat/completions chunks: usage is
+        asked for with ``stream_options.include_usage``, comes once per choice of an
+        ``n > 1`` stream (llama-server), and a usage-only chunk the client did not ask
+        for is dropped; its plain chunks can be read without parsing them.
+    :param exact_usage: the backend's reported ``prompt_tokens`` is the count the
+        gateway asked it for, so a disagreement means a kept count went stale.
+    :param predicts_output: its completion lengths feed the backend's output-length
+        prediction (``record_completion``).
+    :param native_tasks: llama-server's native stream, which ends each task
+        (prompt × n) with a ``"stop": true`` chunk of its own.
+    :param backend_kind: only backends of this kind serve it (Ollama's native API).
+    :param prompt_field: the field an error names when a prompt given otherwise than as
+        ``prompt`` is surely too long for a slot.
+    """
+
+    name: Route
+    path: str
+    method: str = "POST"
+    api: Api = Api.openai
+    access: Access = Access.tenant
+    parser: Parser | None = None
+    forwarded: bool = False
+    quiet: bool = False
+    probe: bool = False
+    generates: bool = True
+    sums_usage: bool = False
+    cap_field: str = "max_tokens"
+    cap_keys: tuple[str, ...] = _OPENAI_CAPS
+    resumable: bool = False
+    chat: bool = False
+    count_as: Route | None = None
+    openai_chunks: bool = False
+    exact_usage: bool = False
+    predicts_output: bool = False
+    native_tasks: bool = False
+    backend_kind: str | None = None
+    prompt_field: str = "input"
+
+    def parse(self, raw: bytes) -> ParsedRequest:
+        """Read and validate a body of this route (``raw``: the bytes, size-checked).
+
+        :raises InvalidRequest: the body is not what the route takes (4xx, naming the
+            field).
+        :raises TypeError: the route has no parser (it reads no body).
+        """
+        if self.parser is None:
+            raise TypeError(f"route {self.name} reads no body")
+        return self.parser(self, raw)
+
+    @property
+    def counted_as(self) -> Route:
+        """The route a backend counts this route's prompt as (:attr:`count_as`, else
+        the route itself)."""
+        return self.count_as or self.name
+
+
+def _get(name: Route, path: str, **flags: object) -> RouteSpec:
+    return RouteSpec(name, path, method="GET", generates=False, **flags)  # type: ignore[arg-type]
+
+
+def _forwarded(name: Route, path: str, parser: Parser, **flags: object) -> RouteSpec:
+    return RouteSpec(name, path, parser=parser, forwarded=True, **flags)  # type: ignore[arg-type]
+
+
+ROUTES: tuple[RouteSpec, ...] = (
+    # Generation routes forwarded under admission (FORWARDED), in the order the 404
+    # names them.
+    _forwarded(Route.chat, "/v1/chat/completions", v.parse_chat, resumable=True, chat=True,
+               openai_chunks=True, exact_usage=True, predicts_output=True,
+               prompt_field="messages"),
+    _forwarded(Route.completions, "/v1/completions", v.parse_completions, resumable=True,
+               openai_chunks=True, exact_usage=True, predicts_output=True),
+    _forwarded(Route.responses, "/v1/responses", v.parse_responses,
+               cap_field="max_output_tokens", cap_keys=("max_output_tokens", *_OPENAI_CAPS),
+               exact_usage=True, predicts_output=True),
+    _forwarded(Route.messages, "/v1/messages", v.parse_messages, api=Api.anthropic,
+               exact_usage=True, predicts_output=True, prompt_field="messages"),
+    _forwarded(Route.embeddings, "/v1/embeddings", v.parse_embeddings, generates=False,
+               sums_usage=True, cap_keys=()),
+    _forwarded(Route.rerank, "/v1/rerank", v.parse_rerank, generates=False, sums_usage=True,
+               cap_keys=()),
+    _forwarded(Route.infill, "/infill", v.parse_infill, cap_field="n_predict",
+               cap_keys=("n_predict", "max_tokens", "max_completion_tokens"),
+               native_tasks=True),
+    _forwarded(Route.completion, "/completion", v.parse_completions, cap_field="n_predict",
+               count_as=Route.completions, predicts_output=True, native_tasks=True),
+    RouteSpec(Route.count_tokens, "/v1/messages/count_tokens", api=Api.anthropic,
+              parser=v.parse_messages, generates=False, prompt_field="messages"),
+    # Ollama's native API (NDJSON streams; only Ollama backends serve it).
+    _forwarded(Route.ollama_chat, "/api/chat", v.parse_ollama_chat, api=Api.ollama,
+               chat=True, count_as=Route.chat, cap_field="options.num_predict",
+               cap_keys=("options.num_predict",), predicts_output=True,
+               backend_kind="ollama"),
+    _forwarded(Route.ollama_generate, "/api/generate", v.parse_ollama_generate,
+               api=Api.ollama, count_as=Route.completions, cap_field="options.num_predict",
+               cap_keys=("options.num_predict",), predicts_output=True,
+               backend_kind="ollama"),
+    RouteSpec(Route.other, "/api/show", api=Api.ollama, generates=False,
+              backend_kind="ollama"),
+    _get(Route.models, "/v1/models"),
+    _get(Route.health, "/health", access=Access.open, quiet=True, probe=True),
+    _get(Route.ready, "/ready", access=Access.open, quiet=True, probe=True),
+    _get(Route.metrics, "/metrics", access=Access.scrape, quiet=True),
+    _get(Route.status, "/status", access=Access.admin, quiet=True),
+    _get(Route.status, "/status.json", access=Access.admin, quiet=True),
+    # Ollama's listing routes, relayed to an Ollama backend.
+    _get(Route.other, "/api/tags", api=Api.ollama, backend_kind="ollama"),
+    _get(Route.other, "/api/version", api=Api.ollama, backend_kind="ollama"),
+    _get(Route.other, "/api/ps", api=Api.ollama, backend_kind="ollama"),
+)
+
+#: The admin routes' common prefix: each checks ``server.admin_key`` itself.
+ADMIN_PREFIX = "/admin/"
+
+#: Each path's entry.
+BY_PATH: dict[str, RouteSpec] = {spec.path: spec for spec in ROUTES}
+
+#: The entries of the routes whose body the gateway reads, by name.
+BY_NAME: dict[str, RouteSpec] = {spec.name: spec for spec in ROUTES if spec.parser}
+
+#: Generation routes forwarded under admission (OpenAI's, Anthropic's and llama-server's
+#: paths; Ollama's native ones are served apart): path → route name.
+FORWARDED: dict[str, str] = {spec.path: spec.name for spec in ROUTES
+                             if spec.forwarded and spec.backend_kind is None}
+
+#: Every path's ``route`` label in gateway_requests_total (another path's is ``other``).
+LABELS: dict[str, str] = {spec.path: spec.name for spec in ROUTES
+                          if spec.name is not Route.other}
+
+#: The routes the middleware serves itself, past the framework's routing (``POST``
+#: path → route name): every forwarded one.
+DIRECT: dict[str, str] = {spec.path: spec.name for spec in ROUTES if spec.forwarded}
+
+
+def _paths(specs: Iterable[RouteSpec]) -> frozenset[str]:
+    return frozenset(spec.path for spec in specs)
+
+
+#: Paths whose access lines are DEBUG when they succeed: probes, scrapes, the status page.
+QUIET_PATHS = _paths(s for s in ROUTES if s.quiet)
+#: Paths whose access lines are always DEBUG: the load balancer's probes.
+PROBE_PATHS = _paths(s for s in ROUTES if s.probe)
+#: The status page and its JSON.
+STATUS_PATHS = _paths(s for s in ROUTES if s.name is Route.status)
+#: Paths that never need a key (probes).
+OPEN_PATHS = _paths(s for s in ROUTES if s.access is Access.open)
+
+#: What the gateway serves, as a 404 names it: ``"POST /v1/chat/completions, …, GET …"``.
+SERVED = ", ".join([f"POST {s.path}" for s in ROUTES if s.method == "POST"]
+                   + [f"GET {s.path}" for s in ROUTES if s.method == "GET"])
+
+
+# The API of a path the table does not name, by its prefix (a 404 under /api/ is
+# answered as Ollama answers, one under /v1/messages as Anthropic does).
+_API_PREFIXES = (("/api/", Api.ollama), ("/v1/messages", Api.anthropic))
+
+
+def api_of(path: str) -> Api:
+    """The API whose shape a request on ``path`` is answered in: its entry's, else the
+    one its prefix belongs to (Ollama's native API under ``/api/``, Anthropic's under
+    ``/v1/messages``), else OpenAI's."""
+    spec = BY_PATH.get(path)
+    if spec is not None:
+        return spec.api
+    return next((api for prefix, api in _API_PREFIXES if path.startswith(prefix)),
+                Api.openai)
+
+
+def access_of(path: str) -> Access:
+    """Who may call ``path``: its entry's :class:`Access`; :attr:`Access.admin` under
+    :data:`ADMIN_PREFIX`; a tenant's key for any other path (an unknown one too, so that
+    a client without a key learns nothing of what exists)."""
+    spec = BY_PATH.get(path)
+    if spec is not None:
+        return spec.access
+    return Access.admin if path.startswith(ADMIN_PREFIX) else Access.tenant

@@ -26,6 +26,7 @@ from gateway.errors import (
     Unauthorized,
     UpstreamRefused,
 )
+from gateway.wire.routes import Api, api_of
 
 __all__ = ["anthropic_body", "error_body", "error_headers", "error_messages",
            "ndjson_error_line", "render", "reshape_upstream_error", "reshaped", "shape_of",
@@ -143,12 +144,11 @@ def render(exc: GatewayError, shape: str = "openai"
     return exc.status_code, headers, body
 
 
-def shape_of(path: str) -> str:
-    """The error shape of a request path: Ollama's native API under ``/api/``,
-    Anthropic's under ``/v1/messages``."""
-    if path.startswith("/api/"):
-        return "ollama"
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
+def shape_of(path: str) -> Api:
+    """The error shape of a request path: its route's API in the route table
+    (:func:`gateway.wire.routes.api_of`: Ollama's native API under ``/api/``,
+    Anthropic's under ``/v1/messages``, else OpenAI's)."""
+    return api_of(path)
 
 
 def ndjson_error_line(exc: GatewayError) -> bytes:

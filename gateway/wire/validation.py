@@ -14,15 +14,19 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gateway.errors import InvalidRequest, UnsupportedMediaType
 
-__all__ = ["IMAGE_TOKENS", "ParsedRequest", "check_content_type", "parse_body", "parse_ollama_body",
-           "parse_route_body"]
+if TYPE_CHECKING:
+    from gateway.wire.routes import Api, Route, RouteSpec
+
+__all__ = ["IMAGE_TOKENS", "ParsedRequest", "check_content_type", "parse_chat",
+           "parse_completions", "parse_embeddings", "parse_infill", "parse_messages",
+           "parse_ollama_chat", "parse_ollama_generate", "parse_rerank", "parse_responses"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's documented maximum for top_logprobs
 MAX_N_PROBS = 100  # llama-server n_probs; each adds an entry to every token event
@@ -56,9 +60,10 @@ IMAGE_TOKENS = 1600
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """A validated OpenAI request.
+    """A validated request of one route.
 
-    :param route: ``"chat"`` or ``"completions"``.
+    :param spec: the route's entry in :data:`gateway.wire.routes.ROUTES`, which gives
+        its name (:attr:`route`) and API (:attr:`api`).
     :param body: the JSON object, as sent (unknown fields kept).
     :param max_tokens: requested output cap in tokens, or ``None``.
     :param n: completions requested per prompt (≥ 1).
@@ -66,8 +71,6 @@ class ParsedRequest:
     :param cap_field: which field gave ``max_tokens`` (for error messages).
     :param prompts: for completions, the prompts (one, or a batch); empty for chat. Each
         is a string, or a tuple of token ids that may mix in strings.
-    :param api: ``"openai"``, or ``"ollama"`` for Ollama's native ``/api/chat`` and
-        ``/api/generate`` (then ``route`` is ``chat`` or ``completions``).
     :param extra_prompt_tokens: prompt tokens given as ids besides the text (Ollama's
         ``context`` array on ``/api/generate``).
     :param texts: for routes without ``messages`` or ``prompt`` (Anthropic messages,
@@ -76,17 +79,27 @@ class ParsedRequest:
         the rest itself (embeddings, rerank), so it takes at most every slot.
     """
 
-    route: str
+    spec: RouteSpec
     body: dict[str, Any]
     max_tokens: int | None
     n: int
     stream: bool
     cap_field: str = "max_tokens"
     prompts: tuple[str | tuple[int | str, ...], ...] = ()
-    api: str = "openai"
     extra_prompt_tokens: int = 0
     texts: tuple[str, ...] = ()
     queued_batch: bool = False
+
+    @property
+    def route(self) -> Route:
+        """The route's name (``chat``, ``ollama_chat``, …), the same word the exchange,
+        the metrics and the backend kinds use."""
+        return self.spec.name
+
+    @property
+    def api(self) -> Api:
+        """The route's API (``openai``, ``anthropic`` or ``ollama``)."""
+        return self.spec.api
 
 
 def check_content_type(value: str | None, encoding: str | None = None) -> None:
@@ -234,7 +247,12 @@ def _prompts(body: dict[str, Any]) -> tuple[str | tuple[int | str, ...], ...]:
     )
 
 
-def _check_sampling(body: dict[str, Any], route: str) -> None:
+def _check_sampling(body: dict[str, Any], logprobs: type[bool] | type[int]) -> None:
+    """The sampling fields' types and bounds; ``logprobs`` is a boolean in chat-like
+    APIs (``bool``) and a count of alternatives in completion-like ones (``int``).
+
+    :raises InvalidRequest: a field has the wrong type or is out of its range.
+    """
     for key in _NUMBER_FIELDS:
         value = body.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -248,10 +266,10 @@ def _check_sampling(body: dict[str, Any], route: str) -> None:
         raise InvalidRequest("stop must be a string or an array of strings.", param="stop")
     _int_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     _int_field(body, "n_probs", 0, MAX_N_PROBS)
-    logprobs = body.get("logprobs")
-    if route == "chat" and logprobs is not None and not isinstance(logprobs, bool):
+    given = body.get("logprobs")
+    if logprobs is bool and given is not None and not isinstance(given, bool):
         raise InvalidRequest("logprobs must be a boolean.", param="logprobs")
-    if route == "completions" and logprobs is not None:
+    if logprobs is int and given is not None:
         _int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
 
 
@@ -340,10 +358,9 @@ def _same(keys: tuple[str, ...], values: list[int | None]) -> int | None:
     return given[0] if given else None
 
 
-def parse_body(route: str, raw: bytes) -> ParsedRequest:
-    """Decode and validate a request body.
+def _parse_openai(spec: RouteSpec, raw: bytes, *, chat: bool) -> ParsedRequest:
+    """Decode and validate an OpenAI chat (``chat``) or completion body.
 
-    :param route: ``"chat"`` or ``"completions"``.
     :param raw: the body bytes (already size-checked).
     :raises InvalidRequest: not UTF-8, not JSON (NaN/Infinity included), too deeply
         nested, not an object, a required field missing or empty, or a field with the
@@ -353,26 +370,46 @@ def parse_body(route: str, raw: bytes) -> ParsedRequest:
     if not isinstance(body, dict):
         raise InvalidRequest("The body must be a JSON object.")
     prompts: tuple[str | tuple[int | str, ...], ...] = ()
-    if route == "chat":
+    if chat:
         _check_messages(body)
     else:
         prompts = _prompts(body)
     for key, kind in (("model", str), ("stream", bool), ("stream_options", dict)):
         if body.get(key) is not None and not isinstance(body[key], kind):
             raise InvalidRequest(f"{key} has the wrong type: {body[key]!r}.", param=key)
-    _check_sampling(body, route)
+    _check_sampling(body, bool if chat else int)
     n_predict = _int_field(body, "n_predict", -1)
-    cap_keys = ("max_tokens", "max_completion_tokens", "n_predict")
-    caps = [_int_field(body, "max_tokens", 1), _int_field(body, "max_completion_tokens", 1),
-            None if n_predict in (None, -1) else _int_field(body, "n_predict", 1)]
+    cap_keys = spec.cap_keys  # max_tokens, max_completion_tokens, n_predict
+    caps = [None if key == "n_predict" and n_predict in (None, -1) else
+            _int_field(body, key, 1) for key in cap_keys]
     max_tokens = _same(cap_keys, caps)
     cap_field = next((k for k, v in zip(cap_keys, caps, strict=True) if v is not None),
                      "max_tokens")
     n = _same(("n", "n_cmpl"), [_int_field(body, "n", 1), _int_field(body, "n_cmpl", 1)])
     return ParsedRequest(
-        route=route, body=body, max_tokens=max_tokens, n=n or 1,
+        spec=spec, body=body, max_tokens=max_tokens, n=n or 1,
         stream=bool(body.get("stream")), cap_field=cap_field, prompts=prompts,
     )
+
+
+def parse_chat(spec: RouteSpec, raw: bytes) -> ParsedRequest:
+    """An OpenAI Chat Completions body: ``messages`` (non-empty, each role's required
+    fields), the sampling fields, and the cap in ``max_tokens``,
+    ``max_completion_tokens`` or llama-server's ``n_predict`` (they must agree).
+
+    :raises InvalidRequest: see :func:`_parse_openai`.
+    """
+    return _parse_openai(spec, raw, chat=True)
+
+
+def parse_completions(spec: RouteSpec, raw: bytes) -> ParsedRequest:
+    """An OpenAI Completions body (also llama-server's native ``/completion``): a
+    ``prompt`` that is a string, token ids (which may mix in strings) or a batch of
+    those; ``logprobs`` is a count of alternatives.
+
+    :raises InvalidRequest: see :func:`_parse_openai`.
+    """
+    return _parse_openai(spec, raw, chat=False)
 
 
 def _ollama_images(value: Any, param: str) -> int:
@@ -402,16 +439,12 @@ def _ollama_messages(body: dict[str, Any]) -> None:
         _ollama_images(message.get("images"), f"messages[{i}].images")
 
 
-def parse_ollama_body(route: str, raw: bytes) -> ParsedRequest:
-    """Decode and validate a body of Ollama's native API (``api/types.go``:
-    ``ChatRequest`` for ``route == "chat"``, ``GenerateRequest`` for ``"completions"``).
+def _ollama_common(raw: bytes) -> tuple[dict[str, Any], int | None]:
+    """The fields both of Ollama's native bodies share (``api/types.go``): the body,
+    and the cap ``options.num_predict`` as given (``None`` when absent).
 
-    The cap is ``options.num_predict`` (``-1``/``-2``, "no limit"/"fill the context",
-    count as none); ``stream`` defaults to true, as in Ollama. On ``/api/generate`` the
-    ``system``, ``template`` and ``suffix`` texts join the prompt, and a ``context`` array
-    of token ids adds its length; each image adds ``IMAGE_TOKENS``.
-
-    :raises InvalidRequest: as :func:`parse_body`, for Ollama's fields.
+    :raises InvalidRequest: no ``model``, ``options`` not an object, or a field of the
+        wrong type or range.
     """
     body = _decode(raw)
     if not isinstance(body, dict):
@@ -426,35 +459,62 @@ def parse_ollama_body(route: str, raw: bytes) -> ParsedRequest:
                       ("stream_options", dict)):  # not Ollama's, but the pipeline reads it
         if body.get(key) is not None and not isinstance(body[key], kind):
             raise InvalidRequest(f"{key} has the wrong type: {body[key]!r}.", param=key)
-    _check_sampling(options, "chat")
+    _check_sampling(options, bool)
     num_predict = _int_field(options, "num_predict", -2, INT32[1])
     _int_field(options, "num_ctx", 1, INT32[1])
-    prompts: tuple[str | tuple[int | str, ...], ...] = ()
-    context_tokens = 0
-    if route == "chat":
-        _ollama_messages(body)
-        images = sum(len(m.get("images") or []) for m in body.get("messages") or [])
-    else:
-        given = [body.get(k) for k in ("system", "template", "prompt", "suffix")]
-        if not all(t is None or isinstance(t, str) for t in given):  # null: unset, as in Go
-            raise InvalidRequest("prompt, system, template and suffix must be strings.",
-                                 param="prompt")
-        texts = [t or "" for t in given]
-        context = body.get("context")
-        if context is not None:
-            if not isinstance(context, list) or _token_ids(context) is None and context:
-                raise InvalidRequest("context must be an array of token ids.",
-                                     param="context")
-            context_tokens = len(context)
-        images = _ollama_images(body.get("images"), "images")
-        prompts = ("\n".join(t for t in texts if t) or " ",)
-    context_tokens += images * IMAGE_TOKENS
+    return body, num_predict
+
+
+def _ollama_request(spec: RouteSpec, body: dict[str, Any], num_predict: int | None,
+                    prompts: tuple[str, ...], extra_tokens: int) -> ParsedRequest:
+    """The cap is ``options.num_predict`` (``-1``/``-2``, "no limit"/"fill the context",
+    count as none); ``stream`` defaults to true, as in Ollama."""
     return ParsedRequest(
-        route=route, body=body, max_tokens=None if num_predict in (None, -1, -2, 0)
+        spec=spec, body=body, max_tokens=None if num_predict in (None, -1, -2, 0)
         else num_predict, n=1, stream=body.get("stream") is not False,
-        cap_field="options.num_predict", prompts=prompts, api="ollama",
-        extra_prompt_tokens=context_tokens,
+        cap_field="options.num_predict", prompts=prompts, extra_prompt_tokens=extra_tokens,
     )
+
+
+def parse_ollama_chat(spec: RouteSpec, raw: bytes) -> ParsedRequest:
+    """A body of Ollama's native ``/api/chat`` (``api/types.go`` ``ChatRequest``): the
+    cap is ``options.num_predict`` (``-1``/``-2``, "no limit"/"fill the context", count
+    as none); ``stream`` defaults to true, as in Ollama; each image adds
+    ``IMAGE_TOKENS``.
+
+    :raises InvalidRequest: as :func:`parse_chat`, for Ollama's fields.
+    """
+    body, num_predict = _ollama_common(raw)
+    _ollama_messages(body)
+    images = sum(len(m.get("images") or []) for m in body.get("messages") or [])
+    return _ollama_request(spec, body, num_predict, (), images * IMAGE_TOKENS)
+
+
+def parse_ollama_generate(spec: RouteSpec, raw: bytes) -> ParsedRequest:
+    """A body of Ollama's native ``/api/generate`` (``api/types.go``
+    ``GenerateRequest``): the ``system``, ``template`` and ``suffix`` texts join the
+    prompt, and a ``context`` array of token ids adds its length; each image adds
+    ``IMAGE_TOKENS``. The cap and ``stream`` as in :func:`parse_ollama_chat`.
+
+    :raises InvalidRequest: as :func:`parse_completions`, for Ollama's fields.
+    """
+    body, num_predict = _ollama_common(raw)
+    given = [body.get(k) for k in ("system", "template", "prompt", "suffix")]
+    if not all(t is None or isinstance(t, str) for t in given):  # null: unset, as in Go
+        raise InvalidRequest("prompt, system, template and suffix must be strings.",
+                             param="prompt")
+    texts = [t or "" for t in given]
+    context_tokens = 0
+    context = body.get("context")
+    if context is not None:
+        if not isinstance(context, list) or _token_ids(context) is None and context:
+            raise InvalidRequest("context must be an array of token ids.",
+                                 param="context")
+        context_tokens = len(context)
+    images = _ollama_images(body.get("images"), "images")
+    prompts = ("\n".join(t for t in texts if t) or " ",)
+    return _ollama_request(spec, body, num_predict, prompts,
+                           context_tokens + images * IMAGE_TOKENS)
 
 
 _MEDIA_KEYS = frozenset({"data", "image_url", "file_data", "source"})
@@ -546,78 +606,105 @@ def _anthropic_messages(body: dict[str, Any]) -> None:
                              param="system")
 
 
-def parse_route_body(route: str, raw: bytes) -> ParsedRequest:
-    """Decode and validate the body of one of the routes beyond chat and completions.
+def _generated(body: dict[str, Any], spec: RouteSpec, texts: list[str], *,
+               cap: int | None, cap_field: str, extra_tokens: int = 0) -> ParsedRequest:
+    return ParsedRequest(spec=spec, body=body, max_tokens=cap, n=_n(body),
+                         stream=bool(body.get("stream")), cap_field=cap_field,
+                         texts=tuple(texts), extra_prompt_tokens=extra_tokens)
 
-    :param route: ``messages`` and ``count_tokens`` (Anthropic Messages), ``responses``
-        (OpenAI Responses), ``embeddings``, ``rerank``, ``infill`` or ``completion``
-        (llama-server's native routes).
-    :raises InvalidRequest: as :func:`parse_body`, with each route's required fields:
-        ``max_tokens`` on ``messages`` (required by that API), ``input`` on
-        ``responses`` and ``embeddings``, ``query`` and ``documents`` on ``rerank``.
+
+def parse_messages(spec: RouteSpec, raw: bytes) -> ParsedRequest:
+    """An Anthropic Messages body (``/v1/messages``, and its ``count_tokens``):
+    ``messages`` of ``{role, content}``, ``system``, the sampling fields; the cap
+    ``max_tokens`` is required where the route generates (that API requires it).
+
+    :raises InvalidRequest: as :func:`parse_chat`, for Anthropic's fields.
     """
-    if route == "completion":
-        return replace(parse_body("completions", raw), route="completion")
     body = _object(raw)
-    if route in ("messages", "count_tokens"):
-        _anthropic_messages(body)
-        _check_sampling(body, "chat")
-        cap, cap_field = _cap(body, ("max_tokens", "max_completion_tokens", "n_predict"))
-        if route == "messages" and cap is None:
-            raise InvalidRequest("max_tokens is required.", param="max_tokens")
-        texts, images = _texts_of([body.get("system"), body["messages"], body.get("tools")])
-        return ParsedRequest(route=route, body=body, max_tokens=cap, n=_n(body),
-                             stream=bool(body.get("stream")), cap_field=cap_field,
-                             texts=tuple(texts), api="anthropic",
-                             extra_prompt_tokens=images * IMAGE_TOKENS)
-    if route == "responses":
-        given = body.get("input")
-        if not (isinstance(given, str) and given) and not (isinstance(given, list) and given):
-            raise InvalidRequest("input must be a non-empty string or array of items.",
-                                 param="input")
-        _check_sampling(body, "chat")
-        cap, cap_field = _cap(body, ("max_output_tokens", "max_tokens",
-                                     "max_completion_tokens", "n_predict"))
-        texts, images = _texts_of([body.get("instructions"), given, body.get("tools")])
-        return ParsedRequest(route=route, body=body, max_tokens=cap, n=_n(body),
-                             stream=bool(body.get("stream")), cap_field=cap_field,
-                             texts=tuple(texts), extra_prompt_tokens=images * IMAGE_TOKENS)
-    if route == "embeddings":
-        given = body.get("input", body.get("content"))
-        try:
-            items = _prompts({"prompt": given})
-        except InvalidRequest:
-            raise InvalidRequest("input must be a non-empty string, an array of token ids, "
-                                 "or an array of those.", param="input") from None
-        return ParsedRequest(route=route, body=body, max_tokens=0, n=1, stream=False,
-                             prompts=items, queued_batch=True)
-    if route == "rerank":
-        query, documents = body.get("query"), body.get("documents", body.get("texts"))
-        if not isinstance(query, str) or not query:
-            raise InvalidRequest("query must be a non-empty string.", param="query")
-        if not isinstance(documents, list) or not documents or not all(
-                isinstance(d, str) for d in documents):
-            raise InvalidRequest("documents must be a non-empty array of strings.",
-                                 param="documents")
-        _int_field(body, "top_n", 0)
-        return ParsedRequest(route=route, body=body, max_tokens=0, n=1, stream=False,
-                             prompts=tuple(query + "\n" + d for d in documents),
-                             queued_batch=True)
-    if route == "infill":
-        for key in ("input_prefix", "input_suffix", "prompt"):
-            if body.get(key) is not None and not isinstance(body[key], str):
-                raise InvalidRequest(f"{key} must be a string.", param=key)
-        extra = body.get("input_extra")
-        if extra is not None and not (isinstance(extra, list) and all(
-                isinstance(e, dict) and isinstance(e.get("text", ""), str)
-                and isinstance(e.get("filename", ""), str) for e in extra)):
-            raise InvalidRequest("input_extra must be an array of {filename, text} objects "
-                                 "with string values.", param="input_extra")
-        _check_sampling(body, "completions")
-        cap, cap_field = _cap(body, ("n_predict", "max_tokens", "max_completion_tokens"))
-        texts = [body.get(k) or "" for k in ("input_prefix", "input_suffix", "prompt")]
-        texts += [str(e.get("text", "")) for e in extra or []]
-        return ParsedRequest(route=route, body=body, max_tokens=cap, n=_n(body),
-                             stream=bool(body.get("stream")), cap_field=cap_field,
-                             texts=tuple(texts))
-    raise ValueError(f"unknown route {route!r}")
+    _anthropic_messages(body)
+    _check_sampling(body, bool)
+    cap, cap_field = _cap(body, spec.cap_keys)
+    if spec.generates and cap is None:
+        raise InvalidRequest("max_tokens is required.", param="max_tokens")
+    texts, images = _texts_of([body.get("system"), body["messages"], body.get("tools")])
+    return _generated(body, spec, texts, cap=cap, cap_field=cap_field,
+                      extra_tokens=images * IMAGE_TOKENS)
+
+
+def parse_responses(spec: RouteSpec, raw: bytes) -> ParsedRequest:
+    """An OpenAI Responses body: ``input`` (a non-empty string or array of items) is
+    required; the cap is ``max_output_tokens`` (or an alias llama-server reads).
+
+    :raises InvalidRequest: as :func:`parse_chat`, for the Responses fields.
+    """
+    body = _object(raw)
+    given = body.get("input")
+    if not (isinstance(given, str) and given) and not (isinstance(given, list) and given):
+        raise InvalidRequest("input must be a non-empty string or array of items.",
+                             param="input")
+    _check_sampling(body, bool)
+    cap, cap_field = _cap(body, spec.cap_keys)
+    texts, images = _texts_of([body.get("instructions"), given, body.get("tools")])
+    return _generated(body, spec, texts, cap=cap, cap_field=cap_field,
+                      extra_tokens=images * IMAGE_TOKENS)
+
+
+def parse_embeddings(spec: RouteSpec, raw: bytes) -> ParsedRequest:
+    """An embeddings body: ``input`` (or llama-server's ``content``), one prompt or a
+    batch of them, as completions take; no output, so no cap.
+
+    :raises InvalidRequest: ``input`` is missing or of the wrong shape.
+    """
+    body = _object(raw)
+    given = body.get("input", body.get("content"))
+    try:
+        items = _prompts({"prompt": given})
+    except InvalidRequest:
+        raise InvalidRequest("input must be a non-empty string, an array of token ids, "
+                             "or an array of those.", param="input") from None
+    return ParsedRequest(spec=spec, body=body, max_tokens=0, n=1, stream=False,
+                         prompts=items, queued_batch=True)
+
+
+def parse_rerank(spec: RouteSpec, raw: bytes) -> ParsedRequest:
+    """A rerank body (llama-server's ``/v1/rerank``): a non-empty ``query`` and
+    ``documents`` (or ``texts``) of strings; each document is a prompt with the query.
+
+    :raises InvalidRequest: ``query`` or ``documents`` missing or of the wrong shape.
+    """
+    body = _object(raw)
+    query, documents = body.get("query"), body.get("documents", body.get("texts"))
+    if not isinstance(query, str) or not query:
+        raise InvalidRequest("query must be a non-empty string.", param="query")
+    if not isinstance(documents, list) or not documents or not all(
+            isinstance(d, str) for d in documents):
+        raise InvalidRequest("documents must be a non-empty array of strings.",
+                             param="documents")
+    _int_field(body, "top_n", 0)
+    return ParsedRequest(spec=spec, body=body, max_tokens=0, n=1, stream=False,
+                         prompts=tuple(query + "\n" + d for d in documents),
+                         queued_batch=True)
+
+
+def parse_infill(spec: RouteSpec, raw: bytes) -> ParsedRequest:
+    """A body of llama-server's ``/infill``: string ``input_prefix``, ``input_suffix``
+    and ``prompt``, ``input_extra`` of ``{filename, text}``; the cap is ``n_predict``
+    (or an alias).
+
+    :raises InvalidRequest: a field of the wrong type or range.
+    """
+    body = _object(raw)
+    for key in ("input_prefix", "input_suffix", "prompt"):
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise InvalidRequest(f"{key} must be a string.", param=key)
+    extra = body.get("input_extra")
+    if extra is not None and not (isinstance(extra, list) and all(
+            isinstance(e, dict) and isinstance(e.get("text", ""), str)
+            and isinstance(e.get("filename", ""), str) for e in extra)):
+        raise InvalidRequest("input_extra must be an array of {filename, text} objects "
+                             "with string values.", param="input_extra")
+    _check_sampling(body, int)
+    cap, cap_field = _cap(body, spec.cap_keys)
+    texts = [body.get(k) or "" for k in ("input_prefix", "input_suffix", "prompt")]
+    texts += [str(e.get("text", "")) for e in extra or []]
+    return _generated(body, spec, texts, cap=cap, cap_field=cap_field)
