@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from gateway.relay.inspect import StreamInspector
+from gateway.wire.routes import BY_NAME
 
 
 def _sse(obj: object) -> bytes:
@@ -23,7 +24,7 @@ def _inspector(route: str = "chat", **kw: object) -> StreamInspector:
     args: dict = {"api": "openai", "tasks": 1, "client_wants_usage": False,
                   "is_overflow": lambda obj: "exceeded" in json.dumps(obj)}
     args.update(kw)
-    return StreamInspector(route, **args)
+    return StreamInspector(BY_NAME[route], **args)
 
 
 def test_a_plain_chunk_is_output_relayed_as_it_came() -> None:

@@ -29,15 +29,11 @@ from typing import Any
 
 from gateway.relay.send import json_object
 from gateway.wire.events import Seen, quick_token, read_event
+from gateway.wire.routes import RouteSpec
 from gateway.wire.shapes import reshape_upstream_error
 from gateway.wire.sse import event_data
 
-__all__ = ["QUICK_ROUTES", "Inspected", "StreamInspector", "TokenTimes"]
-
-#: Routes whose plain chunks :func:`gateway.wire.events.quick_token` reads from bytes.
-QUICK_ROUTES = frozenset({"chat", "completions"})
-_SUMMED_USAGE_ROUTES = frozenset({"chat", "completions"})  # usage once per choice (n > 1)
-_TASK_END_ROUTES = frozenset({"completion", "infill"})  # a stop chunk per task
+__all__ = ["Inspected", "StreamInspector", "TokenTimes"]
 
 #: What one event showed: the bytes to relay (``None``: drop it), whether it carried
 #: output, and the upstream error kind it showed (``context_overflow``,
@@ -58,8 +54,10 @@ class TokenTimes:
 class StreamInspector:
     """Reads one upstream stream's events; see the module docstring.
 
-    :param route: the gateway route (``chat``, ``completions``, ``completion``, ``infill``,
-        ``messages``, ``responses``, ``ollama_chat``...).
+    :param spec: the route's entry in the route table: OpenAI chunks
+        (``openai_chunks``: plain chunks read from bytes by
+        :func:`gateway.wire.events.quick_token`, usage once per choice), or llama-server's
+        native stream (``native_tasks``: a stop chunk per task).
     :param api: the client's API shape (``openai``, ``anthropic``, ``ollama``): an error
         event on an OpenAI route is relayed in the OpenAI shape.
     :param tasks: the upstream tasks of the request (prompts × n), for native streams.
@@ -70,7 +68,7 @@ class StreamInspector:
     :param ndjson: the stream is NDJSON lines (Ollama's native API), not SSE.
     """
 
-    route: str
+    spec: RouteSpec
     api: str
     tasks: int
     client_wants_usage: bool
@@ -110,12 +108,12 @@ class StreamInspector:
         if "error" in obj:
             self.errored = True
             return raw, False, "stream_aborted"
-        return raw, self._seen(read_event(self.route, obj)), None
+        return raw, self._seen(read_event(self.spec.name, obj)), None
 
     def _seen(self, seen: Seen) -> bool:
         if seen.usage:
             self.usage = {**(self.usage or {}), **seen.usage}
-        if seen.done and self.route in _TASK_END_ROUTES:
+        if seen.done and self.spec.native_tasks:
             self.final_completion += (seen.usage or {}).get("completion_tokens", 0)
             self.final_chunks += 1
             if self.final_chunks < self.tasks:
@@ -126,7 +124,8 @@ class StreamInspector:
         return seen.token
 
     def _event(self, raw: bytes) -> Inspected:
-        if self.route in QUICK_ROUTES and (token := quick_token(raw)) is not None:
+        openai_chunks = self.spec.openai_chunks
+        if openai_chunks and (token := quick_token(raw)) is not None:
             return raw, token, None  # a plain chunk: no usage, no error, nothing to change
         data = event_data(raw)
         if data is None:
@@ -139,14 +138,13 @@ class StreamInspector:
             return raw, False, None
         if "error" in obj or obj.get("type") == "error":
             return self._error(raw, obj)
-        seen = read_event(self.route, obj)
-        if seen.usage and "completion_tokens" in seen.usage and \
-                self.route in _SUMMED_USAGE_ROUTES:
+        seen = read_event(self.spec.name, obj)
+        if seen.usage and "completion_tokens" in seen.usage and openai_chunks:
             self.final_completion += seen.usage["completion_tokens"]
             self.final_chunks += 1
         token = self._seen(seen)
         if (obj.get("choices") == [] and seen.usage and not self.client_wants_usage
-                and self.route in _SUMMED_USAGE_ROUTES):
+                and openai_chunks):
             return None, token, None
         return raw, token, None
 

@@ -606,7 +606,7 @@ class ProxyResponse(Response):
             return True
 
         splitter = EventSplitter(lines=ndjson)
-        state = StreamInspector(x.route, x.api, x.charge.n, x.client_wants_usage,
+        state = StreamInspector(x.spec, x.api, x.charge.n, x.client_wants_usage,
                                 x.backend.is_overflow_event, ndjson=ndjson)
         times = TokenTimes()
 

@@ -84,19 +84,18 @@ class UsageBook:
             if isinstance(completion, int):
                 self.completion = (self.completion or 0) + completion
                 self.metrics.completion_tokens.labels(name, *who).observe(completion)
-                if self.x.route in ("chat", "completions", "completion", "ollama_chat",
-                                    "ollama_generate", "messages", "responses"):
+                if self.x.spec.predicts_output:
                     self.x.backend.record_completion(completion // max(1, self.x.charge.n))
             reported = usage.get("prompt_tokens")
             if isinstance(reported, int):
-                if reported > prompt and self.x.route not in ("embeddings", "rerank"):
+                if reported > prompt and not self.x.spec.sums_usage:
                     # (embeddings and rerank report the tokens of every item together)
                     log.warning(
                         "backend %s counted %d prompt tokens, the gateway charged %d",
                         name, reported, prompt,
                     )
                 if reported != prompt and self.x.forget_count is not None and \
-                        self.x.route in ("chat", "messages", "responses", "completions"):
+                        self.x.spec.exact_usage:
                     # An exact count the backend disagrees with (it may count otherwise
                     # now: a new template, unseen by discovery): count it afresh.
                     self.x.forget_count()

@@ -13,6 +13,7 @@ from gateway.core.capacity import Charge
 from gateway.core.fairness import ANONYMOUS, Party
 from gateway.core.prefix import Prefix
 from gateway.fleet.pool import Candidate, ModelQueue
+from gateway.wire.routes import BY_NAME, RouteSpec
 
 __all__ = ["Exchange"]
 
@@ -80,6 +81,11 @@ class Exchange:
     # The last failure of the backend during it (a gateway_upstream_errors_total kind),
     # or "shutting_down" when a drain cut it: a stream's 200 may hide either.
     upstream_error: str | None = None
+
+    @property
+    def spec(self) -> RouteSpec:
+        """The route's entry in the route table (what it is and what its answers hold)."""
+        return BY_NAME[self.route]
 
     @property
     def who(self) -> tuple[str, str]:
