@@ -16,7 +16,7 @@ import httpx
 
 from gateway.admission.admission import Admission, AdmissionStats, Clock, Lease, MonotonicClock
 from gateway.admission.slotwatch import SlotWatch, Ticket
-from gateway.backends import BackendKind, Discovered, SideCalls, kind_class
+from gateway.backends import Dialect, Discovered, SideCalls, kind_class
 from gateway.backends.countcache import CountCache
 from gateway.config import AdmissionPolicy, AdmissionSettings, BackendSettings
 from gateway.core.capacity import Charge, Layout
@@ -55,7 +55,7 @@ class Target:
         admission_settings: AdmissionSettings,
         side_client: httpx.AsyncClient,
         clock: Clock | None = None,
-        dialect: BackendKind | None = None,
+        dialect: Dialect | None = None,
         client: httpx.AsyncClient | None = None,
     ) -> None:
         self.settings = settings
@@ -64,7 +64,7 @@ class Target:
         self.side_client = side_client
         self.name = settings.name
         self.kind = settings.kind.value
-        self.dialect: BackendKind = dialect or kind_class(self.kind)(  # type: ignore[call-arg]
+        self.dialect: Dialect = dialect or kind_class(self.kind)(  # type: ignore[call-arg]
             settings, SideCalls(settings, side_client))
         self.clock = clock or MonotonicClock()
         self.reachable = False
