@@ -317,7 +317,7 @@ async def test_a_refused_connection_fails_over_and_marks_the_backend_down(
     assert r.status_code == 200, r.text
     assert fleet.served_by() == {"a": 0, "b": 1}
     a = fleet.state.backends["a"]
-    assert a.failures == 1 and not a.up
+    assert a.health.failures == 1 and not a.up
     metrics = fleet.state.metrics.registry
     assert metrics.get_sample_value("gateway_failovers_total", {"model": "m"}) == 1
     assert metrics.get_sample_value("gateway_backend_up", {"backend": "a"}) == 0
@@ -386,12 +386,12 @@ async def test_a_down_backend_is_probed_once_its_backoff_has_passed(make_fleet: 
     a.clock = clock  # the backend's health runs on a clock the test moves
     fleet.state.clock = clock
     assert (await fleet.chat(model="m", max_tokens=3)).status_code == 200
-    assert a.failures == 1 and a.down_until == clock.now() + 5.0
+    assert a.health.failures == 1 and a.health.down_until == clock.now() + 5.0
     clock.advance(5.0)
     fleet.refused.clear()
     r = await fleet.chat("another conversation", model="m", max_tokens=3)
     assert r.status_code == 200  # the probe
-    assert a.failures == 0 and a.up and fleet.served_by()["a"] == 1
+    assert a.health.failures == 0 and a.up and fleet.served_by()["a"] == 1
 
 
 # -- prefix affinity -------------------------------------------------------------------

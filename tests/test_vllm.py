@@ -378,7 +378,7 @@ async def test_the_pool_penalty_recovers_and_a_restart_clears_it(make: Any, vllm
     await p10_requests("/v1/completions", h.client)
     await target(h).discover()
     assert target(h).layout.pool_tokens == 18_000
-    target(h)._penalized_at -= 301  # five quiet minutes later: half the penalty back
+    target(h).pool.penalized_at -= 301  # five quiet minutes later: half the penalty back
     await target(h).discover()
     assert target(h).layout.pool_tokens == 19_000
     vllm.num_gpu_blocks = 2500  # restarted with a larger cache: the penalty is moot

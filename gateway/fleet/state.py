@@ -28,7 +28,7 @@ from gateway.errors import (
     RouteNotFound,
     ShuttingDown,
 )
-from gateway.fleet.pool import ModelQueue, usable
+from gateway.fleet.pool import ModelQueue
 from gateway.observe.metrics import GatewayMetrics
 
 __all__ = ["GatewayState", "reload_config"]
@@ -255,7 +255,7 @@ class GatewayState:
         """
         members = self.resolve(model, kind, route)
         now = self.clock.now()
-        return next((b for b in members if usable(b, now)), members[0])
+        return next((b for b in members if b.usable(now)), members[0])
 
     def resolve(self, model: object, kind: str | None = None,
                 route: str | None = None) -> list[Target]:
@@ -313,12 +313,13 @@ class GatewayState:
             param="model")
 
     def usable(self, members: list[Target]) -> list[Target]:
-        """The members new requests may go to now (ready, up, not draining).
+        """The members new requests may go to now (ready, up, not draining:
+        :meth:`Target.usable`).
 
         :raises BackendNotReady: none is (503, with the reason of the first).
         """
         now = self.clock.now()
-        found = [b for b in members if usable(b, now)]
+        found = [b for b in members if b.usable(now)]
         if found:
             return found
         for backend in members:
@@ -331,10 +332,11 @@ class GatewayState:
                                   "after the Retry-After delay.", retry_after_s=1.0)
         states = "; ".join(
             f"{b.name}: " + ("draining" if b.draining else
-                             f"down after a failure, for {b.down_until - now:.0f} s more"
+                             f"down after a failure, for {b.health.down_until - now:.0f} s more"
                              if b.ready else (b.problem or "not ready"))
             for b in members)
-        retry = min((max(1.0, b.down_until - now) for b in members if b.ready), default=1.0)
+        retry = min((max(1.0, b.health.down_until - now) for b in members if b.ready),
+                    default=1.0)
         raise BackendNotReady(f"No backend of this model can take a request now ({states});"
                               " retry after the Retry-After delay.", retry_after_s=retry)
 

@@ -16,7 +16,6 @@ from gateway.admission.tenants import check_admin_key
 from gateway.backends.target import Target
 from gateway.backends.upstream import map_upstream_errors
 from gateway.errors import RouteNotFound
-from gateway.fleet.pool import usable
 from gateway.fleet.state import GatewayState, reload_config
 from gateway.relay.response import ProxyResponse
 from gateway.relay.tracked import TrackedResponse
@@ -165,7 +164,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
                 rows[name]["draining"] = True
         now = state.clock.now()
         models = state.models()
-        serving = {m: any(usable(b, now) for b in members) for m, members in models.items()}
+        serving = {m: any(b.usable(now) for b in members) for m, members in models.items()}
         ok = all(serving.values()) and not state.draining
         body: dict[str, Any] = {"ready": ok, "backends": rows}
         if len(models) > 1 or not ok:
@@ -189,8 +188,8 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
         return {
             "name": b.name, "model": b.model, "aliases": list(b.settings.aliases),
             "kind": b.kind, "url": b.settings.url, "ready": b.ready, "up": b.up,
-            "draining": b.draining, "failures": b.failures,
-            "down_for_s": round(max(0.0, b.down_until - now), 3),
+            "draining": b.draining, "failures": b.health.failures,
+            "down_for_s": round(b.health.down_for_s(now), 3),
             "problem": b.problem, "slots": stats.slots, "ctx_per_slot": stats.ctx_per_slot,
             "capacity_tokens": stats.capacity_tokens,
             "reserved_tokens": stats.reserved_tokens, "inflight": stats.inflight,

@@ -199,7 +199,7 @@ def backend_status(backend: Target, now: float, *, gateway_draining: bool = Fals
         "name": backend.name, "model": backend.model, "kind": backend.kind, "state": state,
         "ready": backend.ready, "up": backend.up, "draining": backend.draining,
         "retiring": retiring, "problem": backend.problem,
-        "down_for_s": round(max(0.0, backend.down_until - now), 3),
+        "down_for_s": round(backend.health.down_for_s(now), 3),
         "layout": None if layout is None else "unified" if layout.unified else "per_slot",
         "slots": stats.slots, "busy_slots": stats.busy_slots,
         "ctx_per_slot": stats.ctx_per_slot,
