@@ -25,6 +25,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.config import ServerSettings, load_settings
+from gateway.fleet.reload import reload
 from gateway.http.app import create_app
 from gateway.http.status import RejectionLog
 from gateway.observe.logs import TextFormatter, configure_logging, log_access
@@ -208,9 +209,9 @@ async def reloaded_while_serving(harness: Harness, fake: FakeLlamaServer,
     try:
         await until(lambda: fake.active == 1)
         new = load_settings(admission={"disconnect_grace_s": 0.0}, backends=[backend])
-        changes = await harness.state.reload(new)
+        changes = await reload(harness.state, new)
         if backend["name"] == "local":  # the replaced backend's successor
-            await harness.state.backends["local"].discover()
+            await harness.state.fleet.backends["local"].discover()
         yield changes
     finally:
         fake.hold.set()
@@ -341,7 +342,7 @@ async def test_a_client_request_id_is_made_unique_for_the_backend() -> None:
                      discover=False)
     h = Harness(app, vllm)  # type: ignore[arg-type]
     try:
-        await app.state.gateway.backends["vllm"].discover()
+        await app.state.gateway.fleet.backends["vllm"].discover()
         body = {"model": vllm.model, "messages": [{"role": "user", "content": "Why?"}],
                 "max_tokens": 20}
         answers = await asyncio.gather(*(
@@ -428,8 +429,8 @@ async def test_rejections_of_a_removed_backend_stay_on_the_page(
     assert (await harness.chat("word " * 3000)).status_code == 400  # counted on "local"
     new = load_settings(admission={"disconnect_grace_s": 0.0},
                         backends=[{"name": "other", "url": "http://upstream:8080"}])
-    await harness.state.reload(new)
-    await until(lambda: not harness.state.retiring)
+    await reload(harness.state, new)
+    await until(lambda: not harness.state.fleet.retiring)
     data = (await harness.client.get("/status.json")).json()
     shown = sum(sum(row["rejections"]["total"].values()) for row in data["backends"]) + sum(
         data["unassigned_rejections"]["total"].values())

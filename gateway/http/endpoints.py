@@ -16,7 +16,8 @@ from gateway.admission.tenants import check_admin_key
 from gateway.backends.target import Target
 from gateway.backends.upstream import map_upstream_errors
 from gateway.errors import RouteNotFound
-from gateway.fleet.state import GatewayState, reload_config
+from gateway.fleet.reload import reload_config
+from gateway.fleet.state import GatewayState
 from gateway.relay.response import ProxyResponse
 from gateway.relay.tracked import TrackedResponse
 from gateway.request.plan import count_prompt, prepare_exchange, read_body, require_ready
@@ -65,7 +66,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
                 model = json.loads(body).get("model")
             except (ValueError, AttributeError):
                 model = None
-        backend = state.pick_backend(model, "ollama")
+        backend = state.fleet.pick(model, "ollama")
         with map_upstream_errors(backend.name):
             resp = await backend.side_client.request(
                 request.method, backend.url(request.url.path), content=body or None,
@@ -100,7 +101,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
                            request.headers.get("content-encoding"))
         req = parse_route_body("count_tokens", await read_body(
             request, state.settings.server.max_body_bytes))
-        backend = state.pick_backend(req.body.get("model"), route="count_tokens")
+        backend = state.fleet.pick(req.body.get("model"), route="count_tokens")
         request.state.backend = backend.name
         require_ready(backend)
         counted, _raw, _forget = await count_prompt(state, backend, req)
@@ -121,7 +122,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
             except Exception:  # an unreachable or odd backend lists nothing
                 return []
 
-        backends = list(state.backends.values())
+        backends = list(state.fleet.backends.values())
         answers = await asyncio.gather(*(listed(b) for b in backends))
         data: list[Any] = []
         seen: set[Any] = set()
@@ -151,7 +152,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
         not draining) and the gateway is not draining; 503 otherwise. Load balancers
         read the status; the body shows each backend."""
         rows = {}
-        for name, b in state.backends.items():
+        for name, b in state.fleet.backends.items():
             stats, layout = b.stats(), b.layout
             rows[name] = {
                 "ready": b.ready, "kind": b.kind, "model": b.model, "slots": stats.slots,
@@ -163,7 +164,7 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
             if b.draining:
                 rows[name]["draining"] = True
         now = state.clock.now()
-        models = state.models()
+        models = state.fleet.models()
         serving = {m: any(b.usable(now) for b in members) for m, members in models.items()}
         ok = all(serving.values()) and not state.draining
         body: dict[str, Any] = {"ready": ok, "backends": rows}
@@ -200,14 +201,14 @@ def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
     async def admin_backends(request: Request) -> Response:
         admin(request)
         return JSONResponse({
-            "backends": [backend_view(b) for b in state.backends.values()],
-            "retiring": [backend_view(b) for b in state.retiring],
-            "models": {m: [b.name for b in bs] for m, bs in state.models().items()},
+            "backends": [backend_view(b) for b in state.fleet.backends.values()],
+            "retiring": [backend_view(b) for b in state.fleet.retiring],
+            "models": {m: [b.name for b in bs] for m, bs in state.fleet.models().items()},
         })
 
     async def set_draining(request: Request, name: str, draining: bool) -> Response:
         admin(request)
-        backend = state.backends.get(name)
+        backend = state.fleet.backends.get(name)
         if backend is None:
             raise RouteNotFound(f"No backend named {name!r}; see GET /admin/backends.")
         backend.set_draining(draining)

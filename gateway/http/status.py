@@ -263,7 +263,7 @@ def register_status(app: FastAPI, state: GatewayState) -> None:
         now = state.clock.now()
         totals, recent, span = rejections.read()
         rows = []
-        for backend in state.backends.values():
+        for backend in state.fleet.backends.values():
             row = backend_status(backend, now, gateway_draining=state.draining)
             row["rejections"] = {"total": _by_reason(totals, backend.name),
                                  "recent": _by_reason(recent, backend.name)}
@@ -273,12 +273,12 @@ def register_status(app: FastAPI, state: GatewayState) -> None:
         # cannot be told from the new target's.
         retiring = [backend_status(backend, now, gateway_draining=state.draining,
                                    retiring=True) | {"rejections": {"total": {}, "recent": {}}}
-                    for backend in state.retiring]
-        shown = {backend.name for backend in state.backends.values()}
+                    for backend in state.fleet.retiring]
+        shown = {backend.name for backend in state.fleet.backends.values()}
         pools = [{"model": queue.model, "backends": [b.name for b in queue.members],
                   "queued": queue.waiting, "queue_capacity": queue.max_queue,
                   "oldest_wait_s": round(oldest, 3)}
-                 for queue, oldest in state.pool_queues()]
+                 for queue, oldest in state.fleet.pool_queues()]
         return JSONResponse({
             "generated_at": round(time.time(), 3), "draining": state.draining,
             "refresh_ms": REFRESH_MS, "recent_window_s": round(span, 3),
