@@ -88,3 +88,14 @@ async def test_a_task_set_holds_its_tasks_until_they_end_and_cancels_the_rest() 
     await tasks.cancel_all()
     assert cancelled == [True] and len(tasks) == 0
 
+
+def test_pool_gauge_rows_merge_a_retired_queue_into_its_model() -> None:
+    from gateway.fleet.pool import ModelQueue
+    from gateway.http.views import pool_gauge_rows
+
+    clock = ManualClock()
+    live = ModelQueue([], max_queue=8, max_wait_s=1.0, clock=clock, model="m")
+    old = ModelQueue([], max_queue=2, max_wait_s=1.0, clock=clock, model="m", retired=True)
+    other = ModelQueue([], max_queue=4, max_wait_s=1.0, clock=clock, model="n")
+    assert pool_gauge_rows([(live, 1.5), (old, 3.0), (other, 0.0)]) == [
+        ("m", 0, 8, 3.0), ("n", 0, 4, 0.0)]

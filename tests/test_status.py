@@ -23,7 +23,8 @@ from prometheus_client import CollectorRegistry, Counter
 from gateway.config import load_settings
 from gateway.errors import GatewayError
 from gateway.http.app import create_app
-from gateway.http.status import GAUGES, STATUS_PATHS, RejectionLog, status_authorized, status_page
+from gateway.http.auth import status_authorized
+from gateway.http.status import GAUGES, STATUS_PATHS, RejectionLog, status_page
 from tests.conftest import Harness
 from tests.fakes import FakeLlamaServer, ManualClock
 from tests.test_fleet import Fleet

@@ -17,20 +17,21 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 
 from gateway.admission.admission import Clock, MonotonicClock
-from gateway.admission.tenants import OPEN_PATHS, Tenants, check_admin_key
+from gateway.admission.tenants import Tenants
 from gateway.backends import SIDE_CONNECTIONS
 from gateway.backends.target import Target
 from gateway.backends.upstream import build_client
 from gateway.config import AdmissionSettings, BackendSettings, Settings
 from gateway.errors import GatewayError
 from gateway.fleet.fleet import Fleet, MakeTarget
-from gateway.fleet.pool import ModelQueue
 from gateway.fleet.state import GatewayState
 from gateway.fleet.tasks import TaskSet
+from gateway.http.auth import authenticate
 from gateway.http.connection import guarded_protocol
 from gateway.http.endpoints import register_routes
 from gateway.http.middleware import RequestAccounting, count_rejection
-from gateway.http.status import STATUS_PATHS, register_status
+from gateway.http.status import register_status
+from gateway.http.views import pool_gauge_rows
 from gateway.observe.metrics import GatewayMetrics
 from gateway.relay.response import stop_drains
 from gateway.wire.shapes import render, shape_of
@@ -98,7 +99,7 @@ def create_app(
                   routing=settings.routing, make_target=make_target, tasks=tasks,
                   discover=discover)
     metrics = GatewayMetrics(registry or CollectorRegistry(), fleet.stats,
-                             lambda: _pool_rows(fleet.pool_queues()))
+                             lambda: pool_gauge_rows(fleet.pool_queues()))
     client = http_client or next(iter(backends.values())).client
     state = GatewayState(settings, client, clock, fleet, Tenants(settings), metrics, tasks)
     state.prime_metrics()
@@ -108,11 +109,11 @@ def create_app(
         openapi_url=None, redirect_slashes=False,
     )
     app.state.gateway = state
-    direct = register_routes(app, state)
+    direct = register_routes(app)
     register_status(app, state)
     app.add_middleware(RequestAccounting, metrics=state.metrics,
                        keepalive_timeout_s=settings.server.keepalive_timeout_s,
-                       authenticate=_authenticate, routes=direct)
+                       authenticate=authenticate, routes=direct)
     app.add_exception_handler(GatewayError, _render)  # type: ignore[arg-type]
     return app
 
@@ -145,39 +146,6 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.tasks.cancel_all()
         await stop_drains()
         await state.fleet.close()
-
-
-def _pool_rows(pools: list[tuple[ModelQueue, float]]) -> list[tuple[str, int, int, float]]:
-    """One row per model with a shared queue; a queue a reload retired adds its
-    waiters to the model's row (its capacity is the live queue's)."""
-    rows: dict[str, tuple[str, int, int, float]] = {}
-    for queue, oldest in pools:
-        _, waiting, capacity, longest = rows.get(queue.model, (queue.model, 0, 0, 0.0))
-        rows[queue.model] = (queue.model, waiting + queue.waiting,
-                             capacity if queue.retired else queue.max_queue,
-                             max(longest, oldest))
-    return list(rows.values())
-
-
-def _authenticate(scope: Any) -> None:
-    """Who the request is for (before its body is read): probes, the admin routes
-    and the status page pass (those check the admin key themselves, never a
-    tenant's); ``/metrics`` needs the admin key when one is set, unless
-    ``server.metrics_public``; every other path needs a tenant's key when tenants
-    are configured (:meth:`Tenants.authenticate`)."""
-    path: str = scope["path"]
-    if path in OPEN_PATHS or path in STATUS_PATHS or path.startswith("/admin/"):
-        return
-    state = scope["app"].state.gateway
-    server = state.settings.server
-    if path == "/metrics":
-        if server.admin_key is not None and not server.metrics_public:
-            check_admin_key(scope["headers"], server.admin_key.get_secret_value(),
-                            "/metrics (server.admin_key is set) needs")
-        return
-    tenant = state.tenants.authenticate(scope["headers"])
-    scope_state = scope.setdefault("state", {})
-    scope_state["tenant"], scope_state["priority"] = tenant, tenant.priority
 
 
 async def _render(request: Request, exc: GatewayError) -> Response:
