@@ -401,7 +401,7 @@ async def test_a_stream_that_breaks_after_its_200_names_the_upstream_error(
 async def test_a_retiring_backend_is_apart_from_the_metrics_backends(
         harness: Harness, fake: FakeLlamaServer) -> None:
     """A reload that removes a backend while it serves a request: /metrics drops it at
-    once (``GatewayState.stats`` lists only current backends), while the request still
+    once (``Fleet.stats`` lists only current backends), while the request still
     runs. /status.json lists it apart, in ``retiring`` (1 request in flight), so that
     its ``backends`` rows are the ones /metrics shows and keep the README's promise
     that their figures "equal the /metrics gauges of the same backend"."""
