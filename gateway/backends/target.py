@@ -61,6 +61,22 @@ class Target:
     :param clock: time source for admission, discovery and the slot watch.
     :param dialect: the kind's dialect; built from ``settings.kind`` when omitted.
     :param client: client for the forwarded requests (``side_client`` when omitted).
+
+    Its public parts, which callers use directly:
+
+    :ivar dialect: the kind's :class:`~gateway.backends.base.Dialect` (route paths,
+        counting, the body forwarded, errors read, capabilities as class variables).
+    :ivar admission: its :class:`~gateway.admission.admission.Admission` (queue, leases,
+        layout, live accounting; listeners woken when room frees).
+    :ivar health: its :class:`~gateway.core.health.Health` (failures in a row, backoff).
+    :ivar pool: its :class:`~gateway.core.pool_model.PoolModel` (the pool penalty and the
+        preemptions counted).
+    :ivar slot_watch: the :class:`~gateway.admission.slotwatch.SlotWatch` holding the
+        leases of abandoned requests until the server shows they ended.
+    :ivar counts: exact prompt counts already answered
+        (:class:`~gateway.backends.countcache.CountCache`).
+    :ivar lengths: served completion lengths, for the predictive policy
+        (:class:`~gateway.core.predict.CompletionLengths`).
     """
 
     def __init__(

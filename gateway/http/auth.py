@@ -25,6 +25,8 @@ from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
+from starlette.requests import Request
+
 from gateway.admission.tenants import OPEN_PATHS, admin_key_matches, key_of
 from gateway.errors import RouteNotFound, Unauthorized
 from gateway.fleet.state import GatewayState
@@ -94,7 +96,8 @@ def authorize(state: GatewayState, scope: Any, access: Access) -> None:
                                "Bearer <admin_key>.")
     elif access is Access.admin:
         if key is None:
-            raise RouteNotFound(f"{scope['method']} {scope['path']}: Not Found (the "
+            path = Request(scope).url.path  # as the router's own 404 spells it
+            raise RouteNotFound(f"{scope['method']} {path}: Not Found (the "
                                 "admin routes exist when server.admin_key is set).")
         if not admin_authorized(headers, key):
             raise Unauthorized("The admin routes need Authorization: Bearer <admin_key>.")
