@@ -1,5 +1,6 @@
-"""The reload diff (gateway.fleet.reload.plan_reload): settings in, actions out, nothing
-changed; and the app's task set (gateway.fleet.tasks.TaskSet)."""
+"""The fleet's parts without an app: the reload diff (gateway.fleet.reload.plan_reload:
+settings in, actions out, nothing changed), the app's task set (gateway.fleet.tasks),
+Fleet.mark_failed and Fleet.usable, and the pool gauge rows (gateway.http.views)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,47 @@ def test_pool_gauge_rows_merge_a_retired_queue_into_its_model() -> None:
     other = ModelQueue([], max_queue=4, max_wait_s=1.0, clock=clock, model="n")
     assert pool_gauge_rows([(live, 1.5), (old, 3.0), (other, 0.0)]) == [
         ("m", 0, 8, 3.0), ("n", 0, 4, 0.0)]
+
+
+@pytest.mark.anyio
+async def test_mark_failed_backs_off_per_routing_and_wakes_the_pool_later() -> None:
+    from gateway.backends import Discovered
+    from gateway.errors import BackendNotReady
+    from gateway.fleet.fleet import Fleet
+
+    class Quiet:
+        unified_pool, stop_margin, counts_exactly = True, 1, True
+        route_paths: dict[str, str] = {"chat": "/v1/chat/completions"}
+
+        async def discover(self) -> Discovered:
+            return Discovered(slots=1, ctx_per_slot=1024)
+
+        async def read_slots(self) -> list[Any]:
+            return []
+
+    running = settings({"name": "a", "model": "m"}, {"name": "b", "model": "m"},
+                       routing={"down_initial_s": 2.0, "down_max_s": 3.0})
+    clock = ManualClock()
+    client = httpx.AsyncClient()
+    backends = {b.name: Target(b, running.admission, client, clock,
+                               dialect=Quiet())  # type: ignore[arg-type]
+                for b in running.backends}
+    for backend in backends.values():
+        await backend.discover()
+    fleet = Fleet(backends, clock=clock, admission=running.admission,
+                  routing=running.routing, make_target=lambda e, a: backends[e.name],
+                  tasks=TaskSet())
+    members = fleet.resolve("m")
+    queue = fleet.queue_for(members)
+    assert queue is not None and fleet.queue_for(members) is queue  # one per pool
+    woken: list[float] = []
+    queue.wake_later = woken.append  # type: ignore[method-assign]
+    assert fleet.mark_failed(backends["a"], queue) == 2.0
+    assert fleet.mark_failed(backends["a"]) == 3.0  # doubled, at most down_max_s
+    assert woken == [2.0]
+    assert fleet.usable(members) == [backends["b"]]
+    fleet.mark_failed(backends["b"])
+    with pytest.raises(BackendNotReady, match="a: down after a failure, for 3 s more"):
+        fleet.usable(members)
+    clock.advance(3.0)
+    assert fleet.usable(members) == members
