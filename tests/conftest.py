@@ -88,7 +88,7 @@ class Harness:
 
     @property
     def backend(self) -> Any:
-        return self.state.backends["local"]
+        return self.state.fleet.backends["local"]
 
     async def chat(self, content: str = "hello there", **extra: Any) -> httpx.Response:
         body = {"messages": [{"role": "user", "content": content}], **extra}

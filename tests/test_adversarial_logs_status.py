@@ -25,6 +25,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.config import ServerSettings, load_settings
+from gateway.fleet.reload import reload
 from gateway.http.app import create_app
 from gateway.http.status import RejectionLog
 from gateway.observe.logs import TextFormatter, configure_logging, log_access
@@ -208,9 +209,9 @@ async def reloaded_while_serving(harness: Harness, fake: FakeLlamaServer,
     try:
         await until(lambda: fake.active == 1)
         new = load_settings(admission={"disconnect_grace_s": 0.0}, backends=[backend])
-        changes = await harness.state.reload(new)
+        changes = await reload(harness.state, new)
         if backend["name"] == "local":  # the replaced backend's successor
-            await harness.state.backends["local"].discover()
+            await harness.state.fleet.backends["local"].discover()
         yield changes
     finally:
         fake.hold.set()
@@ -341,7 +342,7 @@ async def test_a_client_request_id_is_made_unique_for_the_backend() -> None:
                      discover=False)
     h = Harness(app, vllm)  # type: ignore[arg-type]
     try:
-        await app.state.gateway.backends["vllm"].discover()
+        await app.state.gateway.fleet.backends["vllm"].discover()
         body = {"model": vllm.model, "messages": [{"role": "user", "content": "Why?"}],
                 "max_tokens": 20}
         answers = await asyncio.gather(*(
@@ -400,7 +401,7 @@ async def test_a_stream_that_breaks_after_its_200_names_the_upstream_error(
 async def test_a_retiring_backend_is_apart_from_the_metrics_backends(
         harness: Harness, fake: FakeLlamaServer) -> None:
     """A reload that removes a backend while it serves a request: /metrics drops it at
-    once (``GatewayState.stats`` lists only current backends), while the request still
+    once (``Fleet.stats`` lists only current backends), while the request still
     runs. /status.json lists it apart, in ``retiring`` (1 request in flight), so that
     its ``backends`` rows are the ones /metrics shows and keep the README's promise
     that their figures "equal the /metrics gauges of the same backend"."""
@@ -428,8 +429,8 @@ async def test_rejections_of_a_removed_backend_stay_on_the_page(
     assert (await harness.chat("word " * 3000)).status_code == 400  # counted on "local"
     new = load_settings(admission={"disconnect_grace_s": 0.0},
                         backends=[{"name": "other", "url": "http://upstream:8080"}])
-    await harness.state.reload(new)
-    await until(lambda: not harness.state.retiring)
+    await reload(harness.state, new)
+    await until(lambda: not harness.state.fleet.retiring)
     data = (await harness.client.get("/status.json")).json()
     shown = sum(sum(row["rejections"]["total"].values()) for row in data["backends"]) + sum(
         data["unassigned_rejections"]["total"].values())

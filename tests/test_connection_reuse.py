@@ -94,7 +94,7 @@ async def test_a_reused_connection_closed_under_a_request_is_retried_once() -> N
     settings = load_settings(backends=[{"name": "local", "url": url,
                                         "keepalive_expiry_s": 60}])
     app = create_app(settings, registry=CollectorRegistry(), discover=False)
-    target = app.state.gateway.backends["local"]
+    target = app.state.gateway.fleet.backends["local"]
     async with app.router.lifespan_context(app):
         await target.discover()  # /props then /v1/models: the second reuses a connection
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -136,7 +136,7 @@ async def test_a_fresh_connection_closed_without_an_answer_is_not_retried() -> N
                                         "ctx_per_slot": 4096}])
     app = create_app(settings, registry=CollectorRegistry(), discover=False)
     async with app.router.lifespan_context(app):
-        target = app.state.gateway.backends["local"]
+        target = app.state.gateway.fleet.backends["local"]
         with pytest.raises(httpx.TransportError):
             await target.client.post(url + "/v1/chat/completions", json={"messages": []})
         assert upstream.connections == 1 and target.client._transport.retried == 0
@@ -177,7 +177,7 @@ async def test_a_reused_connection_that_breaks_after_work_began_is_not_retried()
     settings = load_settings(backends=[{"name": "local", "url": url, "keepalive_expiry_s": 60}])
     app = create_app(settings, registry=CollectorRegistry(), discover=False)
     async with app.router.lifespan_context(app):
-        client = app.state.gateway.backends["local"].client
+        client = app.state.gateway.fleet.backends["local"].client
         first = await client.post(url + "/v1/chat/completions", json={"messages": []})
         assert first.status_code == 200
         with pytest.raises(httpx.TransportError):
@@ -277,7 +277,7 @@ async def gateway_over(upstream: StreamingUpstream, kind: str, slots: int, *,
     app = create_app(settings, registry=CollectorRegistry(), discover=False)
     try:
         async with app.router.lifespan_context(app):
-            await app.state.gateway.backends["b"].discover()
+            await app.state.gateway.fleet.backends["b"].discover()
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://gateway") as client:
                 yield app, client

@@ -17,6 +17,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from gateway.fleet.reload import reload
 from tests.conftest import Harness
 
 pytestmark = pytest.mark.anyio
@@ -74,7 +75,7 @@ async def test_the_counters_the_rules_read_start_at_zero(harness: Harness) -> No
     new = load_settings(admission={"disconnect_grace_s": 0.0}, backends=[
         {"name": "local", "url": "http://upstream:8080"},
         {"name": "added", "url": "http://upstream-2:8080"}])
-    await harness.state.reload(new, first_look_s=0)
+    await reload(harness.state, new, first_look_s=0)
     text = (await harness.client.get("/metrics")).text
     assert 'gateway_upstream_errors_total{backend="added",kind="context_overflow"} 0.0' in text
 

@@ -525,7 +525,7 @@ async def tenant_harness(fake: FakeLlamaServer) -> Any:
     app = create_app(settings, http_client=fake.client(), registry=CollectorRegistry(),
                      discover=False)
     h = Harness(app, fake)
-    for backend in h.state.backends.values():
+    for backend in h.state.fleet.backends.values():
         await backend.discover()
     yield h
     await h.client.aclose()

@@ -58,7 +58,7 @@ class Fleet:
                                         base_url="http://gateway")
 
     async def discover(self) -> None:
-        for backend in self.state.backends.values():
+        for backend in self.state.fleet.backends.values():
             await backend.discover()
 
     async def chat(self, content: str = "hello there", **extra: Any) -> httpx.Response:
@@ -125,7 +125,7 @@ async def test_one_queue_per_model_starts_on_whichever_frees_first(make_fleet: A
     running = [asyncio.ensure_future(fleet.chat(model="m", max_tokens=5)) for _ in range(2)]
     assert await served(fleet, 2) == {"a": 1, "b": 1}
     waiting = asyncio.ensure_future(fleet.chat(model="m", max_tokens=5))
-    queue = next(iter(fleet.state._queues.values()))
+    queue = next(iter(fleet.state.fleet._queues.values()))
     for _ in range(2000):
         if queue.waiting:
             break
@@ -195,7 +195,7 @@ async def test_one_model_takes_any_name(make_fleet: Any) -> None:
     one model in all, so any name reaches it, as a lone llama-server ignores the field."""
     fakes = {n: FakeLlamaServer() for n in ("a", "b")}
     fleet = await make_fleet(fakes, [{"name": "a"}, {"name": "b"}])
-    assert {b.model for b in fleet.state.backends.values()} == {"fake.gguf"}
+    assert {b.model for b in fleet.state.fleet.backends.values()} == {"fake.gguf"}
     assert (await fleet.chat(model="whatever", max_tokens=3)).status_code == 200
 
 
@@ -316,8 +316,8 @@ async def test_a_refused_connection_fails_over_and_marks_the_backend_down(
     r = await fleet.chat(model="m", max_tokens=3)
     assert r.status_code == 200, r.text
     assert fleet.served_by() == {"a": 0, "b": 1}
-    a = fleet.state.backends["a"]
-    assert a.failures == 1 and not a.up
+    a = fleet.state.fleet.backends["a"]
+    assert a.health.failures == 1 and not a.up
     metrics = fleet.state.metrics.registry
     assert metrics.get_sample_value("gateway_failovers_total", {"model": "m"}) == 1
     assert metrics.get_sample_value("gateway_backend_up", {"backend": "a"}) == 0
@@ -327,7 +327,7 @@ async def test_a_refused_connection_fails_over_and_marks_the_backend_down(
     tried = len(fakes["a"].requests)
     assert (await fleet.chat(model="m", max_tokens=3)).status_code == 200
     assert len(fakes["a"].requests) == tried
-    assert fleet.state.backends["a"].admission.stats().inflight == 0  # released
+    assert fleet.state.fleet.backends["a"].admission.stats().inflight == 0  # released
 
 
 async def test_a_backend_that_cannot_count_is_passed_over(make_fleet: Any) -> None:
@@ -337,7 +337,7 @@ async def test_a_backend_that_cannot_count_is_passed_over(make_fleet: Any) -> No
     r = await fleet.chat(model="m", max_tokens=3)
     assert r.status_code == 200, r.text
     assert fleet.served_by() == {"a": 0, "b": 1}
-    assert not fleet.state.backends["a"].up
+    assert not fleet.state.fleet.backends["a"].up
 
 
 @pytest.mark.parametrize("mode", ["boom", "loading"])
@@ -346,7 +346,7 @@ async def test_a_5xx_before_any_byte_fails_over(make_fleet: Any, mode: str) -> N
     fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
     fakes["a"].mode = mode
     for stream in (False, True):
-        fleet.state.backends["a"].request_served()  # up again
+        fleet.state.fleet.backends["a"].request_served()  # up again
         r = await fleet.chat(model="m", max_tokens=3, stream=stream)
         assert r.status_code == 200, r.text
         if stream:
@@ -372,7 +372,7 @@ async def test_when_every_backend_fails_the_client_gets_the_failure(make_fleet: 
     r = await fleet.chat(model="m", max_tokens=3)  # both down now: 503 at once
     assert r.status_code == 503 and "down after a failure" in r.json()["error"]["message"]
     assert int(r.headers["retry-after"]) >= 1
-    for backend in fleet.state.backends.values():
+    for backend in fleet.state.fleet.backends.values():
         assert backend.admission.stats().inflight == 0
 
 
@@ -382,16 +382,16 @@ async def test_a_down_backend_is_probed_once_its_backoff_has_passed(make_fleet: 
     fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}],
                              routing={"down_initial_s": 5.0})
     fleet.refused.add("a")
-    a = fleet.state.backends["a"]
+    a = fleet.state.fleet.backends["a"]
     a.clock = clock  # the backend's health runs on a clock the test moves
     fleet.state.clock = clock
     assert (await fleet.chat(model="m", max_tokens=3)).status_code == 200
-    assert a.failures == 1 and a.down_until == clock.now() + 5.0
+    assert a.health.failures == 1 and a.health.down_until == clock.now() + 5.0
     clock.advance(5.0)
     fleet.refused.clear()
     r = await fleet.chat("another conversation", model="m", max_tokens=3)
     assert r.status_code == 200  # the probe
-    assert a.failures == 0 and a.up and fleet.served_by()["a"] == 1
+    assert a.health.failures == 0 and a.up and fleet.served_by()["a"] == 1
 
 
 # -- prefix affinity -------------------------------------------------------------------
@@ -418,7 +418,7 @@ async def test_a_conversation_goes_back_to_its_backend_while_it_has_room(
     r = await fleet.client.post(CHAT, json={"model": "m", "messages": history,
                                             "max_tokens": 3})
     assert r.status_code == 200 and fleet.served_by() == {"a": 1, "b": 0}  # a tie: first
-    queue = next(iter(fleet.state._queues.values()))
+    queue = next(iter(fleet.state.fleet._queues.values()))
     from gateway.fleet.pool import affinity_key
 
     queue.remember(affinity_key({"messages": history}), "b")  # as if b had served it
@@ -452,9 +452,9 @@ async def test_ready_needs_a_usable_backend_for_every_model(make_fleet: Any) -> 
                                      {"name": "b", "model": "llama"},
                                      {"name": "c", "model": "qwen"}])
     assert (await fleet.client.get("/ready")).status_code == 200
-    fleet.state.backends["a"].request_failed(30, 30)  # llama still has b
+    fleet.state.fleet.backends["a"].request_failed(30, 30)  # llama still has b
     assert (await fleet.client.get("/ready")).status_code == 200
-    fleet.state.backends["c"].request_failed(30, 30)  # qwen has none left
+    fleet.state.fleet.backends["c"].request_failed(30, 30)  # qwen has none left
     r = await fleet.client.get("/ready")
     assert r.status_code == 503 and r.json()["models"] == {"llama": True, "qwen": False}
     assert r.json()["backends"]["c"]["down"] is True
@@ -497,7 +497,7 @@ async def test_a_drained_backend_finishes_its_requests_and_takes_no_new_ones(
 
 async def test_reload_adds_and_removes_backends_without_dropping_requests(
         make_fleet: Any, tmp_path: Any) -> None:
-    from gateway.fleet.state import reload_config
+    from gateway.fleet.reload import reload_config
 
     holds = {"a": asyncio.Event()}
     fakes = {"a": FakeLlamaServer(hold=holds["a"]), "b": FakeLlamaServer()}
@@ -505,23 +505,23 @@ async def test_reload_adds_and_removes_backends_without_dropping_requests(
                              server={"admin_key": "sesame"})
     in_flight = asyncio.ensure_future(fleet.chat("long", model="m", max_tokens=3))
     await asyncio.sleep(0.05)
-    old_a = fleet.state.backends["a"]
+    old_a = fleet.state.fleet.backends["a"]
     config = tmp_path / "gateway.toml"
     config.write_text('[server]\nadmin_key = "sesame"\n[admission]\ndisconnect_grace_s = 0.0\n'
                       '[[backends]]\nname = "b"\nurl = "http://b:8080"\nmodel = "m"\n')
     fleet.state.config_path = str(config)
     assert await reload_config(fleet.state) == ["added backend b", "removed backend a"]
-    assert old_a.draining and old_a in fleet.state.retiring
-    await fleet.state.backends["b"].discover()  # discovery is off in these tests
+    assert old_a.draining and old_a in fleet.state.fleet.retiring
+    await fleet.state.fleet.backends["b"].discover()  # discovery is off in these tests
     assert (await fleet.chat("new", model="m", max_tokens=3)).status_code == 200
     assert fleet.served_by() == {"a": 1, "b": 1}
     holds["a"].set()
     assert (await in_flight).status_code == 200  # the old backend finished it
     for _ in range(50):
-        if not fleet.state.retiring:
+        if not fleet.state.fleet.retiring:
             break
         await asyncio.sleep(0.05)
-    assert fleet.state.retiring == []  # closed once idle
+    assert fleet.state.fleet.retiring == []  # closed once idle
     # An invalid file, or one changing what needs a restart, is refused; nothing changes.
     config.write_text("[[backends]]\nname = 'b'\nslotz = 3\n")
     r = await fleet.client.post("/admin/reload", headers=ADMIN)
@@ -530,7 +530,7 @@ async def test_reload_adds_and_removes_backends_without_dropping_requests(
                       '[[backends]]\nname = "b"\nurl = "http://b:8080"\nmodel = "m"\n')
     r = await fleet.client.post("/admin/reload", headers=ADMIN)
     assert r.status_code == 409 and "[admission]" in r.json()["error"]["message"]
-    assert list(fleet.state.backends) == ["b"]
+    assert list(fleet.state.fleet.backends) == ["b"]
 
 
 # -- regressions from an adversarial pass ----------------------------------------------
@@ -561,7 +561,7 @@ async def test_an_alias_reaches_every_backend_of_its_model(make_fleet: Any) -> N
 async def test_one_unreachable_backend_does_not_404_every_request(make_fleet: Any) -> None:
     fakes = {"a": FakeLlamaServer(), "b": FakeLlamaServer(mode="connect")}
     fleet = Fleet(fakes, [{"name": "a"}, {"name": "b"}])  # no model set: both serve fake.gguf
-    await fleet.state.backends["a"].discover()  # b is down at start: its "model" is "b"
+    await fleet.state.fleet.backends["a"].discover()  # b is down at start: its "model" is "b"
     r = await fleet.chat(model="gpt-4o", max_tokens=3)
     ready = await fleet.client.get("/ready")
     await fleet.client.aclose()
@@ -571,7 +571,7 @@ async def test_one_unreachable_backend_does_not_404_every_request(make_fleet: An
 
 async def test_a_reload_does_not_double_book_a_changed_backend(make_fleet: Any,
                                                                 tmp_path: Any) -> None:
-    from gateway.fleet.state import reload_config
+    from gateway.fleet.reload import reload_config
 
     hold = asyncio.Event()
     fakes = {"a": FakeLlamaServer(slots=1, hold=hold)}
@@ -583,7 +583,7 @@ async def test_a_reload_does_not_double_book_a_changed_backend(make_fleet: Any,
                       'url = "http://a:8080"\nmodel = "m"\naliases = ["m2"]\n')
     fleet.state.config_path = str(config)
     await reload_config(fleet.state)
-    await fleet.state.backends["a"].discover()
+    await fleet.state.fleet.backends["a"].discover()
     second = asyncio.ensure_future(fleet.chat("second", model="m", max_tokens=3))
     await asyncio.sleep(0.05)
     hold.set()
@@ -610,7 +610,7 @@ async def test_a_known_model_is_not_served_by_another(make_fleet: Any) -> None:
     fakes = {"big": FakeLlamaServer(), "v": FakeLlamaServer()}
     fleet = Fleet(fakes, [{"name": "big", "model": "llama"},
                           {"name": "v", "model": "qwen", "kind": "vllm"}])
-    await fleet.state.backends["big"].discover()
+    await fleet.state.fleet.backends["big"].discover()
     r = await fleet.client.post("/infill", json={"model": "qwen", "input_prefix": "def f(",
                                                  "input_suffix": ")", "max_tokens": 2})
     await fleet.client.aclose()
@@ -657,7 +657,7 @@ async def test_metrics_name_the_backend_that_served(make_fleet: Any) -> None:
 
 async def test_a_reload_keeps_the_model_queue_of_the_same_servers(
         make_fleet: Any, tmp_path: Any) -> None:
-    from gateway.fleet.state import reload_config
+    from gateway.fleet.reload import reload_config
 
     hold = asyncio.Event()
     fakes = {"a": FakeLlamaServer(slots=1, hold=hold), "b": FakeLlamaServer(slots=1, hold=hold)}
@@ -676,7 +676,7 @@ async def test_a_reload_keeps_the_model_queue_of_the_same_servers(
                           'read_timeout_s = 100\n' for n in "ab"))
     fleet.state.config_path = str(config)
     assert await reload_config(fleet.state) == ["changed backend a", "changed backend b"]
-    assert fleet.state.backends["a"].settings.read_timeout_s == 100
+    assert fleet.state.fleet.backends["a"].settings.read_timeout_s == 100
     late = asyncio.ensure_future(fleet.chat("late", model="m", max_tokens=3))
     await asyncio.sleep(0.05)
     assert not waiting.done() and not late.done()  # both wait: the servers are still full
@@ -706,7 +706,7 @@ async def test_a_disagreed_count_is_forgotten_where_it_was_kept(make_fleet: Any)
     fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
     busy = asyncio.ensure_future(fleet.chat("keep a busy", model="m", max_tokens=5))
     await asyncio.sleep(0.05)
-    a = fleet.state.backends["a"]
+    a = fleet.state.fleet.backends["a"]
     first = await fleet.chat("the prompt", model="m", max_tokens=5)  # counted on a, run on b
     assert first.status_code == 200 and fleet.served_by()["b"] == 1
     true_count = int(first.headers["x-gateway-prompt-tokens"])

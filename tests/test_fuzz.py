@@ -305,7 +305,7 @@ async def _exchange(kind: str, path: str, raw: bytes, policy: str = "strict", *,
     http = httpx.AsyncClient(transport=httpx.MockTransport(upstream.handle))
     app = create_app(settings, http_client=http, registry=CollectorRegistry(),
                      discover=False)
-    for backend in app.state.gateway.backends.values():
+    for backend in app.state.gateway.fleet.backends.values():
         await backend.discover()
     before = len(upstream.calls)
     headers = {"content-type": content_type} if content_type else {}

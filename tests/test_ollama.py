@@ -42,7 +42,7 @@ async def make(ollama: FakeOllama) -> Any:
         app = create_app(settings, http_client=ollama.client(), registry=CollectorRegistry(),
                          discover=False)
         h = Harness(app, ollama)  # type: ignore[arg-type]
-        await app.state.gateway.backends["ollama"].discover()
+        await app.state.gateway.fleet.backends["ollama"].discover()
         made.append(h)
         return h
 
@@ -73,12 +73,12 @@ async def test_an_ollama_that_leaves_cached_tokens_out_of_its_count_is_named_onc
     caplog.set_level(logging.WARNING, logger="gateway.backends.ollama")
     ollama.version = "0.30.0"
     h = await make()
-    await h.state.backends["ollama"].discover()  # again: no second warning
+    await h.state.fleet.backends["ollama"].discover()  # again: no second warning
     warned = [r for r in caplog.records if "0.30.1 or later" in r.getMessage()]
     assert len(warned) == 1 and "backend ollama" in warned[0].getMessage()
     ollama.version = "0.30.1"
     caplog.clear()
-    await h.state.backends["ollama"].discover()
+    await h.state.fleet.backends["ollama"].discover()
     assert not [r for r in caplog.records if "0.30.1 or later" in r.getMessage()]
 
 
@@ -86,7 +86,7 @@ async def test_unloaded_model_uses_the_configured_context(make: Any, ollama: Fak
                                                           ) -> None:
     ollama.loaded = False
     h = await make(ctx_per_slot=2048)
-    assert h.state.backends["ollama"].layout.ctx_per_slot == 2048
+    assert h.state.fleet.backends["ollama"].layout.ctx_per_slot == 2048
 
 
 async def test_native_chat_streams_ndjson_with_the_cap_and_truncate_false(
@@ -190,7 +190,7 @@ async def test_p05_ollamas_own_over_length_400_is_context_length_exceeded(
     ollama.num_ctx = 4096
     h = await make(ctx_per_slot=8192)  # config says more than Ollama really has
     ollama.loaded = False  # (so the configured value is used)
-    await h.state.backends["ollama"].discover()
+    await h.state.fleet.backends["ollama"].discover()
     r = await h.client.post("/api/generate", json={
         "model": MODEL, "prompt": "word " * 5000, "stream": False,
         "options": {"num_predict": 10}})

@@ -23,7 +23,8 @@ from prometheus_client import CollectorRegistry, Counter
 from gateway.config import load_settings
 from gateway.errors import GatewayError
 from gateway.http.app import create_app
-from gateway.http.status import GAUGES, STATUS_PATHS, RejectionLog, status_authorized, status_page
+from gateway.http.auth import status_authorized
+from gateway.http.status import GAUGES, STATUS_PATHS, RejectionLog, status_page
 from tests.conftest import Harness
 from tests.fakes import FakeLlamaServer, ManualClock
 from tests.test_fleet import Fleet
@@ -162,7 +163,7 @@ async def test_a_pool_queue_is_listed_with_its_oldest_wait() -> None:
         running = [asyncio.ensure_future(fleet.chat(model="m", max_tokens=5)) for _ in range(2)]
         await until(lambda: sum(f.active for f in fakes.values()) == 2)
         waiting = asyncio.ensure_future(fleet.chat(model="m", max_tokens=5))
-        await until(lambda: any(q.waiting for q, _ in fleet.state.pool_queues()))
+        await until(lambda: any(q.waiting for q, _ in fleet.state.fleet.pool_queues()))
         await asyncio.sleep(0.05)
         data = (await fleet.client.get("/status.json")).json()
         (pool,) = data["pools"]

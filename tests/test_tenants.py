@@ -19,6 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.config import ConfigError, load_settings
+from gateway.fleet.reload import reload
 from gateway.http.app import create_app
 from tests.conftest import Harness
 from tests.fakes import FakeLlamaServer, ManualClock
@@ -486,7 +487,7 @@ async def test_a_reload_that_raises_max_inflight_lets_waiters_through(
     await until(lambda: tenant.waiting >= 2)
     new = h.state.settings.model_copy(update={"tenants": load_settings(
         classes=CLASSES, tenants=[{**TENANTS[0], "max_inflight": 3}]).tenants})
-    assert "tenants" in await h.state.reload(new)
+    assert "tenants" in await reload(h.state, new)
     await until(lambda: h.backend.stats().inflight >= 3)  # the two at the gate went on at once
     assert h.state.tenants.by_name["web"] is tenant and tenant.waiting == 0
     fake.hold.set()

@@ -72,7 +72,7 @@ async def test_an_ollama_ndjson_stream_ignores_the_progress_header() -> None:
         backends=[{"name": "ollama", "url": "http://ollama:11434", "kind": "ollama"}]),
         http_client=ollama.client(), registry=CollectorRegistry(), discover=False)
     h = Harness(app, ollama)  # type: ignore[arg-type]
-    await app.state.gateway.backends["ollama"].discover()
+    await app.state.gateway.fleet.backends["ollama"].discover()
     asyncio.get_running_loop().call_later(0.3, gate.set)
     r = await h.client.post("/api/chat", headers={"X-Queue-Progress": "1"}, json={
         "model": "llama3.2:1b", "messages": [{"role": "user", "content": "hi"}],

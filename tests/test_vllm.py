@@ -51,7 +51,7 @@ async def make(vllm: FakeVllm) -> Any:
 
 
 def target(h: Harness) -> Any:
-    return h.state.backends["vllm"]
+    return h.state.fleet.backends["vllm"]
 
 
 def sample(h: Harness, name: str, **labels: str) -> float:
@@ -378,7 +378,7 @@ async def test_the_pool_penalty_recovers_and_a_restart_clears_it(make: Any, vllm
     await p10_requests("/v1/completions", h.client)
     await target(h).discover()
     assert target(h).layout.pool_tokens == 18_000
-    target(h)._penalized_at -= 301  # five quiet minutes later: half the penalty back
+    target(h).pool.penalized_at -= 301  # five quiet minutes later: half the penalty back
     await target(h).discover()
     assert target(h).layout.pool_tokens == 19_000
     vllm.num_gpu_blocks = 2500  # restarted with a larger cache: the penalty is moot
@@ -411,7 +411,7 @@ async def test_a_backend_named_by_model_without_the_route_is_404(vllm: FakeVllm)
         {"name": "big", "url": "http://vllm:8000", "kind": "vllm", "slots": 16}])
     app = create_app(settings, http_client=httpx.AsyncClient(
         transport=httpx.MockTransport(route)), registry=CollectorRegistry(), discover=False)
-    for backend in app.state.gateway.backends.values():
+    for backend in app.state.gateway.fleet.backends.values():
         await backend.discover()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://gateway") as client:

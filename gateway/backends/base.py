@@ -1,7 +1,7 @@
 """What every backend kind provides, and the helpers the kinds share.
 
 A kind (llama-server, later Ollama and vLLM) is one class that satisfies
-:class:`BackendKind`: it knows its server's endpoints, how to read its capacity, how to
+:class:`Dialect`: it knows its server's endpoints, how to read its capacity, how to
 count a prompt as the server will, how to prepare the body it forwards and how to read
 its errors. Everything the kinds share at run time (admission, liveness, the discovery
 loop, the pool penalty, the slot watch) lives in :class:`gateway.backends.target.Target`.
@@ -34,7 +34,7 @@ from gateway.errors import (
 )
 from gateway.wire.validation import ParsedRequest
 
-__all__ = ["BackendKind", "Discovered", "ExactCount", "SideCalls", "WithoutSlots",
+__all__ = ["Dialect", "Discovered", "ExactCount", "SideCalls", "WithoutSlots",
            "auth_problem", "count_or_none", "error_message", "is_error_object",
            "openai_body", "other_error", "seconds", "upstream_5xx"]
 
@@ -123,8 +123,12 @@ class SideCalls:
             headers={"content-type": "application/json", **self.settings.auth_headers}))
 
 
-class BackendKind(Protocol):
-    """What differs between kinds of backend server.
+class Dialect(Protocol):
+    """What differs between kinds of backend server: the kind's dialect of the APIs.
+
+    (Not :class:`gateway.config.BackendKind`, the enum that names a kind in the
+    configuration; a :class:`~gateway.backends.target.Target` holds one dialect, as
+    ``target.dialect``.)
 
     ``route_paths`` maps the gateway's route names (``chat``, ``completions``) to the
     upstream paths the kind serves them on.

@@ -1,8 +1,17 @@
-"""One backend at run time: its admission queue, liveness, discovery loop, pool penalty
-and slot watch, around the kind-specific dialect (:mod:`gateway.backends`).
+"""One backend at run time: the aggregate of its parts, and its discovery loop.
 
-Callers talk to a :class:`Target`; only it reaches the
-:class:`~gateway.admission.admission.Admission` and the dialect.
+A :class:`Target` holds, as documented public parts:
+
+* ``target.dialect``: the kind-specific :class:`~gateway.backends.base.Dialect`
+  (endpoints, counting, the body forwarded, errors read);
+* ``target.admission``: its :class:`~gateway.admission.admission.Admission` (queue,
+  leases, layout);
+* ``target.health``: its :class:`~gateway.core.health.Health` (failures and backoff);
+* ``target.pool``: its :class:`~gateway.core.pool_model.PoolModel` (the pool penalty);
+* ``target.slot_watch``, ``target.counts`` and ``target.lengths``.
+
+Callers use those parts directly; the few methods that only pass a call on remain for
+the relay and the request planner until they are moved to the parts.
 """
 
 from __future__ import annotations
@@ -17,28 +26,33 @@ import httpx
 from gateway.admission.admission import Admission
 from gateway.admission.lease import AdmissionStats, Lease
 from gateway.admission.slotwatch import SlotWatch, Ticket
-from gateway.backends import BackendKind, Discovered, SideCalls, kind_class
+from gateway.backends import Dialect, Discovered, SideCalls, kind_class
 from gateway.backends.countcache import CountCache
 from gateway.clock import Clock, MonotonicClock
 from gateway.config import AdmissionPolicy, AdmissionSettings, BackendSettings
 from gateway.core.capacity import Charge, Layout
 from gateway.core.fairness import Party
+from gateway.core.health import Health
+from gateway.core.pool_model import (
+    OVERFLOW_BURST_S,
+    PENALTY_RECOVERY_S,
+    Limits,
+    PoolModel,
+    describe,
+)
 from gateway.core.predict import CompletionLengths
 from gateway.core.prefix import Prefix
 from gateway.core.slots import PromptIndex
 from gateway.errors import GatewayError
 from gateway.wire.validation import ParsedRequest
 
-__all__ = ["Target"]
+__all__ = ["OVERFLOW_BURST_S", "PENALTY_RECOVERY_S", "PREEMPTION_WATCH_S",
+           "RETRY_DISCOVERY_S", "Target"]
 
 log = logging.getLogger(__name__)
 
 RETRY_DISCOVERY_S = 1.0  # delay between discovery attempts while the backend is down
-PENALTY_RECOVERY_S = 300.0  # quiet time after which the pool penalty is halved
 PREEMPTION_WATCH_S = 5.0  # discovery interval at most, where the server counts preemptions
-# Overflow reports this close together are one overflow: llama-server fails every request
-# in flight at once, and each of them reports it.
-OVERFLOW_BURST_S = 2.0
 
 
 class Target:
@@ -50,6 +64,22 @@ class Target:
     :param clock: time source for admission, discovery and the slot watch.
     :param dialect: the kind's dialect; built from ``settings.kind`` when omitted.
     :param client: client for the forwarded requests (``side_client`` when omitted).
+
+    Its public parts, which callers use directly:
+
+    :ivar dialect: the kind's :class:`~gateway.backends.base.Dialect` (route paths,
+        counting, the body forwarded, errors read, capabilities as class variables).
+    :ivar admission: its :class:`~gateway.admission.admission.Admission` (queue, leases,
+        layout, live accounting; listeners woken when room frees).
+    :ivar health: its :class:`~gateway.core.health.Health` (failures in a row, backoff).
+    :ivar pool: its :class:`~gateway.core.pool_model.PoolModel` (the pool penalty and the
+        preemptions counted).
+    :ivar slot_watch: the :class:`~gateway.admission.slotwatch.SlotWatch` holding the
+        leases of abandoned requests until the server shows they ended.
+    :ivar counts: exact prompt counts already answered
+        (:class:`~gateway.backends.countcache.CountCache`).
+    :ivar lengths: served completion lengths, for the predictive policy
+        (:class:`~gateway.core.predict.CompletionLengths`).
     """
 
     def __init__(
@@ -58,7 +88,7 @@ class Target:
         admission_settings: AdmissionSettings,
         side_client: httpx.AsyncClient,
         clock: Clock | None = None,
-        dialect: BackendKind | None = None,
+        dialect: Dialect | None = None,
         client: httpx.AsyncClient | None = None,
     ) -> None:
         self.settings = settings
@@ -67,23 +97,19 @@ class Target:
         self.side_client = side_client
         self.name = settings.name
         self.kind = settings.kind.value
-        self.dialect: BackendKind = dialect or kind_class(self.kind)(  # type: ignore[call-arg]
+        self.dialect: Dialect = dialect or kind_class(self.kind)(  # type: ignore[call-arg]
             settings, SideCalls(settings, side_client))
         self.clock = clock or MonotonicClock()
         self.reachable = False
         self.discovered: Discovered | None = None
         self.problem: str | None = None  # why the last discovery failed
-        self._pool_penalty = 0  # tokens taken off the unified pool after overflows
-        self._penalized_at = 0.0  # clock time of the last overflow or preemption
-        self.preemptions_seen = 0  # server preemptions while the gateway admitted work
-        self._busy_at_check = False  # leases in flight at the last preemption check
-        self._admitted_at_check = 0  # leases granted by then
+        # The pool penalty learnt from overflows and preemptions, and the layout it gives.
+        self.pool = PoolModel()
         self._rediscovery: asyncio.Task[None] | None = None
         # Health as routing sees it (gateway/fleet/pool.py): after a failed request the
-        # backend is skipped until ``down_until``; the next request after that is the
-        # half-open probe, and a success brings it back.
-        self.failures = 0  # consecutive failed requests
-        self.down_until = 0.0  # clock time; 0: up
+        # backend is skipped until ``health.down_until``; the next request after that is
+        # the half-open probe, and a success brings it back.
+        self.health = Health()
         # The prompt each slot last held, for slot affinity (gateway.core.slots).
         self._prompts = PromptIndex()
         self.draining = False  # takes no new requests; those in flight finish
@@ -156,16 +182,19 @@ class Target:
     @property
     def up(self) -> bool:
         """Not marked down by a recent failure (see :meth:`request_failed`)."""
-        return self.clock.now() >= self.down_until
+        return self.health.usable(self.clock.now())
+
+    def usable(self, now: float) -> bool:
+        """New requests may go here at ``now``: ready, not draining, and up (or due a
+        probe, :meth:`gateway.core.health.Health.usable`)."""
+        return self.ready and not self.draining and self.health.usable(now)
 
     def request_failed(self, initial_s: float, max_s: float) -> float:
         """A request failed here before any byte reached its client (refused, timed
         out, or a 5xx): skip this backend for ``initial_s`` seconds, doubled for each
-        failure in a row, at most ``max_s``. Returns the time it is down, seconds."""
-        self.failures += 1
-        down = min(max_s, initial_s * 2 ** (self.failures - 1))
-        self.down_until = self.clock.now() + down
-        return down
+        failure in a row, at most ``max_s`` (:meth:`Health.request_failed` at the
+        clock's now). Returns the time it is down, seconds."""
+        return self.health.request_failed(self.clock.now(), initial_s, max_s)
 
     def same_server(self, entry: BackendSettings) -> bool:
         """``entry`` describes the server this backend talks to (same URL and kind, and
@@ -196,14 +225,13 @@ class Target:
 
     def probe_started(self, now: float) -> None:
         """A request was sent here. After failures (half-open), it is the probe: others
-        skip this backend until it succeeds or fails, or for the connect timeout."""
-        if self.failures and now >= self.down_until:
-            self.down_until = now + self.settings.connect_timeout_s + 1.0
+        skip this backend until it succeeds or fails, or for the connect timeout (and a
+        second)."""
+        self.health.probe_started(now, self.settings.connect_timeout_s + 1.0)
 
     def request_served(self) -> None:
         """A request got an answer from this backend: it is up."""
-        self.failures = 0
-        self.down_until = 0.0
+        self.health.request_served()
 
     # -- state -------------------------------------------------------------------------
 
@@ -237,7 +265,7 @@ class Target:
     def stats(self) -> AdmissionStats:
         """Queue, reservation and slot-watch figures, for metrics."""
         return replace(self.admission.stats(), abandoned_held=self.slot_watch.waiting,
-                       preemptions=self.preemptions_seen, up=self.up)
+                       preemptions=self.pool.preemptions_seen, up=self.up)
 
     # -- admission ---------------------------------------------------------------------
 
@@ -286,10 +314,6 @@ class Target:
             return None
         return position, self.admission.eta_s(charge)
 
-    def retry_after_s(self) -> float:
-        """When a request sent now could start, seconds (1–60)."""
-        return self.admission.retry_after_s()
-
     def release_abandoned(
         self, lease: Lease, ticket: Ticket, *, served: bool,
         pending: asyncio.Task[httpx.Response] | None = None, stream: bool = False,
@@ -337,7 +361,7 @@ class Target:
         the error, its one source; the pair stays only until the relay reads
         ``exc.upstream_kind`` itself."""
         exc = self.dialect.translate_error(status, body, retry_after,
-                                           retry_after_s=self.retry_after_s())
+                                           retry_after_s=self.admission.retry_after_s())
         return exc, (exc.upstream_kind or "") if exc is not None else ""
 
     def is_overflow_event(self, data: dict[str, Any]) -> bool:
@@ -346,30 +370,19 @@ class Target:
 
     # -- discovery ---------------------------------------------------------------------
 
-    def _configured_layout(self, found: Discovered | None) -> Layout | None:
-        """The layout from config and discovery: for slots, context and pool, the smaller
-        of the configured value and the one the server reports (a server never holds
-        more than it reports; config can only narrow it), either one when the other is
-        unknown.
-
-        The pool is then ``pool_tokens`` / the reported pool (vLLM), else one slot's
-        context (the safe guess, ``shared/design/backends.md`` §4.7); less the penalty
-        taken after overflows or preemptions. A pool smaller than the context lowers the
-        context to it.
-        """
+    @property
+    def limits(self) -> Limits:
+        """The configured numbers the layout starts from (``[[backends]]`` and the
+        kind's pool sharing and stop margin)."""
         s = self.settings
-        slots = _smaller(s.slots, found.slots if found else None)
-        ctx = _smaller(s.ctx_per_slot, found.ctx_per_slot if found else None)
-        if slots is None or ctx is None:
-            return None
-        margin = self.dialect.stop_margin
-        block = found.block_size if found else 1
-        if not s.unified or not self.dialect.unified_pool:
-            return Layout(slots, ctx, stop_margin=margin)
-        pool = _smaller(s.pool_tokens, found.pool_tokens if found else None) or ctx
-        ctx = max(2, min(ctx, pool))
-        pool = max(ctx, pool - self._pool_penalty)
-        return Layout(slots, ctx, pool_tokens=pool, block_size=block, stop_margin=margin)
+        return Limits(s.slots, s.ctx_per_slot, s.pool_tokens,
+                      unified=s.unified and self.dialect.unified_pool,
+                      stop_margin=self.dialect.stop_margin)
+
+    def _configured_layout(self, found: Discovered | None) -> Layout | None:
+        """The layout from config and discovery, less the pool penalty
+        (:meth:`gateway.core.pool_model.PoolModel.layout`)."""
+        return self.pool.layout(self.limits, found)
 
     async def discover(self) -> Layout | None:
         """Read the backend's capacity and update the admission layout. A failure is
@@ -397,7 +410,7 @@ class Target:
             # are asked again.
             self.counts.clear()
         if restarted:
-            self._pool_penalty = 0  # a restarted server: what was learnt of the old is moot
+            self.pool.restarted()  # what was learnt of the old server is moot
         self._recover_pool()
         self._check_preemptions(found)
         self.discovered = found
@@ -405,8 +418,8 @@ class Target:
         old = self.admission.layout
         if layout != old:
             log.log(logging.WARNING if restarted else logging.INFO,
-                    "backend %s layout changed: %s -> %s", self.name, _describe(old),
-                    _describe(layout))
+                    "backend %s layout changed: %s -> %s", self.name, describe(old),
+                    describe(layout))
             if restarted:
                 # The server reports other values: a restarted server, which runs nothing
                 # of the old one. (A pool penalty easing off is not a restart: what the
@@ -466,56 +479,37 @@ class Target:
         self.request_rediscovery()
 
     def _shrink_pool(self, live_tokens: int | None = None, *, burst: bool = False) -> None:
-        """The backend overflowed its pool (or preempted), so the model of P was too
-        large: take 10 % off, or down to ``live_tokens`` when the overflow came with less
-        than that in use (the rest was someone else's); never below one slot's context
-        (``shared/design/backends.md`` §4.10). With ``burst``, a report within
-        :data:`OVERFLOW_BURST_S` of the last shrink is the same overflow, and ignored."""
+        """The backend overflowed its pool (or preempted): shrink the pool model
+        (:meth:`gateway.core.pool_model.PoolModel.shrink`) and apply the smaller layout."""
         layout = self.admission.layout
-        if layout is None or layout.pool_tokens is None:
+        if not self.pool.shrink(layout, self.clock.now(), live_tokens, burst=burst):
             return
-        if layout.pool_tokens <= layout.ctx_per_slot:
-            return
-        if burst and self._pool_penalty and (
-                self.clock.now() - self._penalized_at < OVERFLOW_BURST_S):
-            return
-        cut = max(1, layout.pool_tokens // 10)
-        if live_tokens is not None and live_tokens < layout.pool_tokens:
-            cut = max(cut, layout.pool_tokens - live_tokens)
-        self._pool_penalty += cut
-        self._penalized_at = self.clock.now()
+        assert layout is not None
         smaller = self._configured_layout(self.discovered)
         log.warning("backend %s overflowed its KV pool; pool model %d -> %s tokens", self.name,
                     layout.pool_tokens, smaller.pool_tokens if smaller else None)
         self.admission.set_layout(smaller)
 
     def _recover_pool(self) -> None:
-        """Halve the pool penalty after :data:`PENALTY_RECOVERY_S` without an overflow or a
-        preemption: a penalty taken for someone else's traffic, or for a passing peak,
-        is not kept for ever."""
-        if self._pool_penalty and self.clock.now() - self._penalized_at >= PENALTY_RECOVERY_S:
-            self._pool_penalty //= 2
-            self._penalized_at = self.clock.now()
+        """Halve the pool penalty after quiet minutes
+        (:meth:`gateway.core.pool_model.PoolModel.recover`)."""
+        if self.pool.recover(self.clock.now()):
             log.info("backend %s: no overflow for %.0f s; pool penalty now %d tokens",
-                     self.name, PENALTY_RECOVERY_S, self._pool_penalty)
+                     self.name, PENALTY_RECOVERY_S, self.pool.penalty)
 
     def _check_preemptions(self, found: Discovered) -> None:
         """A rise in the server's preemption count while the gateway had requests in
         flight means its model of the pool let in more than the server holds (vLLM
         preempts and recomputes rather than failing): counted like an overflow, and the
         pool model shrinks (``shared/cases/public.md`` P10)."""
-        before = self.discovered.preemptions if self.discovered else None
-        now = found.preemptions
-        if before is None or now is None:
-            return
         stats = self.admission.stats()
-        ours = self._busy_at_check or stats.inflight > 0 or stats.admitted > self._admitted_at_check
-        if now > before and ours:
+        seen = self.pool.preempted(self.discovered.preemptions if self.discovered else None,
+                                   found.preemptions, inflight=stats.inflight,
+                                   admitted=stats.admitted)
+        if seen:
             log.warning("backend %s preempted %d requests while the gateway admitted work; "
-                        "its pool model is too large", self.name, now - before)
-            self.preemptions_seen += now - before
+                        "its pool model is too large", self.name, seen)
             self._shrink_pool()
-        self._busy_at_check, self._admitted_at_check = stats.inflight > 0, stats.admitted
 
     def _warn_disagreement(self, found: Discovered) -> None:
         s = self.settings
@@ -536,15 +530,3 @@ class Target:
             await asyncio.gather(self._rediscovery, return_exceptions=True)
         await self.slot_watch.close()
 
-
-def _smaller(configured: int | None, seen: int | None) -> int | None:
-    if configured is None or seen is None:
-        return configured if seen is None else seen
-    return min(configured, seen)
-
-
-def _describe(layout: Layout | None) -> str:
-    if layout is None:
-        return "unknown"
-    kind = f"unified pool {layout.pool_tokens}" if layout.unified else "per-slot KV"
-    return f"{layout.slots} slots x {layout.ctx_per_slot} tokens, {kind}"

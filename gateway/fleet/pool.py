@@ -2,7 +2,7 @@
 
 **Names.** Each backend serves one model, named by ``backends[].model`` or else by the id
 the backend reports (``GET /v1/models``), plus its ``aliases``. A request's ``model``
-picks, in this order (:meth:`Fleet.resolve`):
+picks, in this order (:meth:`gateway.fleet.fleet.Fleet.resolve`):
 
 1. the backend of that *name*, alone (pinning one server, as before pools existed);
 2. every backend whose model or alias it is: the model's **pool**;
@@ -392,13 +392,13 @@ class ModelQueue:
 
     def retry_after_s(self) -> float:
         """The soonest any member expects room, seconds (1-60)."""
-        return min((b.retry_after_s() for b in self.members), default=1.0)
+        return min((b.admission.retry_after_s() for b in self.members), default=1.0)
 
     def _grant(self, candidates: Iterable[Candidate], affinity: str | None,
                reason: str | None = None, prefix: Prefix | None = None
                ) -> tuple[Candidate, Lease] | None:
         now = self.clock.now()
-        fitting = [c for c in candidates if usable(c.backend, now)
+        fitting = [c for c in candidates if c.backend.usable(now)
                    and c.backend.admission.fits_now(c.charge)]
         if not fitting:
             return None
@@ -423,11 +423,6 @@ class ModelQueue:
         return QueueFull(
             f"The queue for this model is full ({self.max_queue} waiting); retry after "
             "the Retry-After delay.", retry_after_s=self.retry_after_s())
-
-
-def usable(backend: Target, now: float) -> bool:
-    """A backend new requests may go to: ready, not draining, and up (or due a probe)."""
-    return backend.ready and not backend.draining and now >= backend.down_until
 
 
 def affinity_key(body: dict[str, Any]) -> str | None:

@@ -6,7 +6,6 @@ their own ``http_client`` (over ``httpx.MockTransport``), ``registry`` and ``clo
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -17,22 +16,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 
-from gateway.admission.tenants import Tenants, check_admin_key
+from gateway.admission.tenants import Tenants
 from gateway.backends import SIDE_CONNECTIONS
 from gateway.backends.target import Target
 from gateway.backends.upstream import build_client
 from gateway.clock import Clock, MonotonicClock
 from gateway.config import AdmissionSettings, BackendSettings, Settings
 from gateway.errors import GatewayError
+from gateway.fleet.fleet import Fleet, MakeTarget
 from gateway.fleet.state import GatewayState
+from gateway.fleet.tasks import TaskSet
+from gateway.http.auth import authenticate
 from gateway.http.connection import guarded_protocol
 from gateway.http.endpoints import register_routes
 from gateway.http.middleware import RequestAccounting, count_rejection
 from gateway.http.status import register_status
+from gateway.http.views import pool_gauge_rows
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import record_of
 from gateway.relay.response import stop_drains
-from gateway.wire.routes import Access, access_of
 from gateway.wire.shapes import render, shape_of
 
 __all__ = ["GatewayState", "create_app", "uvicorn_options"]
@@ -79,6 +81,10 @@ def create_app(
 ) -> FastAPI:
     """Build the gateway ASGI app.
 
+    The parts are built in order, each whole: the backends and the :class:`Fleet`, the
+    metrics (which read the fleet's figures at scrape time), the tenants, then the
+    :class:`GatewayState` holding them (``app.state.gateway``).
+
     :param settings: the loaded configuration.
     :param http_client: upstream client; defaults to :func:`gateway.backends.upstream.build_client`.
         The app closes it on shutdown only when it created it.
@@ -86,90 +92,68 @@ def create_app(
     :param clock: time source; defaults to the monotonic clock.
     :param discover: run background capacity discovery during the app's lifespan.
     """
-    owns_client = http_client is None
     clock = clock or MonotonicClock()
+    make_target = _target_factory(http_client, clock)
+    backends = {b.name: make_target(b, settings.admission) for b in settings.backends}
+    tasks = TaskSet()
+    fleet = Fleet(backends, clock=clock, admission=settings.admission,
+                  routing=settings.routing, make_target=make_target, tasks=tasks,
+                  discover=discover)
+    metrics = GatewayMetrics(registry or CollectorRegistry(), fleet.stats,
+                             lambda: pool_gauge_rows(fleet.pool_queues()))
+    client = http_client or next(iter(backends.values())).client
+    state = GatewayState(settings, client, clock, fleet, Tenants(settings), metrics, tasks)
+    state.prime_metrics()
 
+    app = FastAPI(
+        title="LLM admission gateway", lifespan=_lifespan, docs_url=None, redoc_url=None,
+        openapi_url=None, redirect_slashes=False,
+    )
+    app.state.gateway = state
+    direct = register_routes(app)
+    register_status(app, state)
+    app.add_middleware(RequestAccounting, metrics=state.metrics,
+                       keepalive_timeout_s=settings.server.keepalive_timeout_s,
+                       authenticate=authenticate, routes=direct)
+    app.add_exception_handler(GatewayError, _render)  # type: ignore[arg-type]
+    return app
+
+
+def _target_factory(http_client: httpx.AsyncClient | None, clock: Clock) -> MakeTarget:
+    """How the app builds a backend from its settings (at start and on reloads): on
+    ``http_client`` when one is given, else on clients of its own, closed when it is
+    retired or at shutdown."""
     def make_target(entry: BackendSettings, admission: AdmissionSettings) -> Target:
         # No pool limit: admission bounds the generation requests (one per lease).
         gen = http_client or build_client(keepalive_expiry_s=entry.keepalive_expiry_s)
         side = http_client or build_client(max_connections=SIDE_CONNECTIONS,
                                            keepalive_expiry_s=entry.keepalive_expiry_s)
         target = Target(entry, admission, side, clock, client=gen)
-        if owns_client:
+        if http_client is None:
             target.owned_clients = [gen, side]
         return target
+    return make_target
 
-    backends = {b.name: make_target(b, settings.admission) for b in settings.backends}
-    client = http_client or next(iter(backends.values())).client
-    state = GatewayState(settings, client, clock, backends)
-    state.make_target = make_target
-    def pool_rows() -> list[tuple[str, int, int, float]]:
-        """One row per model with a shared queue; a queue a reload retired adds its
-        waiters to the model's row (its capacity is the live queue's)."""
-        rows: dict[str, tuple[str, int, int, float]] = {}
-        for queue, oldest in state.pool_queues():
-            _, waiting, capacity, longest = rows.get(queue.model, (queue.model, 0, 0, 0.0))
-            rows[queue.model] = (queue.model, waiting + queue.waiting,
-                                 capacity if queue.retired else queue.max_queue,
-                                 max(longest, oldest))
-        return list(rows.values())
 
-    state.metrics = GatewayMetrics(registry or CollectorRegistry(), state.stats, pool_rows)
-    state.tenants = Tenants(settings)
-    state.prime_metrics()
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Start the backends' discovery loops; at shutdown, cancel the app's background
+    tasks and the streams' tails still being read, then close every backend."""
+    state: GatewayState = app.state.gateway
+    state.fleet.start()
+    try:
+        yield
+    finally:
+        await state.tasks.cancel_all()
+        await stop_drains()
+        await state.fleet.close()
 
-    def authenticate(scope: Any) -> None:
-        """Who the request is for (before its body is read): probes, the admin routes
-        and the status page pass (those check the admin key themselves, never a
-        tenant's); ``/metrics`` needs the admin key when one is set, unless
-        ``server.metrics_public``; every other path needs a tenant's key when tenants
-        are configured (:meth:`Tenants.authenticate`)."""
-        access = access_of(scope["path"])
-        if access in (Access.open, Access.admin):
-            return
-        server = state.settings.server
-        if access is Access.scrape:
-            if server.admin_key is not None and not server.metrics_public:
-                check_admin_key(scope["headers"], server.admin_key.get_secret_value(),
-                                "/metrics (server.admin_key is set) needs")
-            return
-        tenant = state.tenants.authenticate(scope["headers"])
-        record = record_of(scope)
-        record.tenant, record.priority = tenant, tenant.priority
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.discovering = discover
-        for backend in backends.values():
-            state.start_discovery(backend)
-        try:
-            yield
-        finally:
-            for task in (*state.tasks, *state._retirements):
-                task.cancel()
-            await asyncio.gather(*state.tasks, *state._retirements, return_exceptions=True)
-            await stop_drains()
-            for backend in (*state.backends.values(), *state.retiring):
-                await backend.close()
-                for owned in backend.owned_clients:
-                    await owned.aclose()
-
-    app = FastAPI(
-        title="LLM admission gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
-        openapi_url=None, redirect_slashes=False,
-    )
-    app.state.gateway = state
-    direct = register_routes(app, state)
-    register_status(app, state)
-    app.add_middleware(RequestAccounting, metrics=state.metrics,
-                       keepalive_timeout_s=settings.server.keepalive_timeout_s,
-                       authenticate=authenticate, routes=direct)
-
-    @app.exception_handler(GatewayError)
-    async def _render(request: Request, exc: GatewayError) -> Response:
-        count_rejection(state.metrics, record_of(request.scope), exc)
-        status, headers, body = render(exc, shape_of(request.url.path))
-        raw = {k.decode(): v.decode() for k, v in headers if k != b"content-length"}
-        return Response(body, status, headers=raw)
-
-    return app
+async def _render(request: Request, exc: GatewayError) -> Response:
+    """The app's one handler of a :class:`GatewayError` raised before a response began:
+    counted as a rejection and rendered in the route's API shape."""
+    count_rejection(request.app.state.gateway.metrics,
+                    record_of(request.scope), exc)
+    status, headers, body = render(exc, shape_of(request.url.path))
+    raw = {k.decode(): v.decode() for k, v in headers if k != b"content-length"}
+    return Response(body, status, headers=raw)

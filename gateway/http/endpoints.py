@@ -1,4 +1,12 @@
-"""HTTP routes: the OpenAI-compatible endpoints, health, readiness and metrics."""
+"""HTTP routes: the OpenAI-compatible endpoints, health, readiness, metrics and admin.
+
+Each endpoint is a module-level function that reads the app's
+:class:`~gateway.fleet.state.GatewayState` from ``request.app.state.gateway``;
+:func:`register_routes` attaches them to an app. The generation routes are also served
+as one plain ASGI callable (:func:`serve_direct`), which
+:class:`~gateway.http.middleware.RequestAccounting` calls without the framework's routing
+layers.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.admission.tenants import check_admin_key
 from gateway.backends.target import Target
 from gateway.backends.upstream import map_upstream_errors
 from gateway.errors import RouteNotFound
-from gateway.fleet.pool import usable
-from gateway.fleet.state import GatewayState, reload_config
+from gateway.fleet.reload import reload_config
+from gateway.fleet.state import GatewayState
+from gateway.http.auth import Access, authorize
+from gateway.http.views import admin_row, ready_row
 from gateway.observe.record import record_of
 from gateway.relay.response import ProxyResponse
 from gateway.relay.tracked import TrackedResponse
@@ -25,214 +34,213 @@ from gateway.request.plan import count_prompt, prepare_exchange, read_body, requ
 from gateway.wire.routes import BY_NAME, DIRECT, FORWARDED, SERVED, Route
 from gateway.wire.validation import check_content_type
 
-__all__ = ["MODELS_TIMEOUT_S", "register_routes"]
+__all__ = ["GENERATION_ROUTES", "MODELS_TIMEOUT_S", "register_routes", "serve_direct"]
 
 MODELS_TIMEOUT_S = 5.0  # GET /v1/models waits this long for each backend's list
 
+#: ``POST`` path -> route name of every generation route (forwarded under admission).
+GENERATION_ROUTES = DIRECT
+#: Ollama's listing routes, relayed unchanged (:func:`passthrough`): path -> method.
+PASSTHROUGH = {"/api/tags": "GET", "/api/version": "GET", "/api/ps": "GET",
+               "/api/show": "POST"}
 
-def register_routes(app: FastAPI, state: GatewayState) -> dict[str, ASGIApp]:
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.gateway  # type: ignore[no-any-return]
+
+
+async def handle(request: Request, route: str) -> Response:
+    """Plan a generation request of ``route`` and the response that admits, forwards
+    and relays it (:func:`gateway.request.plan.prepare_exchange`)."""
+    state = _state(request)
+    exchange = await prepare_exchange(state, request, route)
+    kind = TrackedResponse if exchange.tracked else ProxyResponse
+    return kind(exchange, client=exchange.backend.client, metrics=state.metrics,
+                clock=state.clock, cut=state.cut)
+
+
+async def generate(request: Request) -> Response:
+    """``POST`` on a generation route (:data:`GENERATION_ROUTES`), through the router."""
+    return await handle(request, GENERATION_ROUTES[request.scope["path"]])
+
+
+async def serve_direct(scope: Scope, receive: Receive, send: Send) -> None:
+    """A generation route as a plain ASGI app (the middleware's direct path)."""
+    response = await handle(Request(scope, receive), GENERATION_ROUTES[scope["path"]])
+    await response(scope, receive, send)
+
+
+async def passthrough(request: Request) -> Response:
+    """Ollama's listing routes, relayed unchanged to the first Ollama backend (or the
+    one a ``model`` names), so that Ollama-aware clients and UIs can list models."""
+    body = await request.body() if request.method == "POST" else b""
+    model = None
+    if body:
+        try:
+            model = json.loads(body).get("model")
+        except (ValueError, AttributeError):
+            model = None
+    backend = _state(request).fleet.pick(model, "ollama")
+    with map_upstream_errors(backend.name):
+        resp = await backend.side_client.request(
+            request.method, backend.url(request.url.path), content=body or None,
+            headers={"content-type": "application/json", **backend.settings.auth_headers},
+            timeout=backend.timeout)
+    record_of(request.scope).backend = backend.name
+    return Response(resp.content, resp.status_code,
+                    media_type=resp.headers.get("content-type", "application/json"))
+
+
+async def count_tokens(request: Request) -> Response:
+    """Anthropic's token count, answered from the backend's exact count of the body
+    (no generation is forwarded, no slot is taken)."""
+    state = _state(request)
+    record_of(request.scope).route = "count_tokens"
+    check_content_type(request.headers.get("content-type"),
+                       request.headers.get("content-encoding"))
+    req = BY_NAME[Route.count_tokens].parse(await read_body(
+        request, state.settings.server.max_body_bytes))
+    backend = state.fleet.pick(req.body.get("model"), route="count_tokens")
+    record_of(request.scope).backend = backend.name
+    require_ready(backend)
+    counted, _raw, _forget = await count_prompt(state, backend, req)
+    return JSONResponse({"input_tokens": counted})
+
+
+async def _listed(backend: Target) -> list[dict[str, Any]]:
+    """``backend``'s own ``GET /v1/models`` entries; nothing when it does not answer."""
+    try:
+        resp = await backend.side_client.get(
+            backend.url("/v1/models"), headers=backend.settings.auth_headers,
+            timeout=min(MODELS_TIMEOUT_S, backend.settings.read_timeout_s))
+        return [e for e in resp.json().get("data", []) if isinstance(e, dict)]
+    except Exception:  # an unreachable or odd backend lists nothing
+        return []
+
+
+async def models(request: Request) -> Response:
+    """Each model once: a backend with ``model`` configured is listed under that name
+    (its own entry renamed, for the metadata); one without, as it lists itself.
+    Backends are asked at once, each for at most :data:`MODELS_TIMEOUT_S`; one that
+    does not answer lists nothing."""
+    backends = list(_state(request).fleet.backends.values())
+    answers = await asyncio.gather(*(_listed(b) for b in backends))
+    data: list[Any] = []
+    seen: set[Any] = set()
+    for backend, entries in zip(backends, answers, strict=True):
+        configured = backend.settings.model
+        if configured is not None:
+            if configured in seen or not entries:
+                continue
+            entry = {k: v for k, v in entries[0].items() if k != "aliases"}
+            entry["id"] = configured  # the backend's own id and aliases do not route
+            if backend.settings.aliases:
+                entry["aliases"] = list(backend.settings.aliases)
+            entries = [entry]
+        for entry in entries:
+            if entry.get("id") not in seen:
+                seen.add(entry.get("id"))
+                data.append(entry)
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def health(request: Request) -> Response:
+    """``GET /health``: the process answers."""
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    """200 while every model has a backend that can take a request (ready, up and
+    not draining) and the gateway is not draining; 503 otherwise. Load balancers
+    read the status; the body shows each backend (:func:`gateway.http.views.ready_row`)."""
+    state = _state(request)
+    fleet, now = state.fleet, state.clock.now()
+    rows = {name: ready_row(b, now) for name, b in fleet.backends.items()}
+    served = fleet.models()
+    serving = {m: any(b.usable(now) for b in members) for m, members in served.items()}
+    ok = all(serving.values()) and not state.draining
+    body: dict[str, Any] = {"ready": ok, "backends": rows}
+    if len(served) > 1 or not ok:
+        body["models"] = serving
+    if state.draining:
+        body["draining"] = True
+    return JSONResponse(body, 200 if ok else 503)
+
+
+async def admin_backends(request: Request) -> Response:
+    """``GET /admin/backends``: every backend's row (:func:`gateway.http.views.admin_row`),
+    those retiring, and the backends of each model."""
+    state = _state(request)
+    authorize(state, request.scope, Access.admin)
+    fleet, now = state.fleet, state.clock.now()
+    return JSONResponse({
+        "backends": [admin_row(b, now) for b in fleet.backends.values()],
+        "retiring": [admin_row(b, now) for b in fleet.retiring],
+        "models": {m: [b.name for b in bs] for m, bs in fleet.models().items()},
+    })
+
+
+async def _set_draining(request: Request, name: str, draining: bool) -> Response:
+    state = _state(request)
+    authorize(state, request.scope, Access.admin)
+    backend = state.fleet.backends.get(name)
+    if backend is None:
+        raise RouteNotFound(f"No backend named {name!r}; see GET /admin/backends.")
+    backend.set_draining(draining)
+    return JSONResponse(admin_row(backend, state.clock.now()))
+
+
+async def drain(request: Request, name: str) -> Response:
+    """``POST /admin/backends/{name}/drain``: the backend takes no new requests."""
+    return await _set_draining(request, name, True)
+
+
+async def undrain(request: Request, name: str) -> Response:
+    """``POST /admin/backends/{name}/undrain``: the backend takes requests again."""
+    return await _set_draining(request, name, False)
+
+
+async def reload(request: Request) -> Response:
+    """``POST /admin/reload``: read the configuration file again
+    (:func:`gateway.fleet.reload.reload_config`)."""
+    state = _state(request)
+    authorize(state, request.scope, Access.admin)
+    return JSONResponse({"reloaded": await reload_config(state)})
+
+
+async def metrics(request: Request) -> Response:
+    """``GET /metrics`` in the Prometheus text format (access checked at the edge)."""
+    registry = _state(request).metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def not_served(request: Request, exc: StarletteHTTPException) -> Response:
+    """A path or method the gateway does not serve (404, 405): raised as a
+    :class:`~gateway.errors.RouteNotFound` that lists what it serves."""
+    raise RouteNotFound(f"{request.method} {request.url.path}: {exc.detail}. The gateway "
+                        f"serves {SERVED}.", status_code=exc.status_code)
+
+
+def register_routes(app: FastAPI) -> dict[str, ASGIApp]:
     """Attach every route of the gateway to ``app``, and return the generation routes
     as plain ASGI callables (``POST`` path → callable), for
     :class:`~gateway.http.middleware.RequestAccounting` to serve without the framework's
     routing layers. The same routes stay registered on ``app``, which answers their
     other methods (405)."""
-
-    async def handle(request: Request, route: str) -> Response:
-        exchange = await prepare_exchange(state, request, route)
-        kind = TrackedResponse if exchange.tracked else ProxyResponse
-        return kind(exchange, client=exchange.backend.client, metrics=state.metrics,
-                    clock=state.clock, cut=state.cut)
-
-    def direct(route: str) -> ASGIApp:
-        async def serve(scope: Scope, receive: Receive, send: Send) -> None:
-            response = await handle(Request(scope, receive), route)
-            await response(scope, receive, send)
-        return serve
-
-    @app.post("/api/chat")
-    async def ollama_chat(request: Request) -> Response:
-        return await handle(request, "ollama_chat")
-
-    @app.post("/api/generate")
-    async def ollama_generate(request: Request) -> Response:
-        return await handle(request, "ollama_generate")
-
-    async def passthrough(request: Request) -> Response:
-        """Ollama's listing routes, relayed unchanged to the first Ollama backend (or the
-        one a ``model`` names), so that Ollama-aware clients and UIs can list models."""
-        body = await request.body() if request.method == "POST" else b""
-        model = None
-        if body:
-            try:
-                model = json.loads(body).get("model")
-            except (ValueError, AttributeError):
-                model = None
-        backend = state.pick_backend(model, "ollama")
-        with map_upstream_errors(backend.name):
-            resp = await backend.side_client.request(
-                request.method, backend.url(request.url.path), content=body or None,
-                headers={"content-type": "application/json",
-                         **backend.settings.auth_headers},
-                timeout=backend.timeout)
-        record_of(request.scope).backend = backend.name
-        return Response(resp.content, resp.status_code,
-                        media_type=resp.headers.get("content-type", "application/json"))
-
-    for path in ("/api/tags", "/api/version", "/api/ps"):
-        app.add_api_route(path, passthrough, methods=["GET"])
-    app.add_api_route("/api/show", passthrough, methods=["POST"])
-
-    def forward(route: str) -> Any:
-        async def endpoint(request: Request) -> Response:
-            return await handle(request, route)
-        return endpoint
-
-    for path, route in FORWARDED.items():
-        app.add_api_route(path, forward(route), methods=["POST"])
-    served_directly = {path: direct(route) for path, route in DIRECT.items()}
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request) -> Response:
-        """Anthropic's token count, answered from the backend's exact count of the body
-        (no generation is forwarded, no slot is taken)."""
-        record_of(request.scope).route = "count_tokens"
-        check_content_type(request.headers.get("content-type"),
-                           request.headers.get("content-encoding"))
-        req = BY_NAME[Route.count_tokens].parse(await read_body(
-            request, state.settings.server.max_body_bytes))
-        backend = state.pick_backend(req.body.get("model"), route="count_tokens")
-        record_of(request.scope).backend = backend.name
-        require_ready(backend)
-        counted, _raw, _forget = await count_prompt(state, backend, req)
-        return JSONResponse({"input_tokens": counted})
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        """Each model once: a backend with ``model`` configured is listed under that name
-        (its own entry renamed, for the metadata); one without, as it lists itself.
-        Backends are asked at once, each for at most :data:`MODELS_TIMEOUT_S`; one that
-        does not answer lists nothing."""
-        async def listed(backend: Target) -> list[dict[str, Any]]:
-            try:
-                resp = await backend.side_client.get(
-                    backend.url("/v1/models"), headers=backend.settings.auth_headers,
-                    timeout=min(MODELS_TIMEOUT_S, backend.settings.read_timeout_s))
-                return [e for e in resp.json().get("data", []) if isinstance(e, dict)]
-            except Exception:  # an unreachable or odd backend lists nothing
-                return []
-
-        backends = list(state.backends.values())
-        answers = await asyncio.gather(*(listed(b) for b in backends))
-        data: list[Any] = []
-        seen: set[Any] = set()
-        for backend, entries in zip(backends, answers, strict=True):
-            configured = backend.settings.model
-            if configured is not None:
-                if configured in seen or not entries:
-                    continue
-                entry = {k: v for k, v in entries[0].items() if k != "aliases"}
-                entry["id"] = configured  # the backend's own id and aliases do not route
-                if backend.settings.aliases:
-                    entry["aliases"] = list(backend.settings.aliases)
-                entries = [entry]
-            for entry in entries:
-                if entry.get("id") not in seen:
-                    seen.add(entry.get("id"))
-                    data.append(entry)
-        return JSONResponse({"object": "list", "data": data})
-
-    @app.get("/health")
-    async def health() -> Response:
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/ready")
-    async def ready() -> Response:
-        """200 while every model has a backend that can take a request (ready, up and
-        not draining) and the gateway is not draining; 503 otherwise. Load balancers
-        read the status; the body shows each backend."""
-        rows = {}
-        for name, b in state.backends.items():
-            stats, layout = b.stats(), b.layout
-            rows[name] = {
-                "ready": b.ready, "kind": b.kind, "model": b.model, "slots": stats.slots,
-                "ctx_per_slot": stats.ctx_per_slot, "capacity_tokens": stats.capacity_tokens,
-                "kv_unified": layout.unified if layout else b.settings.unified,
-            }
-            if not b.up:
-                rows[name]["down"] = True
-            if b.draining:
-                rows[name]["draining"] = True
-        now = state.clock.now()
-        models = state.models()
-        serving = {m: any(usable(b, now) for b in members) for m, members in models.items()}
-        ok = all(serving.values()) and not state.draining
-        body: dict[str, Any] = {"ready": ok, "backends": rows}
-        if len(models) > 1 or not ok:
-            body["models"] = serving
-        if state.draining:
-            body["draining"] = True
-        return JSONResponse(body, 200 if ok else 503)
-
-    def admin(request: Request) -> None:
-        """Let the call through only with ``Authorization: Bearer <server.admin_key>``;
-        without a configured key the admin routes do not exist (404)."""
-        key = state.settings.server.admin_key
-        if key is None:
-            raise RouteNotFound(f"{request.method} {request.url.path}: Not Found (the "
-                                "admin routes exist when server.admin_key is set).")
-        check_admin_key(request.headers.raw, key.get_secret_value(),
-                        "The admin routes need")
-
-    def backend_view(b: Target) -> dict[str, Any]:
-        stats, now = b.stats(), state.clock.now()
-        return {
-            "name": b.name, "model": b.model, "aliases": list(b.settings.aliases),
-            "kind": b.kind, "url": b.settings.url, "ready": b.ready, "up": b.up,
-            "draining": b.draining, "failures": b.failures,
-            "down_for_s": round(max(0.0, b.down_until - now), 3),
-            "problem": b.problem, "slots": stats.slots, "ctx_per_slot": stats.ctx_per_slot,
-            "capacity_tokens": stats.capacity_tokens,
-            "reserved_tokens": stats.reserved_tokens, "inflight": stats.inflight,
-            "queued": stats.queued,
-        }
-
-    @app.get("/admin/backends")
-    async def admin_backends(request: Request) -> Response:
-        admin(request)
-        return JSONResponse({
-            "backends": [backend_view(b) for b in state.backends.values()],
-            "retiring": [backend_view(b) for b in state.retiring],
-            "models": {m: [b.name for b in bs] for m, bs in state.models().items()},
-        })
-
-    async def set_draining(request: Request, name: str, draining: bool) -> Response:
-        admin(request)
-        backend = state.backends.get(name)
-        if backend is None:
-            raise RouteNotFound(f"No backend named {name!r}; see GET /admin/backends.")
-        backend.set_draining(draining)
-        return JSONResponse(backend_view(backend))
-
-    @app.post("/admin/backends/{name}/drain")
-    async def drain(request: Request, name: str) -> Response:
-        return await set_draining(request, name, True)
-
-    @app.post("/admin/backends/{name}/undrain")
-    async def undrain(request: Request, name: str) -> Response:
-        return await set_draining(request, name, False)
-
-    @app.post("/admin/reload")
-    async def reload(request: Request) -> Response:
-        admin(request)
-        return JSONResponse({"reloaded": await reload_config(state)})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        raise RouteNotFound(f"{request.method} {request.url.path}: {exc.detail}. The gateway "
-                            f"serves {SERVED}.", status_code=exc.status_code)
-
-    return served_directly
+    app.add_api_route("/api/chat", generate, methods=["POST"])
+    app.add_api_route("/api/generate", generate, methods=["POST"])
+    for path, method in PASSTHROUGH.items():
+        app.add_api_route(path, passthrough, methods=[method])
+    for path in FORWARDED:
+        app.add_api_route(path, generate, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ready", ready, methods=["GET"])
+    app.add_api_route("/admin/backends", admin_backends, methods=["GET"])
+    app.add_api_route("/admin/backends/{name}/drain", drain, methods=["POST"])
+    app.add_api_route("/admin/backends/{name}/undrain", undrain, methods=["POST"])
+    app.add_api_route("/admin/reload", reload, methods=["POST"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_exception_handler(StarletteHTTPException, not_served)  # type: ignore[arg-type]
+    return dict.fromkeys(GENERATION_ROUTES, serve_direct)

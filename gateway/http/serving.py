@@ -10,7 +10,8 @@ Then uvicorn's own shutdown runs, which cuts what is left (each request's lease 
 released in its ``finally``). A second signal skips the rest of the drain. The process
 exits 0, without re-raising the signal as uvicorn otherwise does.
 
-SIGHUP reloads the configuration file without a restart (:func:`reload_config`).
+SIGHUP reloads the configuration file without a restart
+(:func:`gateway.fleet.reload.reload_config`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import uvicorn
 
 from gateway.config import Settings
 from gateway.errors import GatewayError
-from gateway.fleet.state import reload_config
+from gateway.fleet.reload import reload_config
 from gateway.http.app import uvicorn_options
 
 __all__ = ["DrainingServer", "serve"]
@@ -118,6 +119,8 @@ def serve(app: Any, settings: Settings, *, host: str | None = None,
     :param port: overrides ``server.port``.
     :param config_path: the TOML file the settings came from, if any.
     """
+    # The one part of the state set after create_app: the factory takes settings, not
+    # where they came from (its signature is the tests' and the benchmarks').
     app.state.gateway.config_path = config_path
     server = settings.server
     _raise_fd_limit(2 * server.max_connections + 256)
@@ -151,7 +154,7 @@ async def _cut(state: Any, grace_s: float = 2.0) -> None:
     ``grace_s`` seconds to send their final error events and release their leases."""
     state.cut.set()
     for _ in range(round(grace_s / 0.05)):
-        if not any(s.inflight - s.abandoned_held for _, s, _r in state.stats()):
+        if not any(s.inflight - s.abandoned_held for _, s, _r in state.fleet.stats()):
             return
         await asyncio.sleep(0.05)
 

@@ -4,37 +4,34 @@ from elsewhere) and ``GET /status.json`` (what the page shows, read again every
 
 The figures are those of ``/metrics``, read from the same sources at the moment of the
 call: each backend's admission stats (:meth:`gateway.backends.target.Target.stats`) and the
-``gateway_rejections_total`` counter. The page and the JSON are guarded by
-``server.admin_key`` when one is set (see :func:`status_authorized`), and open otherwise,
-as ``/metrics`` is.
+``gateway_rejections_total`` counter; the rows are those of :mod:`gateway.http.views`.
+The page and the JSON are guarded by ``server.admin_key`` when one is set (see
+:func:`gateway.http.auth.status_authorized`), and open otherwise, as ``/metrics`` is.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import re
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from importlib.resources import files
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter
 
-from gateway.admission.tenants import admin_key_matches
-from gateway.backends.target import Target
 from gateway.clock import Clock
-from gateway.errors import Unauthorized
 from gateway.fleet.state import GatewayState
-from gateway.wire import routes
+from gateway.http.auth import STATUS_PATHS, Access, authorize
+from gateway.http.views import pool_row, status_row
 
 __all__ = ["GAUGES", "RECENT_WINDOW_S", "REFRESH_MS", "STATUS_PATHS", "RejectionLog",
-           "backend_status", "register_status", "status_authorized", "status_page"]
+           "register_status", "status_html", "status_json", "status_page"]
 
-STATUS_PATHS = routes.STATUS_PATHS
 #: A backend row's figure in /status.json -> the /metrics gauge (label ``backend``) that
 #: gives the same number, read from the same source at the call.
 GAUGES = {
@@ -49,7 +46,6 @@ GAUGES = {
 REFRESH_MS = 1500  # how often the page reads /status.json, milliseconds
 RECENT_WINDOW_S = 300.0  # "recent" rejections: those of about the last five minutes
 SAMPLE_EVERY_S = 5.0  # at most one snapshot of the rejection counter per this, seconds
-REALM = "llm-gateway"  # the HTTP Basic realm a browser shows when it asks for the key
 
 _INLINE = re.compile(rb"<(script|style)>(.*?)</\1>", re.DOTALL)
 
@@ -59,6 +55,15 @@ def status_page() -> bytes:
     its ``data-refresh-ms`` is set to :data:`REFRESH_MS`."""
     page = files("gateway.http").joinpath("static/status.html").read_bytes()
     return page.replace(b'data-refresh-ms="1500"', f'data-refresh-ms="{REFRESH_MS}"'.encode())
+
+
+@functools.cache
+def _page() -> tuple[bytes, dict[str, str]]:
+    """The page and the headers it is served with (read once per process)."""
+    page = status_page()
+    return page, {"cache-control": "no-store", "x-content-type-options": "nosniff",
+                  "referrer-policy": "no-referrer",
+                  "content-security-policy": _content_security_policy(page)}
 
 
 def _content_security_policy(page: bytes) -> str:
@@ -73,32 +78,6 @@ def _content_security_policy(page: bytes) -> str:
     return (f"default-src 'none'; script-src {script}; style-src {style}; "
             "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
             "form-action 'none'; frame-ancestors 'none'")
-
-
-def status_authorized(headers: Iterable[tuple[bytes, bytes]], admin_key: str) -> bool:
-    """True when the request carries the admin key, as ``Authorization: Bearer <key>``
-    (scripts, like the ``/admin`` routes) or as HTTP Basic with the key as the password
-    and any user name (browsers: they ask for it after a 401 with ``WWW-Authenticate:
-    Basic``). Tenants' keys, ``x-api-key`` and two ``Authorization`` headers are not
-    accepted. Keys are compared in constant time."""
-    auths = [v for k, v in headers if k.lower() == b"authorization"]
-    if len(auths) != 1:
-        return False
-    # bytes kept as sent (UTF-8 or not), as tenants.key_of reads a bearer key
-    scheme, _, rest = auths[0].decode("utf-8", "surrogateescape").strip().partition(" ")
-    if scheme.lower() == "bearer":
-        given = rest.strip()
-    elif scheme.lower() == "basic":
-        try:  # ValueError: not base64 (binascii.Error), not ASCII, or not UTF-8 inside
-            decoded = base64.b64decode(rest.strip(), validate=True).decode("utf-8")
-        except ValueError:
-            return False
-        _user, colon, given = decoded.partition(":")
-        if not colon:
-            return False
-    else:
-        return False
-    return bool(given) and admin_key_matches(given, admin_key)
 
 
 class RejectionLog:
@@ -170,50 +149,9 @@ def _elsewhere(counts: Mapping[tuple[str, str], int], shown: set[str]) -> dict[s
     return found
 
 
-def backend_status(backend: Target, now: float, *, gateway_draining: bool = False,
-                   retiring: bool = False) -> dict[str, Any]:
-    """One backend's row of ``/status.json`` (rejections are added by the caller).
-
-    ``state`` is ``"not_ready"`` (unreachable, loading, or capacity not known;
-    ``problem`` says why), ``"down"`` (marked down after a failed request, for
-    ``down_for_s`` more seconds), ``"retiring"`` (removed by a reload, finishing its
-    requests), ``"draining"`` (the backend or the whole gateway takes no new requests)
-    or ``"up"``. ``layout`` is ``"unified"`` (one KV pool of ``pool_tokens`` cells
-    shared by the slots), ``"per_slot"`` (each slot its own ``ctx_per_slot`` tokens) or
-    ``None`` while unknown. Token figures are KV cells (tokens); ``capacity_tokens``,
-    ``reserved_tokens``, ``live_tokens``, ``slots``, ``busy_slots``, ``inflight``,
-    ``queued`` and ``queue_capacity`` equal the ``/metrics`` gauges of the same backend;
-    ``oldest_wait_s`` is how long the longest waiter of its own queue has waited.
-    """
-    stats, layout = backend.stats(), backend.layout
-    if retiring:  # whatever else it is: it takes no new requests and leaves soon
-        state = "retiring"
-    elif not backend.ready:
-        state = "not_ready"
-    elif not backend.up:
-        state = "down"
-    elif backend.draining or gateway_draining:
-        state = "draining"
-    else:
-        state = "up"
-    return {
-        "name": backend.name, "model": backend.model, "kind": backend.kind, "state": state,
-        "ready": backend.ready, "up": backend.up, "draining": backend.draining,
-        "retiring": retiring, "problem": backend.problem,
-        "down_for_s": round(max(0.0, backend.down_until - now), 3),
-        "layout": None if layout is None else "unified" if layout.unified else "per_slot",
-        "slots": stats.slots, "busy_slots": stats.busy_slots,
-        "ctx_per_slot": stats.ctx_per_slot,
-        "pool_tokens": None if layout is None else layout.pool_tokens,
-        "capacity_tokens": stats.capacity_tokens, "reserved_tokens": stats.reserved_tokens,
-        "live_tokens": stats.live_tokens, "inflight": stats.inflight,
-        "queued": stats.queued, "queue_capacity": stats.queue_capacity,
-        "oldest_wait_s": round(stats.oldest_wait_s, 3),
-    }
-
-
 def register_status(app: FastAPI, state: GatewayState) -> None:
-    """Add ``GET /status`` and ``GET /status.json`` to ``app``.
+    """Add ``GET /status`` and ``GET /status.json`` to ``app``, with the app's
+    :class:`RejectionLog` (``app.state.rejections``).
 
     ``/status.json`` is::
 
@@ -221,9 +159,9 @@ def register_status(app: FastAPI, state: GatewayState) -> None:
          "draining": bool,            # the gateway is stopping
          "refresh_ms": int,           # how often the page reads this, milliseconds
          "recent_window_s": float,    # how far back "recent" counts go, seconds
-         "backends": [backend_status(...) + {"rejections": {"total": {reason: n},
-                                                            "recent": {reason: n}}}],
-         "retiring": [backend_status(..., retiring=True) + {"rejections": empty}],
+         "backends": [status_row(...) + {"rejections": {"total": {reason: n},
+                                                        "recent": {reason: n}}}],
+         "retiring": [status_row(..., retiring=True) + {"rejections": empty}],
          "pools": [{"model": str, "backends": [str], "queued": int,
                     "queue_capacity": int, "oldest_wait_s": float}],
          "unassigned_rejections": {"total": {...}, "recent": {...}}}
@@ -234,56 +172,46 @@ def register_status(app: FastAPI, state: GatewayState) -> None:
     several backends (their requests wait there, not in a backend's own queue);
     ``unassigned_rejections`` the rejections no backend row shows: counted with
     ``backend="none"`` (refused before a backend was chosen) or on a removed backend.
-    Authentication: :func:`status_authorized` when ``server.admin_key`` is set.
+    The rows are :func:`gateway.http.views.status_row` and
+    :func:`gateway.http.views.pool_row`. Authentication:
+    :func:`gateway.http.auth.status_authorized` when ``server.admin_key`` is set.
     """
-    page = status_page()
-    page_headers = {"cache-control": "no-store", "x-content-type-options": "nosniff",
-                    "referrer-policy": "no-referrer",
-                    "content-security-policy": _content_security_policy(page)}
-    rejections = RejectionLog(state.metrics.rejections, state.clock)
+    app.state.rejections = RejectionLog(state.metrics.rejections, state.clock)
+    app.add_api_route("/status", status_html, methods=["GET"])
+    app.add_api_route("/status.json", status_json, methods=["GET"])
 
-    def check(request: Request) -> None:
-        """Let the caller see the status, or raise the 401 (rendered and counted by the
-        app's error handler) whose challenge makes a browser ask for the key."""
-        key = state.settings.server.admin_key
-        if key is not None and not status_authorized(request.headers.raw,
-                                                     key.get_secret_value()):
-            raise Unauthorized("The status page needs server.admin_key: send it as "
-                               "Authorization: Bearer <admin_key>, or as the password of "
-                               "HTTP Basic authentication (any user name).",
-                               challenge=f'Basic realm="{REALM}", charset="UTF-8"')
 
-    @app.get("/status")
-    async def status_html(request: Request) -> Response:
-        check(request)
-        return Response(page, media_type="text/html; charset=utf-8", headers=page_headers)
+async def status_html(request: Request) -> Response:
+    """``GET /status``: the page (the 401 that makes a browser ask for the key is
+    raised by :func:`gateway.http.auth.authorize`, rendered by the app's error handler)."""
+    authorize(request.app.state.gateway, request.scope, Access.status)
+    page, headers = _page()
+    return Response(page, media_type="text/html; charset=utf-8", headers=headers)
 
-    @app.get("/status.json")
-    async def status_json(request: Request) -> Response:
-        check(request)
-        now = state.clock.now()
-        totals, recent, span = rejections.read()
-        rows = []
-        for backend in state.backends.values():
-            row = backend_status(backend, now, gateway_draining=state.draining)
-            row["rejections"] = {"total": _by_reason(totals, backend.name),
-                                 "recent": _by_reason(recent, backend.name)}
-            rows.append(row)
-        # Removed or replaced by a reload and still finishing requests: not in /metrics
-        # (a replaced backend's new target has the same name), and their rejections
-        # cannot be told from the new target's.
-        retiring = [backend_status(backend, now, gateway_draining=state.draining,
-                                   retiring=True) | {"rejections": {"total": {}, "recent": {}}}
-                    for backend in state.retiring]
-        shown = {backend.name for backend in state.backends.values()}
-        pools = [{"model": queue.model, "backends": [b.name for b in queue.members],
-                  "queued": queue.waiting, "queue_capacity": queue.max_queue,
-                  "oldest_wait_s": round(oldest, 3)}
-                 for queue, oldest in state.pool_queues()]
-        return JSONResponse({
-            "generated_at": round(time.time(), 3), "draining": state.draining,
-            "refresh_ms": REFRESH_MS, "recent_window_s": round(span, 3),
-            "backends": rows, "retiring": retiring, "pools": pools,
-            "unassigned_rejections": {"total": _elsewhere(totals, shown),
-                                      "recent": _elsewhere(recent, shown)},
-        }, headers={"cache-control": "no-store"})
+
+async def status_json(request: Request) -> Response:
+    """``GET /status.json`` (see :func:`register_status`)."""
+    state: GatewayState = request.app.state.gateway
+    authorize(state, request.scope, Access.status)
+    now, fleet = state.clock.now(), state.fleet
+    totals, recent, span = request.app.state.rejections.read()
+    rows = []
+    for backend in fleet.backends.values():
+        row = status_row(backend, now, gateway_draining=state.draining)
+        row["rejections"] = {"total": _by_reason(totals, backend.name),
+                             "recent": _by_reason(recent, backend.name)}
+        rows.append(row)
+    # Removed or replaced by a reload and still finishing requests: not in /metrics
+    # (a replaced backend's new target has the same name), and their rejections
+    # cannot be told from the new target's.
+    retiring = [status_row(backend, now, gateway_draining=state.draining, retiring=True)
+                | {"rejections": {"total": {}, "recent": {}}} for backend in fleet.retiring]
+    shown = {backend.name for backend in fleet.backends.values()}
+    return JSONResponse({
+        "generated_at": round(time.time(), 3), "draining": state.draining,
+        "refresh_ms": REFRESH_MS, "recent_window_s": round(span, 3),
+        "backends": rows, "retiring": retiring,
+        "pools": [pool_row(queue, oldest) for queue, oldest in fleet.pool_queues()],
+        "unassigned_rejections": {"total": _elsewhere(totals, shown),
+                                  "recent": _elsewhere(recent, shown)},
+    }, headers={"cache-control": "no-store"})

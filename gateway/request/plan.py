@@ -333,9 +333,7 @@ async def _count_on_one(state: GatewayState, request: Request, req: ParsedReques
             passed_over = never_reached(exc) or isinstance(exc, BackendNotReady)
             if not (routing.failover and passed_over and i + 1 < len(backends)):
                 raise
-            down = counter.request_failed(routing.down_initial_s, routing.down_max_s)
-            if queue is not None:
-                queue.wake_later(down)
+            state.fleet.mark_failed(counter, queue)
             state.metrics.failovers.labels(counter.model).inc()
     raise AssertionError("unreachable: the last backend's failure is raised")
 
