@@ -31,9 +31,12 @@ WORDS = ["river", "mountain", "quiet", "lantern", "orchard", "copper", "meadow",
 
 def corpus() -> list[list[dict[str, str]]]:
     """Chats of varied text; each a list of messages."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    paragraphs = [p for p in readme.split("\n\n") if len(p) > 200][:40]
-    code = (Path(__file__).resolve().parent.parent / "gateway" / "capacity.py").read_text()
+    root = Path(__file__).resolve().parent.parent
+    # The prose of the documentation, in the order of the README it came from.
+    pages = ("index", "quickstart", "deploy", "benchmarks", "capacity", "policies", "backends")
+    prose = "\n\n".join((root / "docs" / f"{page}.md").read_text() for page in pages)
+    paragraphs = [p for p in prose.split("\n\n") if len(p) > 200][:40]
+    code = (root / "gateway" / "core" / "capacity.py").read_text()
     chats = [[{"role": "user", "content": p}] for p in paragraphs]
     chats += [[{"role": "user", "content": code[i:i + 1500]}] for i in range(0, 6000, 1500)]
     chats += [[{"role": "system", "content": "You are terse."},
