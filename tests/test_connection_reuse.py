@@ -332,10 +332,14 @@ async def test_a_late_stream_tail_holds_neither_the_slot_nor_the_request() -> No
 
 
 async def test_tails_still_read_at_shutdown_are_stopped() -> None:
-    from gateway.relay import response as proxy
-
     upstream = StreamingUpstream(tail_s=5.0)
-    async with gateway_over(upstream, "vllm", 1) as (_app, client):
+    async with gateway_over(upstream, "vllm", 1) as (app, client):
+        tasks = app.state.gateway.tasks  # the app's own: another app's tails are not here
+
+        def tails() -> list:
+            return [t for t in tasks if t.get_coro().__name__ == "drain"]
+
         reply = await client.post("/v1/chat/completions", json=STREAM)
-        assert reply.status_code == 200 and len(proxy._DRAINING) == 1  # the tail waits
-    assert not proxy._DRAINING  # stopped with the app, its response closed
+        assert reply.status_code == 200 and len(tails()) == 1  # the tail waits
+        held = tails()[0]
+    assert held.done() and not tails()  # stopped with the app, its response closed

@@ -34,7 +34,6 @@ from gateway.http.status import register_status
 from gateway.http.views import pool_gauge_rows
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import record_of
-from gateway.relay.response import stop_drains
 from gateway.wire.shapes import render, shape_of
 
 __all__ = ["GatewayState", "create_app", "uvicorn_options"]
@@ -144,8 +143,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await state.tasks.cancel_all()
-        await stop_drains()
+        await state.tasks.cancel_all()  # discovery, retirements, streams' tails
         await state.fleet.close()
 
 

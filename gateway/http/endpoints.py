@@ -56,7 +56,7 @@ async def handle(request: Request, route: str) -> Response:
     exchange = await prepare_exchange(state, request, route)
     kind = TrackedResponse if exchange.tracked else ProxyResponse
     return kind(exchange, client=exchange.backend.client, metrics=state.metrics,
-                clock=state.clock, cut=state.cut)
+                clock=state.clock, cut=state.cut, tasks=state.tasks)
 
 
 async def generate(request: Request) -> Response:

@@ -39,6 +39,7 @@ from gateway.errors import (
     UpstreamError,
     describe,
 )
+from gateway.fleet.tasks import TaskSet
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import record_of
 from gateway.relay.attempt import (
@@ -80,18 +81,19 @@ STREAM_DRAIN_S = 0.25  # how long a finished stream's tail is read for connectio
 _NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"x-accel-buffering", b"no")]
 
 
-_DRAINING: set[asyncio.Task[None]] = set()  # drains under way (held against collection)
 
 
-def close_after_drain(chunks: AsyncIterator[bytes], resp: httpx.Response) -> None:
+def close_after_drain(chunks: AsyncIterator[bytes], resp: httpx.Response,
+                      tasks: TaskSet) -> None:
     """Close ``resp``, a finished stream, once what is left of it (its chunked-encoding
     terminator, often not yet arrived) is read, for at most :data:`STREAM_DRAIN_S`
     seconds, so that its connection goes back to the pool. A stream closed with unread
     bytes closes its connection (aiohttp's ``ClientResponse.release``), and every later
     request then pays a new TCP connection: a tenth of the relay's CPU time in ``make
     bench``. Runs in the background: the answer is over, its lease is given back at
-    once, and the client's request is not held. Not used for a server that closes the
-    connection after a stream anyway (``closes_streams``)."""
+    once, and the client's request is not held. The drain is a task of ``tasks`` (the
+    app's: cancelled at shutdown, before the clients close). Not used for a server that
+    closes the connection after a stream anyway (``closes_streams``)."""
     async def drain() -> None:
         try:
             async with asyncio.timeout(STREAM_DRAIN_S):
@@ -104,18 +106,7 @@ def close_after_drain(chunks: AsyncIterator[bytes], resp: httpx.Response) -> Non
         finally:
             await resp.aclose()
 
-    task = asyncio.ensure_future(drain())
-    _DRAINING.add(task)
-    task.add_done_callback(_DRAINING.discard)
-
-
-async def stop_drains() -> None:
-    """Cancel the tails still being read (at shutdown, before the clients close): their
-    responses are closed, and their connections with them."""
-    tasks = list(_DRAINING)
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    tasks.spawn(drain())
 
 
 class ProxyResponse(Response):
@@ -123,13 +114,14 @@ class ProxyResponse(Response):
 
     def __init__(
         self, exchange: Exchange, *, client: httpx.AsyncClient, metrics: GatewayMetrics,
-        clock: Clock, cut: asyncio.Event | None = None,
+        clock: Clock, cut: asyncio.Event | None = None, tasks: TaskSet | None = None,
     ) -> None:
         self.x = exchange
         self.client = client
         self.metrics = metrics
         self.clock = clock
         self.cut = cut  # set when the gateway's drain runs out of time
+        self.tasks = TaskSet() if tasks is None else tasks  # the app's background tasks
         # Once a relayed stream has sent its 200: how to write its final error event.
         self._stream_final: Callable[[GatewayError], bytes] | None = None
         self._attempt: Attempt | None = None  # the upstream try under way, or the last
@@ -507,7 +499,7 @@ class ProxyResponse(Response):
                 await self._relay_whole(watcher, send, resp)
         finally:
             if self._tail is not None:
-                close_after_drain(self._tail, resp)
+                close_after_drain(self._tail, resp, self.tasks)
             else:
                 await resp.aclose()
 
