@@ -195,14 +195,10 @@ class ProxyResponse(Response):
             if send.can_open:
                 await send.open(SSE_HEADERS + x.extra_headers)
             while True:
-                tick = asyncio.ensure_future(self.clock.sleep(x.progress_s))
-                try:
-                    await watcher.race(asyncio.wait({admit, tick},
-                                                    return_when=asyncio.FIRST_COMPLETED))
-                finally:
-                    tick.cancel()
-                if admit.done():
-                    return admit.result()
+                try:  # the lease, or the next progress comment's time
+                    return await watcher.race(self.clock.wait(admit, x.progress_s))
+                except TimeoutError:
+                    pass
                 where = x.queue_progress()
                 if where is not None and send.streaming:
                     eta = "" if where[1] is None else f" eta_s={where[1]:.0f}"
@@ -232,8 +228,8 @@ class ProxyResponse(Response):
                                                               x.party.max_wait_s - gate_s))
             lease = x.try_admit()
             if lease is None and tenant is not None:
-                tenant.check_queued(self.clock.now())
-                tenant.waiting, waiting = tenant.waiting + 1, True
+                tenant.start_waiting(self.clock.now())
+                waiting = True
             if lease is None and isinstance(send, Started):
                 lease = await self._wait_with_progress(watcher, send)
             elif lease is None:
@@ -249,7 +245,7 @@ class ProxyResponse(Response):
             return None, send
         finally:
             if waiting and tenant is not None:
-                tenant.waiting -= 1
+                tenant.stop_waiting()
         name = x.backend.name  # the backend the lease is on
         lease.waited_s += gate_s
         x.queue_wait_s = lease.waited_s
