@@ -5,7 +5,7 @@
 # The configuration is read from /etc/gateway/config.toml: mount yours there. The example
 # baked in points at 127.0.0.1:8080, which inside the container is the container itself:
 # set the backends' url to an address the container reaches. GATEWAY_* variables override
-# the file (README, "Configuration").
+# the file (docs/configuration.md).
 
 # Build stage: the gateway and its dependencies as wheels, at the versions pyproject.toml
 # allows (resolved by pip at build time).

@@ -41,7 +41,7 @@ from gateway.errors import Forbidden, InvalidRequest, RateLimited, Unauthorized
 from gateway.wire import routes
 
 __all__ = ["OPEN_PATHS", "PRIORITY_HEADER", "TOKENS_WINDOW_S", "Tenant", "Tenants",
-           "TokenHold", "admin_key_matches", "check_admin_key", "hash_key", "key_of"]
+           "TokenHold", "admin_key_matches", "hash_key", "key_of"]
 
 TOKENS_WINDOW_S = 60.0  # the tokens_per_minute window, seconds
 PRIORITY_HEADER = "x-priority"  # a request's class, when it asks for a lower one
@@ -77,21 +77,6 @@ def key_of(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
-def check_admin_key(headers: Iterable[tuple[bytes, bytes]], expected: str, what: str
-                    ) -> None:
-    """Let a call through only with ``Authorization: Bearer <expected>`` (compared in
-    constant time).
-
-    :param what: the start of the error message, naming the routes it guards
-        (``"The admin routes need"``).
-    :raises Unauthorized: no such header, another scheme, or another key.
-    """
-    try:
-        given = key_of((k, v) for k, v in headers if k.lower() == b"authorization")
-    except Unauthorized:
-        given = None
-    if given is None or not admin_key_matches(given, expected):
-        raise Unauthorized(f"{what} Authorization: Bearer <admin_key>.")
 
 
 def admin_key_matches(given: str, expected: str) -> bool:

@@ -5,8 +5,9 @@ OpenAI-shaped 500 for anything that escapes the handlers.
 
 * refuses requests with more than :data:`MAX_HEADERS` headers or more than
   :data:`MAX_HEADER_BYTES` bytes of them (431), before any route runs;
-* runs the ``authenticate`` hook (:mod:`gateway.admission.tenants`): a request without a valid key
-  gets its 401 here, within the gateway's first microseconds, before its body is read;
+* runs the ``authenticate`` hook (:func:`gateway.http.auth.authenticate`): a request
+  without a valid key gets its 401 here, within the gateway's first microseconds, before
+  its body is read;
 * counts each HTTP request exactly once in ``gateway_requests_total`` with the status
   it ended with: the status sent, a status a handler recorded after the response had
   started (:attr:`AccessRecord.final_status`: 499 when a streaming client left), or

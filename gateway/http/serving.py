@@ -138,7 +138,7 @@ def warn_if_open(settings: Settings, host: str) -> bool:
     if settings.tenants or _loopback(host):
         return False
     log.warning("no [[tenants]] configured and listening on %s: anyone who can reach this "
-                "port may use every backend (README: Tenants)", host)
+                "port may use every backend (docs/tenants.md)", host)
     return True
 
 
