@@ -248,6 +248,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="per measurement")
     parser.add_argument("--only", choices=["json", "sse"], help="run one part")
+    parser.add_argument("--compare-with", metavar="DIR", help="also run the gateway of "
+                        "another source tree (a checkout of an earlier commit, say) beside "
+                        "this one, in the same run, as the row 'gateway, other tree'")
     args = parser.parse_args()
     up_port, gw_port, quiet_port = free_port(), free_port(), free_port()
     upstream = mp.Process(target=run_upstream, args=(up_port,), daemon=True)
@@ -266,6 +269,14 @@ def main() -> int:
     quiet = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env={
         **env, "GATEWAY_SERVER__PORT": str(quiet_port),
         "GATEWAY_SERVER__ACCESS_LOG": "false"}, stderr=subprocess.DEVNULL)
+    others = []
+    if args.compare_with:
+        other_port = free_port()
+        others.append(("gateway, other tree", other_port, subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve"], cwd=args.compare_with,
+            env={**env, "GATEWAY_SERVER__PORT": str(other_port),
+                 "PYTHONPATH": os.path.abspath(args.compare_with)},
+            stderr=subprocess.DEVNULL)))
     bare = {}
     for transport in ("httpx", "aiohttp"):
         port = free_port()
@@ -274,10 +285,13 @@ def main() -> int:
         bare[transport] = (port, proc)
     targets = [("direct", up_port)] + [(f"bare proxy, {t}", p) for t, (p, _) in bare.items()]
     targets += [("gateway", gw_port), ("gateway, no access", quiet_port)]
+    targets += [(label, port) for label, port, _ in others]
     rows = []
     try:
         wait_http(f"http://127.0.0.1:{gw_port}/ready")
         wait_http(f"http://127.0.0.1:{quiet_port}/ready")
+        for _, port, _ in others:
+            wait_http(f"http://127.0.0.1:{port}/ready")
         for port, _ in bare.values():
             wait_http(f"http://127.0.0.1:{port}/props")
         # (row, connections, stream, a new prompt per request)
@@ -296,7 +310,7 @@ def main() -> int:
                                  args.seconds, stream, unique)
                 rows.append((row, label, result))
     finally:
-        for proc_ in (gateway, quiet):
+        for proc_ in (gateway, quiet, *(proc for _, _, proc in others)):
             proc_.terminate()
             proc_.wait(10)
         for _, proc in bare.values():
