@@ -13,7 +13,7 @@ import asyncio
 import time
 from typing import Protocol, TypeVar
 
-__all__ = ["Clock", "MonotonicClock"]
+__all__ = ["Clock", "MonotonicClock", "wait"]
 
 T = TypeVar("T")
 
@@ -21,8 +21,9 @@ T = TypeVar("T")
 class Clock(Protocol):
     """Time source for queue timeouts and drain-rate estimates (seconds).
 
-    A class that subclasses it explicitly gets :meth:`wait` built on its ``sleep``; one
-    that only matches it structurally must give its own ``wait``.
+    Only ``now`` and ``sleep`` are needed: the gateway waits with deadlines through
+    :func:`wait`, built on them, so a clock that matches this protocol structurally works
+    as well as a subclass (which also gets :meth:`wait` as a method).
     """
 
     def now(self) -> float:
@@ -35,29 +36,39 @@ class Clock(Protocol):
         ...
 
     async def wait(self, future: asyncio.Future[T], timeout_s: float) -> T:
-        """Await ``future`` for at most ``timeout_s`` seconds of this clock.
+        """Await ``future`` for at most ``timeout_s`` seconds of this clock: see
+        :func:`wait`, which any object with ``now`` and ``sleep`` can use."""
+        return await wait(self, future, timeout_s)
 
-        :returns: the future's result, as soon as it is done (at once, without yielding
-            to the event loop, when it is done already).
-        :raises TimeoutError: ``timeout_s`` passed first. The future is left as it is
-            (not cancelled): its owner decides what a timed-out wait means.
-        :raises BaseException: the future's own exception, or the cancellation of the
-            awaiting task (the future again left as it is).
 
-        No timer outlives the call: the sleep that measures the deadline is cancelled
-        however the call ends. Should the future be done by the time the deadline
-        passes, its result wins.
-        """
-        if future.done():
-            return future.result()
-        timer = asyncio.ensure_future(self.sleep(timeout_s))
-        try:
-            await asyncio.wait({future, timer}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            timer.cancel()
-        if future.done():
-            return future.result()
-        raise TimeoutError(f"not done within {timeout_s:g} s")
+async def wait(clock: Clock, future: asyncio.Future[T], timeout_s: float) -> T:
+    """Await ``future`` for at most ``timeout_s`` seconds of ``clock``.
+
+    The gateway's one deadline primitive. It needs only the clock's ``now`` and ``sleep``,
+    so an injected clock that matches :class:`Clock` structurally (with no ``wait`` of its
+    own) works too.
+
+    :returns: the future's result, as soon as it is done (at once, without yielding
+        to the event loop, when it is done already).
+    :raises TimeoutError: ``timeout_s`` passed first. The future is left as it is
+        (not cancelled): its owner decides what a timed-out wait means.
+    :raises BaseException: the future's own exception, or the cancellation of the
+        awaiting task (the future again left as it is).
+
+    No timer outlives the call: the sleep that measures the deadline is cancelled
+    however the call ends. Should the future be done by the time the deadline
+    passes, its result wins.
+    """
+    if future.done():
+        return future.result()
+    timer = asyncio.ensure_future(clock.sleep(timeout_s))
+    try:
+        await asyncio.wait({future, timer}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        timer.cancel()
+    if future.done():
+        return future.result()
+    raise TimeoutError(f"not done within {timeout_s:g} s")
 
 
 class MonotonicClock(Clock):

@@ -62,7 +62,7 @@ For every input, whatever its label:
 3. every error is in its API's shape: ``{"error": {"message", "type", "param", "code"}}``
    on OpenAI's and llama-server's routes, ``{"type": "error", "error": {"type",
    "message"}}`` on ``/v1/messages*``, ``{"error": "..."}`` on Ollama's ``/api/*``
-   (:func:`gateway.errors.render`), as JSON, with ``x-should-retry: false`` on a 400.
+   (:func:`gateway.wire.shapes.render`), as JSON, with ``x-should-retry: false`` on a 400.
 
 Raw bytes that are almost JSON (truncated, bad UTF-8, lone surrogate escapes, duplicate
 keys, huge numbers, number literals JSON lacks (NaN, Infinity), deep nesting, a BOM,

@@ -52,7 +52,10 @@ nav = mkdocs_gen_files.Nav()
 rows = []
 for name, path in modules():
     page = f"{name}.md"
-    nav[tuple(name.split("."))] = page
+    # A part such as __main__ is written as code, or Markdown reads its underscores as
+    # emphasis in the navigation.
+    nav[tuple(f"`{part}`" if part.startswith("_") else part
+              for part in name.split("."))] = page
     rows.append(f"| [`{name}`]({page}) | {summary_line(path)} |")
     with mkdocs_gen_files.open(f"reference/{page}", "w") as out:
         out.write(f"::: {name}\n")

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from gateway.clock import Clock
+from gateway.clock import Clock, wait
 from gateway.core.fairness import FairQueue, Party
 from gateway.errors import QueueFull, Shed
 
@@ -220,7 +220,7 @@ class Waitroom(Generic[R, G]):
         (:meth:`_abandon`); a grant that came as it was being cancelled is given back.
         """
         try:
-            return await self._clock.wait(waiter.future, timeout_s)
+            return await wait(self._clock, waiter.future, timeout_s)
         except TimeoutError:
             if waiter.future.done():  # its own error, not the deadline
                 self._abandon(waiter)

@@ -559,7 +559,7 @@ def run_soak(opts: SoakOptions, say: Any = print) -> Report:
 
         def reload() -> None:
             # A changed backend: the old one finishes its requests, the new one takes
-            # new ones (gateway.fleet.state.GatewayState.reload).
+            # new ones (gateway.fleet.reload.reload).
             changes = gateway.reload("discovery_interval_s = 10.0\n")
             report.faults.append("config reload (" + "; ".join(changes) + ")")
             say(report.faults[-1])

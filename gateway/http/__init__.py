@@ -1,3 +1,4 @@
 """The HTTP edge, the only layer that imports FastAPI: the app factory (app), the outer
-middleware (middleware), the endpoints, the status page, uvicorn's connection guards (connection)
-and the server with drain and reload (serving)."""
+middleware (middleware), who may call what (auth), the endpoints, the rows they show (views),
+the status page, uvicorn's connection guards (connection) and the server with drain and
+reload (serving)."""

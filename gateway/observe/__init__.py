@@ -1,2 +1,2 @@
-"""What is measured and logged: the Prometheus metrics (metrics) and the access line and
-log set-up (logs)."""
+"""What is measured and logged: one request's record (record), the Prometheus metrics
+(metrics), and the access line and log set-up (logs)."""

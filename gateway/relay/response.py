@@ -31,7 +31,7 @@ from gateway.backends.upstream import (
     never_reached,
     send_upstream,
 )
-from gateway.clock import Clock
+from gateway.clock import Clock, wait
 from gateway.errors import (
     ClientDisconnected,
     GatewayError,
@@ -196,7 +196,7 @@ class ProxyResponse(Response):
                 await send.open(SSE_HEADERS + x.extra_headers)
             while True:
                 try:  # the lease, or the next progress comment's time
-                    return await watcher.race(self.clock.wait(admit, x.progress_s))
+                    return await watcher.race(wait(self.clock, admit, x.progress_s))
                 except TimeoutError:
                     pass
                 where = x.queue_progress()

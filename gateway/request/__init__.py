@@ -1,2 +1,3 @@
-"""From a parsed body to a plan: prompt token estimates (tokens) and the pipeline that
-reads, checks, counts and plans a request before admission (plan)."""
+"""From a parsed body to a plan: prompt token estimates (tokens), the pipeline that reads,
+checks, counts and plans a request before admission (plan), and the planned request the
+relay carries out (exchange)."""

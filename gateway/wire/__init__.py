@@ -1,3 +1,4 @@
-"""The APIs' formats, sans I/O: which paths are served (routes), request bodies parsed and
-checked (validation), streamed events and whole answers read (events, sse), and a broken stream's
-continuation rebuilt (resume). Imports only ``gateway.errors`` and ``gateway.core``."""
+"""The APIs' formats, sans I/O: the route table (routes), request bodies parsed and checked
+(validation), streamed events and whole answers read (events, sse), a broken stream's
+continuation rebuilt (resume), and every error rendered in its API's shape (shapes). Imports
+only ``gateway.errors`` and ``gateway.core``."""
