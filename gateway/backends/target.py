@@ -355,14 +355,12 @@ class Target:
         return self.dialect.pin(body, lease)
 
     def translate_error(self, status: int, body: bytes, retry_after: str | None
-                        ) -> tuple[GatewayError | None, str]:
-        """An upstream error answer as a gateway error (see the dialect), and its
-        ``upstream_kind`` (empty: not a failure of the backend). The kind is read off
-        the error, its one source; the pair stays only until the relay reads
-        ``exc.upstream_kind`` itself."""
-        exc = self.dialect.translate_error(status, body, retry_after,
-                                           retry_after_s=self.admission.retry_after_s())
-        return exc, (exc.upstream_kind or "") if exc is not None else ""
+                        ) -> GatewayError | None:
+        """An upstream error answer as a gateway error (see the dialect); its
+        ``upstream_kind`` (``None``: not a failure of the backend) is the one place its
+        classification is kept."""
+        return self.dialect.translate_error(status, body, retry_after,
+                                            retry_after_s=self.admission.retry_after_s())
 
     def is_overflow_event(self, data: dict[str, Any]) -> bool:
         """True when a streamed error event means the backend ran out of KV cache."""

@@ -522,10 +522,11 @@ class ProxyResponse(Response):
             await self._send_error(send, failed)
             return
         if resp.status_code >= 400:
-            exc, kind = x.backend.translate_error(
+            exc = x.backend.translate_error(
                 resp.status_code, body, resp.headers.get("retry-after")
             )
             if exc is not None:
+                kind = exc.upstream_kind
                 if kind:
                     self._upstream_error(x.backend.name, kind)
                     x.backend.upstream_failed(kind)

@@ -322,8 +322,9 @@ class TrackedResponse(ProxyResponse):
             await client.error(exc)
             return None
         self._now.finished()
-        exc, kind = x.backend.translate_error(resp.status_code, body,
-                                              resp.headers.get("retry-after"))
+        exc = x.backend.translate_error(resp.status_code, body,
+                                        resp.headers.get("retry-after"))
+        kind = exc.upstream_kind if exc is not None else None
         if kind == "context_overflow":
             self._overflowed(name)
             x.backend.upstream_failed(kind, live_tokens=self._live())
