@@ -44,6 +44,8 @@ __all__ = [
     "OverlongPolicy",
     "ServerSettings",
     "Settings",
+    "StateBackend",
+    "StateSettings",
     "load_settings",
 ]
 
@@ -375,6 +377,51 @@ class RoutingSettings(_Strict):
     down_max_s: float = Field(30.0, gt=0)
 
 
+class StateBackend(StrEnum):
+    """Where admission state lives (``[state] backend``)."""
+
+    memory = "memory"  # in this process only: one gateway process per backend
+    redis = "redis"  # in Redis, shared by every gateway process of the same key_prefix
+
+
+class StateSettings(_Strict):
+    """Admission state shared by several gateway processes (gateway/admission/shared.py).
+
+    With ``backend = "redis"``, every process using the same ``redis_url`` and
+    ``key_prefix`` reserves against one budget per backend: reserved tokens, busy slots
+    and which slot each lease holds, and the queue's order of arrival.
+    """
+
+    backend: StateBackend = StateBackend.memory
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Keys and channels start with this, so several gateways (each with its own backends)
+    # can share one Redis. Processes in front of the same backends must share it.
+    key_prefix: str = Field("llm-gateway", min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    # A process renews its liveness this often, seconds; its leases and queued requests
+    # are dropped by the others once it has not renewed for lease_ttl_s.
+    renew_interval_s: float = Field(1.0, gt=0)
+    lease_ttl_s: float = Field(10.0, gt=0)
+    # Longest wait for one Redis call, seconds; past it the request gets 503
+    # state_unavailable.
+    op_timeout_s: float = Field(1.0, gt=0)
+    # A waiting request looks at the shared queue again at least this often, seconds,
+    # even when no notification came (notifications are pub/sub, which may drop one).
+    poll_interval_s: float = Field(0.5, gt=0)
+
+    @model_validator(mode="after")
+    def _ttl_long(self) -> StateSettings:
+        if self.lease_ttl_s < 3 * self.renew_interval_s:
+            raise ValueError(
+                f"lease_ttl_s ({self.lease_ttl_s:g}) must be at least 3 x "
+                f"renew_interval_s ({self.renew_interval_s:g}): a live process that "
+                "misses one renewal must not lose its leases")
+        if self.backend is StateBackend.redis and not self.redis_url.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix:// "
+                             f"(got {self.redis_url!r})")
+        return self
+
+
 def _require_unique(what: str, names: list[str]) -> None:
     """:raises ValueError: a name is repeated (the message lists every one)."""
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -395,6 +442,7 @@ class Settings(BaseSettings):
     server: ServerSettings = ServerSettings()
     admission: AdmissionSettings = AdmissionSettings()
     routing: RoutingSettings = RoutingSettings()
+    state: StateSettings = StateSettings()
     backends: list[BackendSettings] = Field(
         default_factory=lambda: [BackendSettings(name="local")], min_length=1
     )
@@ -455,6 +503,28 @@ class Settings(BaseSettings):
                     raise ValueError(f"{alias!r} stands for two models, {seen!r} and "
                                      f"{backend.model!r}")
         return value
+
+    @model_validator(mode="after")
+    def _shared_state_supported(self) -> Settings:
+        if self.state.backend is not StateBackend.redis:
+            return self
+        if self.admission.policy is AdmissionPolicy.predictive:
+            raise ValueError(
+                'state.backend = "redis" needs admission.policy = "strict": the '
+                "predictive policy's live token counts are not shared between processes "
+                "yet, so each would judge the pool's pressure on its own requests only")
+        models: dict[str, list[str]] = {}
+        for backend in self.backends:
+            if backend.model is not None:
+                models.setdefault(backend.model, []).append(backend.name)
+        pools = {m: names for m, names in models.items() if len(names) > 1}
+        if pools:
+            model, names = next(iter(pools.items()))
+            raise ValueError(
+                f'state.backend = "redis" serves each model from one backend in this '
+                f"release; model {model!r} has {len(names)} ({', '.join(names)}). Give "
+                "each backend its own model name, or use state.backend = \"memory\"")
+        return self
 
     @model_validator(mode="after")
     def _default_model_known(self) -> Settings:

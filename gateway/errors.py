@@ -61,6 +61,7 @@ __all__ = [
     "QueueTimeout",
     "QueueWaitPredicted",
     "ServiceError",
+    "StateUnavailable",
     "HeadersTooLarge",
     "UnsupportedMediaType",
     "UpstreamRefused",
@@ -103,6 +104,7 @@ class RejectionReason(StrEnum):
     queue_wait_predicted = "queue_wait_predicted"  # would wait longer, refused at once
     backend_unavailable = "backend_unavailable"  # not ready, or cannot be reached
     shutting_down = "shutting_down"  # the gateway drains before it stops
+    state_unavailable = "state_unavailable"  # the shared admission state cannot be reached
 
 
 class GatewayError(Exception):
@@ -324,6 +326,16 @@ class BackendNotReady(Overloaded):
 
     code = "backend_unavailable"
     rejection_reason = RejectionReason.backend_unavailable
+
+
+class StateUnavailable(Overloaded):
+    """Raised when admission state is shared between gateway processes (``[state]
+    backend = "redis"``) and the store cannot be reached: the gateway refuses rather than
+    admit without knowing what the other processes hold (``gateway/admission/shared.py``).
+    """
+
+    code = "state_unavailable"
+    rejection_reason = RejectionReason.state_unavailable
 
 
 class ShuttingDown(Overloaded):

@@ -124,3 +124,15 @@ async def harness_factory(
 @pytest.fixture
 async def harness(harness_factory: Callable[..., Any]) -> Harness:
     return await harness_factory()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Any) -> Any:
+    """A real redis-server on loopback (tests/realredis.py), stopped afterwards."""
+    from tests.realredis import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 from gateway.admission.lease import AdmissionStats, Lease
 from gateway.admission.live import GROWTH_HORIZON_S, LiveAccounting
+from gateway.admission.shared import Ask as SharedAsk
+from gateway.admission.shared import SharedAccount
 from gateway.admission.waitroom import Waiter, Waitroom, shed_error
-from gateway.clock import Clock, MonotonicClock
+from gateway.clock import Clock, MonotonicClock, wait
 from gateway.core import capacity
 from gateway.core.capacity import Budget, Charge, Layout
 from gateway.core.fairness import Party
@@ -36,6 +38,7 @@ from gateway.errors import (
     QueueFull,
     QueueTimeout,
     QueueWaitPredicted,
+    StateUnavailable,
 )
 
 __all__ = ["GROWTH_HORIZON_S", "MIN_HISTORY", "Admission"]
@@ -48,6 +51,8 @@ class _Ask:
     charge: Charge
     predicted: float | None = None  # the wait predicted when it queued
     prefer: int | None = None  # the slot to take if it is free
+    ticket: str | None = None  # its id in the shared queue (shared state only)
+    front: bool = False
 
 
 def _never_fits(layout: Layout, charge: Charge) -> ContextLengthExceeded:
@@ -87,6 +92,11 @@ class Admission:
     :param preempt_margin_tokens: tokens of a unified pool kept free under
         ``predictive``.
     :param age_s: priority ageing, seconds per class (:class:`FairQueue`).
+    :param shared: the backend's budget shared with other gateway processes
+        (:class:`~gateway.admission.shared.SharedAccount`), or ``None``: this process
+        alone reserves on the backend. When shared, every request queues and is granted
+        by the shared queue's script, in arrival order over all processes
+        (:meth:`_pump`); the local budget is this process's part of it.
 
     Its size (about 350 lines, under 200 statements) is its public surface: the one
     admission API of a backend that the target, the relay and the slot watch call (queue
@@ -107,6 +117,7 @@ class Admission:
         predictive: bool = False,
         preempt_margin_tokens: int = 32,
         age_s: float = 30.0,
+        shared: SharedAccount | None = None,
     ) -> None:
         self._layout = layout
         self._max_queue = max_queue
@@ -130,6 +141,11 @@ class Admission:
         # Called after every change that may make room (a release, a new layout, a
         # waiter leaving): the model queue of a fleet (gateway.fleet.pool) listens.
         self._listeners: list[Callable[[], None]] = []
+        self._shared = shared
+        self._pump_task: asyncio.Task[None] | None = None
+        self._stirred = asyncio.Event()
+        if shared is not None:
+            shared.bind(self._shared_tickets, self._stir)
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` whenever room may have been made on this backend, after
@@ -150,7 +166,7 @@ class Admission:
         """True when ``charge`` would be granted now by :meth:`try_admit` (no one waits
         here and it fits what is left). False while the layout is unknown."""
         layout = self._layout
-        return (layout is not None and not self._room
+        return (layout is not None and not self._room and self._shared is None
                 and capacity.fits_alone(layout, charge) and self._fits(layout, charge))
 
     def headroom(self, charge: Charge) -> tuple[float, float]:
@@ -192,11 +208,14 @@ class Admission:
     def stats(self) -> AdmissionStats:
         """Return a snapshot of queue and budget."""
         layout = self._layout
+        budget = self._budget
+        if self._shared is not None:  # what every process holds on the backend
+            budget = Budget(self._shared.reserved_tokens, self._shared.busy_slots)
         return AdmissionStats(
             queued=len(self._room),
             inflight=self._inflight,
-            reserved_tokens=self._budget.reserved_tokens,
-            busy_slots=self._budget.busy_slots,
+            reserved_tokens=budget.reserved_tokens,
+            busy_slots=budget.busy_slots,
             capacity_tokens=layout.capacity_tokens if layout else 0,
             slots=layout.slots if layout else 0,
             ctx_per_slot=layout.ctx_per_slot if layout else 0,
@@ -292,6 +311,8 @@ class Admission:
         layout = self._require_layout()
         if not capacity.fits_alone(layout, charge):
             raise _never_fits(layout, charge)
+        if self._shared is not None:
+            return None  # the shared queue decides (:meth:`_pump`)
         if (self._room and not front) or not self._fits(layout, charge):
             return None
         self._room.charge(party or Party(), charge.tokens)
@@ -328,10 +349,11 @@ class Admission:
             self._room.fail(victim, shed_error(
                 f"The queue for this backend is full ({self._max_queue} waiting).",
                 self.retry_after_s()))
-        waiter = self._room.join(_Ask(charge, predicted, prefer), party, charge.tokens,
-                                 front=front)
-        if self._room.head() is waiter and self._layout is not None and self._fits(
-                self._layout, charge):
+        ticket = None if self._shared is None else self._shared.store.new_id()
+        waiter = self._room.join(_Ask(charge, predicted, prefer, ticket, front), party,
+                                 charge.tokens, front=front)
+        if self._shared is not None or (self._room.head() is waiter and self._layout
+                                        is not None and self._fits(self._layout, charge)):
             self._wake()  # it goes before waiters that wait for room it does not need
         return await self._room.wait(waiter, max_wait, lambda: QueueTimeout(
             f"The request waited {max_wait:g} s in the queue without room on "
@@ -364,6 +386,8 @@ class Admission:
         self._live.released(lease, now)
         if served:
             self._waits.record_release(now)
+        if self._shared is not None and lease.shared_id is not None:
+            self._shared.release([lease.shared_id])
         self._wake()
 
     def release_later(self, lease: Lease, delay_s: float, *, served: bool = True) -> None:
@@ -392,18 +416,28 @@ class Admission:
                 "loading); retry after the Retry-After delay.", retry_after_s=1.0)
         return self._layout
 
-    def _grant(self, charge: Charge, *, waited_s: float, prefer: int | None = None) -> Lease:
+    def _grant(self, charge: Charge, *, waited_s: float, prefer: int | None = None,
+               shared_ids: tuple[str, tuple[int, ...]] | None = None) -> Lease:
         self._budget = capacity.reserve(self._budget, charge)
         self._inflight += 1
         self._admitted += 1
-        slot_ids = self.slots.pick(charge.pinnable, charge.slots, prefer)
+        if shared_ids is None:
+            slot_ids = self.slots.pick(charge.pinnable, charge.slots, prefer)
+        else:  # the shared script chose them
+            slot_ids = self.slots.take(shared_ids[1])
         lease = Lease(charge, waited_s=waited_s, slot_ids=slot_ids,
-                      granted_at=self._clock.now())
+                      granted_at=self._clock.now(),
+                      shared_id=None if shared_ids is None else shared_ids[0])
         self._active[id(lease)] = lease
         return lease
 
     def _wake(self) -> None:
         layout = self._layout
+        if self._shared is not None:
+            self._stir()
+            for listener in self._listeners:
+                listener()
+            return
         if layout is None:
             return
         now = self._clock.now()
@@ -415,6 +449,82 @@ class Admission:
             self._room.grant(waiter, lease)
         for listener in self._listeners:
             listener()
+
+    # -- the shared queue (gateway.admission.shared) ---------------------------------
+
+    def _shared_tickets(self) -> list[tuple[str, int]]:
+        """This admission's waiting tickets and their queue scores (the heartbeat
+        republishes them)."""
+        assert self._shared is not None
+        store = self._shared.store
+        return [(w.request.ticket, 0 if w.request.front else store.score_ms(w.since))
+                for w in self._room.order() if w.request.ticket is not None]
+
+    def _stir(self) -> None:
+        """Something may have changed in the shared queue: run :meth:`_pump` (or let the
+        one running look again at once)."""
+        self._stirred.set()
+        if self._pump_task is None or self._pump_task.done():
+            try:
+                self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+            except RuntimeError:  # no loop running: nothing can be waiting
+                self._pump_task = None
+
+    async def _pump(self) -> None:
+        """Serve this admission's waiters from the shared queue: send their tickets to
+        :meth:`SharedAccount.grant <gateway.admission.shared.SharedAccount.grant>`, grant
+        those it granted, and wait for a notification (or ``poll_interval_s``) while the
+        others wait. Runs while any waits here (and once more after, to withdraw the
+        tickets of those who left). When Redis cannot be reached, every waiter here gets
+        :class:`~gateway.errors.StateUnavailable`."""
+        shared = self._shared
+        assert shared is not None
+        poll_s = shared.store.settings.poll_interval_s
+        sent = True
+        while self._room or sent:
+            self._stirred.clear()
+            layout = self._layout
+            waiters = list(self._room.order()) if layout is not None else []
+            asks = [SharedAsk(w.request.ticket, 0 if w.request.front
+                              else shared.store.score_ms(w.since), w.request.charge,
+                              w.request.prefer)
+                    for w in waiters if w.request.ticket is not None]
+            if layout is None:  # set_layout wakes it
+                return
+            try:
+                reply = await shared.grant(layout, asks, order=self.slots.free)
+            except StateUnavailable as exc:
+                for waiter in list(self._room):  # those who came during the call too
+                    self._room.fail(waiter, exc)
+                return
+            sent = bool(asks)
+            now = self._clock.now()
+            for waiter in waiters:
+                ask = waiter.request
+                ids = reply.granted.get(ask.ticket or "")
+                if ids is None:
+                    continue
+                if waiter.future.done():  # it left while the call ran
+                    shared.release([ask.ticket or ""])
+                    continue
+                lease = self._grant(ask.charge, waited_s=now - waiter.since,
+                                    shared_ids=(ask.ticket or "", ids))
+                lease.predicted_wait_s = ask.predicted
+                self._room.grant(waiter, lease)
+            if self._room and not reply.granted and not self._stirred.is_set():
+                # While Redis resyncs after a restart, look again each renewal.
+                await self._nap(shared.store.settings.renew_interval_s if reply.resyncing
+                                else poll_s)
+
+    async def _nap(self, seconds: float) -> None:
+        """Wait until stirred, or ``seconds`` at most."""
+        stirred = asyncio.ensure_future(self._stirred.wait())
+        try:
+            await wait(self._clock, stirred, seconds)
+        except TimeoutError:
+            pass
+        finally:
+            stirred.cancel()
 
     # -- live accounting (the predictive policy, gateway.admission.live) --------------
 

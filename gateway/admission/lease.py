@@ -39,6 +39,8 @@ class Lease:
     first_token_at: float | None = None
     preempted: str | None = None  # the reason, once the gateway chose to preempt it
     on_preempt: Callable[[str], None] | None = None
+    # Its id in the shared state (gateway.admission.shared), when admission is shared.
+    shared_id: str | None = None
 
     @property
     def pinned(self) -> bool:

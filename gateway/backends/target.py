@@ -25,6 +25,7 @@ import httpx
 
 from gateway.admission.admission import Admission
 from gateway.admission.lease import AdmissionStats, Lease
+from gateway.admission.shared import SharedAccount
 from gateway.admission.slotwatch import SlotWatch, Ticket
 from gateway.backends import Dialect, Discovered, SideCalls, kind_class
 from gateway.backends.countcache import CountCache
@@ -90,6 +91,7 @@ class Target:
         clock: Clock | None = None,
         dialect: Dialect | None = None,
         client: httpx.AsyncClient | None = None,
+        shared: SharedAccount | None = None,
     ) -> None:
         self.settings = settings
         self.client = client or side_client
@@ -133,6 +135,7 @@ class Target:
             predictive=self._predictive,
             preempt_margin_tokens=admission_settings.preempt_margin_tokens,
             age_s=admission_settings.priority_age_s,
+            shared=shared,
         )
         self.slot_watch = SlotWatch(
             self.name, self.dialect.read_slots, self.admission, self.clock,

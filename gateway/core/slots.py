@@ -91,6 +91,19 @@ class SlotMap:
         self._held.update(chosen)
         return chosen
 
+    def take(self, slot_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Hold ``slot_ids``, chosen elsewhere (by the shared state's script, which sees
+        every process's leases); ``()`` counts an unpinned lease. Returns them, as
+        :meth:`pick` does."""
+        if not slot_ids:
+            self._unpinned += 1
+            return ()
+        for slot in slot_ids:
+            if slot in self._free:
+                self._free.remove(slot)
+        self._held.update(slot_ids)
+        return slot_ids
+
     def release(self, slot_ids: tuple[int, ...]) -> None:
         """Give back what :meth:`pick` returned (``()``: an unpinned lease). The slots
         become the most recently used free ones (those past the current layout are

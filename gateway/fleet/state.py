@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from gateway.admission.shared import SharedStore
 from gateway.admission.tenants import Tenants
 from gateway.backends.target import Target
 from gateway.clock import Clock
@@ -41,6 +42,8 @@ class GatewayState:
     :param tasks: the app's background tasks (discovery loops, retirements, and the
         relay's reading of finished streams' tails); the lifespan cancels them.
     :param config_path: the TOML file a reload reads (``None``: started without one).
+    :param shared: the link to admission state shared with other gateway processes
+        (``[state] backend = "redis"``), or ``None``.
     """
 
     settings: Settings
@@ -50,6 +53,7 @@ class GatewayState:
     tenants: Tenants
     metrics: GatewayMetrics
     tasks: TaskSet
+    shared: SharedStore | None = None
     config_path: str | None = None
     draining: bool = False  # stopping: /ready is 503 and new requests are refused
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)

@@ -16,12 +16,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 
+from gateway.admission.shared import SharedStore
 from gateway.admission.tenants import Tenants
 from gateway.backends import SIDE_CONNECTIONS
 from gateway.backends.target import Target
 from gateway.backends.upstream import build_client
 from gateway.clock import Clock, MonotonicClock
-from gateway.config import AdmissionSettings, BackendSettings, Settings
+from gateway.config import AdmissionSettings, BackendSettings, Settings, StateBackend
 from gateway.errors import GatewayError
 from gateway.fleet.fleet import Fleet, MakeTarget
 from gateway.fleet.state import GatewayState
@@ -77,6 +78,7 @@ def create_app(
     registry: CollectorRegistry | None = None,
     clock: Clock | None = None,
     discover: bool = True,
+    redis_client: Any = None,
 ) -> FastAPI:
     """Build the gateway ASGI app.
 
@@ -90,18 +92,31 @@ def create_app(
     :param registry: Prometheus registry; defaults to a fresh one.
     :param clock: time source; defaults to the monotonic clock.
     :param discover: run background capacity discovery during the app's lifespan.
+    :param redis_client: with ``[state] backend = "redis"``, the Redis client of the
+        shared state (a ``redis.asyncio.Redis``); by default one on ``state.redis_url``.
     """
     clock = clock or MonotonicClock()
-    make_target = _target_factory(http_client, clock)
+    registry = registry or CollectorRegistry()
+    store: SharedStore | None = None
+    metrics: GatewayMetrics | None = None
+    if settings.state.backend is StateBackend.redis:
+        # The store reports to the metrics, built below (its calls start with the app).
+        store = SharedStore(settings.state, clock=clock, client=redis_client,
+                            on_op=lambda *a: metrics.state_op(*a) if metrics else None,
+                            on_expired=lambda n: metrics.state_expired(n) if metrics
+                            else None)
+    make_target = _target_factory(http_client, clock, store)
     backends = {b.name: make_target(b, settings.admission) for b in settings.backends}
     tasks = TaskSet()
     fleet = Fleet(backends, clock=clock, admission=settings.admission,
                   routing=settings.routing, make_target=make_target, tasks=tasks,
                   discover=discover)
-    metrics = GatewayMetrics(registry or CollectorRegistry(), fleet.stats,
-                             lambda: pool_gauge_rows(fleet.pool_queues()))
+    metrics = GatewayMetrics(registry, fleet.stats,
+                             lambda: pool_gauge_rows(fleet.pool_queues()),
+                             state_up=None if store is None else (lambda: store.up))
     client = http_client or next(iter(backends.values())).client
-    state = GatewayState(settings, client, clock, fleet, Tenants(settings), metrics, tasks)
+    state = GatewayState(settings, client, clock, fleet, Tenants(settings), metrics, tasks,
+                         shared=store)
     state.prime_metrics()
 
     app = FastAPI(
@@ -118,7 +133,8 @@ def create_app(
     return app
 
 
-def _target_factory(http_client: httpx.AsyncClient | None, clock: Clock) -> MakeTarget:
+def _target_factory(http_client: httpx.AsyncClient | None, clock: Clock,
+                    store: SharedStore | None = None) -> MakeTarget:
     """How the app builds a backend from its settings (at start and on reloads): on
     ``http_client`` when one is given, else on clients of its own, closed when it is
     retired or at shutdown."""
@@ -127,7 +143,8 @@ def _target_factory(http_client: httpx.AsyncClient | None, clock: Clock) -> Make
         gen = http_client or build_client(keepalive_expiry_s=entry.keepalive_expiry_s)
         side = http_client or build_client(max_connections=SIDE_CONNECTIONS,
                                            keepalive_expiry_s=entry.keepalive_expiry_s)
-        target = Target(entry, admission, side, clock, client=gen)
+        target = Target(entry, admission, side, clock, client=gen,
+                        shared=None if store is None else store.account(entry.name))
         if http_client is None:
             target.owned_clients = [gen, side]
         return target
@@ -139,12 +156,16 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Start the backends' discovery loops; at shutdown, cancel the app's background
     tasks and the streams' tails still being read, then close every backend."""
     state: GatewayState = app.state.gateway
+    if state.shared is not None:
+        await state.shared.start()
     state.fleet.start()
     try:
         yield
     finally:
         await state.tasks.cancel_all()  # discovery, retirements, streams' tails
         await state.fleet.close()
+        if state.shared is not None:
+            await state.shared.close()
 
 
 async def _render(request: Request, exc: GatewayError) -> Response:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from enum import StrEnum
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -157,12 +157,40 @@ class GatewayMetrics:
         read at scrape time.
     :param pool_source: returns ``(model, waiting, max_queue, oldest wait s)`` per shared
         pool queue, read at scrape time.
+    :param state_up: with shared admission state (``[state] backend = "redis"``), returns
+        whether the store answered its last call (``gateway_state_up``); ``None``: the
+        state is this process's own and the state metrics are not exported.
     :raises ValueError: a metric name is already registered on ``registry``.
     """
 
     def __init__(self, registry: CollectorRegistry, stats_source: StatsSource,
-                 pool_source: PoolSource | None = None) -> None:
+                 pool_source: PoolSource | None = None,
+                 state_up: Callable[[], bool] | None = None) -> None:
         self.registry = registry
+        self.state_ops: Counter | None = None
+        self.state_latency: Histogram | None = None
+        self.state_expiries: Counter | None = None
+        if state_up is not None:
+            self.state_ops = Counter(
+                "gateway_state_ops", "Calls to the shared admission state (Redis), by op "
+                "(grant, renew, release, close) and outcome (ok, error).",
+                ["op", "outcome"], registry=registry)
+            self.state_latency = Histogram(
+                "gateway_state_latency_seconds", "Time of one call to the shared admission "
+                "state, seconds.", ["op"], registry=registry,
+                buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+            self.state_expiries = Counter(
+                "gateway_state_lease_expiries", "Leases and queued requests of other "
+                "gateway processes dropped because their owner stopped renewing (died), "
+                "by reason.", ["reason"], registry=registry)
+            self.state_expiries.labels("owner_lost")
+            for op in ("grant", "renew", "release"):
+                for outcome in ("ok", "error"):
+                    self.state_ops.labels(op, outcome)
+            up = Gauge("gateway_state_up", "1 when the shared admission state (Redis) "
+                       "answered its last call; 0 while it cannot be reached (requests get "
+                       "503 state_unavailable).", registry=registry)
+            up.set_function(lambda: 1.0 if state_up() else 0.0)
         self.requests = Counter(
             "gateway_requests", "Requests answered, by final HTTP status (tenant and "
             "priority \"none\" before they are known, as for a 401).",
@@ -279,6 +307,18 @@ class GatewayMetrics:
             ["tenant", "kind"], registry=registry,
         )
         registry.register(_AdmissionCollector(stats_source, pool_source))
+
+    def state_op(self, op: str, outcome: str, seconds: float) -> None:
+        """Count one call to the shared state
+        (:class:`gateway.admission.shared.SharedStore`), and its time in seconds."""
+        if self.state_ops is not None and self.state_latency is not None:
+            self.state_ops.labels(op, outcome).inc()
+            self.state_latency.labels(op).observe(seconds)
+
+    def state_expired(self, count: int) -> None:
+        """Count leases and tickets of dead processes dropped by the shared state."""
+        if self.state_expiries is not None:
+            self.state_expiries.labels("owner_lost").inc(count)
 
     def prime(self, backends: Iterable[str], parties: Iterable[tuple[str, str]]) -> None:
         """Create, at zero, the counter series the alert rules and the dashboard take

@@ -1,0 +1,592 @@
+"""Admission state shared by several gateway processes, in Redis (``[state] backend =
+"redis"``).
+
+Every gateway process in front of the same backends reserves against one budget per
+backend, held in Redis under ``[state] key_prefix``:
+
+* ``{prefix}:b:{backend}:leases``, a hash: lease id -> ``owner, tokens, slots, slot ids``.
+  Its sums are the backend's reserved tokens and busy slots; its slot ids are the shared
+  slot map.
+* ``{prefix}:b:{backend}:queue``, a sorted set: ticket id -> arrival time (ms, on Redis's
+  clock). The head is the request that arrived first on any process; strict FIFO, as one
+  process's :class:`~gateway.admission.admission.Admission` is.
+* ``{prefix}:procs``, a sorted set: process id -> the time its liveness expires (ms). A
+  process renews it every ``renew_interval_s``; once it has not for ``lease_ttl_s``, any
+  process's next call drops its leases and tickets (a process killed with ``kill -9``
+  gives back its capacity that way).
+* ``{prefix}:epoch``: created on the first call after Redis started empty (a restart
+  without persistence). Its value ends a resync window of two renewals, during which
+  nothing is granted, so that every live process republishes its leases first.
+* ``{prefix}:wake:{backend}``, a pub/sub channel: published when capacity may have been
+  freed; the waiting processes look at the queue again at once (and every
+  ``poll_interval_s`` anyway, since pub/sub may drop a message).
+
+One source of rules: the decision is :func:`gateway.core.capacity.fits`, the same
+arithmetic applied in a Lua script to the shared sums (Redis runs a script atomically, so
+check-and-reserve has no race between processes). ``tests/test_shared_state.py`` holds the
+two to the same answers on random states, against a real ``redis-server``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from gateway.clock import Clock
+from gateway.config import StateSettings
+from gateway.core.capacity import Charge, Layout
+from gateway.errors import StateUnavailable
+
+__all__ = ["Ask", "GrantReply", "SharedAccount", "SharedStore"]
+
+log = logging.getLogger(__name__)
+
+# Lua helpers shared by the scripts. KEYS: 1 leases hash, 2 queue zset, 3 procs zset,
+# 4 epoch. ARGV: 1 owner, 2 lease TTL ms, 3 resync window ms, 4 wake channel.
+_PRELUDE = r"""
+local leases, queue, procs, epoch = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local owner, ttl, resync_ms, channel = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', procs, now + ttl, owner)
+local resync_until = tonumber(redis.call('GET', epoch) or '-1')
+if resync_until < 0 then
+  resync_until = now + resync_ms
+  redis.call('SET', epoch, resync_until)
+end
+local alive = {}
+local function is_alive(o)
+  local a = alive[o]
+  if a == nil then
+    local s = redis.call('ZSCORE', procs, o)
+    a = (s ~= false and s ~= nil and tonumber(s) > now)
+    alive[o] = a
+  end
+  return a
+end
+local function owner_of(id) return string.match(id, '^(.*)#') end
+-- Drop the dead owners' leases and sum the live ones.
+local reserved, busy, unpinned, purged = 0, 0, 0, 0
+local held = {}
+local function scan_leases()
+  local all = redis.call('HGETALL', leases)
+  for i = 1, #all, 2 do
+    local o, tok, sl, ids = string.match(all[i + 1], '^([^|]*)|(%d+)|(%d+)|(.*)$')
+    if not is_alive(o) then
+      redis.call('HDEL', leases, all[i])
+      purged = purged + 1
+    else
+      reserved = reserved + tonumber(tok)
+      busy = busy + tonumber(sl)
+      if ids == '' then unpinned = unpinned + 1 end
+      for id in string.gmatch(ids, '%d+') do held[tonumber(id)] = true end
+    end
+  end
+end
+-- This owner's tickets become exactly `mine` (id -> score); dead owners' go.
+local function set_tickets(mine)
+  for _, m in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
+    local o = owner_of(m)
+    if o == owner then
+      if mine[m] == nil then redis.call('ZREM', queue, m) end
+    elseif not is_alive(o) then
+      redis.call('ZREM', queue, m)
+      purged = purged + 1
+    end
+  end
+  for id, score in pairs(mine) do redis.call('ZADD', queue, 'NX', score, id) end
+end
+local function finish()
+  redis.call('ZREMRANGEBYSCORE', procs, '-inf', now)
+  if purged > 0 then redis.call('PUBLISH', channel, 'expired') end
+end
+"""
+
+# ARGV 5..: pool tokens (0: per-slot layout), slots, usable per slot, capacity tokens,
+# preferred slot order (comma-separated), tickets kept waiting (k), then k x (id, score),
+# then asks (a), then a x (id, score, tokens, slots, span, pinnable, prefer).
+# Returns {now, reserved, busy, resyncing, purged, queued, id1, slots1, id2, ...}.
+_GRANT = _PRELUDE + r"""
+local pool, slots, usable, capacity = tonumber(ARGV[5]), tonumber(ARGV[6]),
+  tonumber(ARGV[7]), tonumber(ARGV[8])
+local order = ARGV[9]
+local mine, asks = {}, {}
+local k = tonumber(ARGV[10])
+local b = 11
+for _ = 1, k do mine[ARGV[b]] = ARGV[b + 1]; b = b + 2 end
+local a = tonumber(ARGV[b]); b = b + 1
+for _ = 1, a do
+  mine[ARGV[b]] = ARGV[b + 1]
+  asks[ARGV[b]] = {tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]),
+                   ARGV[b + 5] == '1', tonumber(ARGV[b + 6])}
+  b = b + 7
+end
+scan_leases()
+set_tickets(mine)
+local out = {}
+if now >= resync_until then
+  while true do
+    local head = redis.call('ZRANGE', queue, 0, 0)[1]
+    local ask = head and asks[head]
+    if not ask then break end
+    local tokens, n, span, pinnable, prefer = ask[1], ask[2], ask[3], ask[4], ask[5]
+    -- gateway.core.capacity.fits (fits_alone, a free slot each, the unified pool)
+    if busy + n > slots or n > slots or span > usable or tokens > capacity
+        or (pool > 0 and reserved + tokens > pool) then break end
+    local ids = {}
+    if pinnable and unpinned == 0 then
+      local free, seen = {}, {}
+      for id in string.gmatch(order, '%d+') do
+        id = tonumber(id)
+        if id < slots and not held[id] and not seen[id] then
+          table.insert(free, id); seen[id] = true
+        end
+      end
+      for id = 0, slots - 1 do
+        if not held[id] and not seen[id] then table.insert(free, id); seen[id] = true end
+      end
+      if #free > 0 then
+        local first = free[1]
+        if prefer >= 0 and seen[prefer] and not held[prefer] then first = prefer end
+        ids = {first}
+        local rest = {}
+        for _, id in ipairs(free) do if id ~= first then table.insert(rest, id) end end
+        table.sort(rest)
+        for i = 1, math.min(n - 1, #rest) do table.insert(ids, rest[i]) end
+      end
+    end
+    if #ids == 0 then unpinned = unpinned + 1 end
+    for _, id in ipairs(ids) do held[id] = true end
+    reserved = reserved + tokens
+    busy = busy + n
+    local csv = table.concat(ids, ',')
+    redis.call('HSET', leases, head, owner .. '|' .. tokens .. '|' .. n .. '|' .. csv)
+    redis.call('ZREM', queue, head)
+    table.insert(out, head)
+    table.insert(out, csv)
+  end
+end
+finish()
+local res = {now, reserved, busy, (now < resync_until) and 1 or 0, purged,
+             redis.call('ZCARD', queue)}
+for _, v in ipairs(out) do table.insert(res, v) end
+return res
+"""
+
+# The heartbeat. ARGV 5..: this owner's leases (l), l x (id, value), its tickets (k),
+# k x (id, score). Its leases and tickets in Redis become exactly these (a restart of
+# Redis, or a release that was lost, heals here). Returns {now, reserved, busy,
+# resyncing, purged, queued}.
+_SYNC = _PRELUDE + r"""
+local l = tonumber(ARGV[5])
+local b = 6
+local keep = {}
+for _ = 1, l do keep[ARGV[b]] = ARGV[b + 1]; b = b + 2 end
+local all = redis.call('HGETALL', leases)
+for i = 1, #all, 2 do
+  if owner_of(all[i]) == owner and keep[all[i]] == nil then
+    redis.call('HDEL', leases, all[i])
+  end
+end
+for id, v in pairs(keep) do redis.call('HSET', leases, id, v) end
+local k = tonumber(ARGV[b]); b = b + 1
+local mine = {}
+for _ = 1, k do mine[ARGV[b]] = ARGV[b + 1]; b = b + 2 end
+scan_leases()
+set_tickets(mine)
+finish()
+return {now, reserved, busy, (now < resync_until) and 1 or 0, purged,
+        redis.call('ZCARD', queue)}
+"""
+
+# KEYS 1 leases; ARGV 1 channel, 2.. lease ids. Returns how many were held.
+_RELEASE = r"""
+local n = redis.call('HDEL', KEYS[1], unpack(ARGV, 2))
+if n > 0 then redis.call('PUBLISH', ARGV[1], 'released') end
+return n
+"""
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One waiting request, as the grant script sees it.
+
+    :param ticket: its id (``{owner}#{n}``), also the id of the lease it becomes.
+    :param score_ms: its place in the shared queue: arrival time on Redis's clock, ms
+        (0 for a request resuming at the head).
+    :param charge: what it reserves.
+    :param prefer: the slot to take if it is free (``None``: any).
+    """
+
+    ticket: str
+    score_ms: int
+    charge: Charge
+    prefer: int | None = None
+
+
+@dataclass(frozen=True)
+class GrantReply:
+    """What a grant or sync call saw and did.
+
+    :param now_ms: Redis's clock, ms.
+    :param reserved_tokens: KV tokens reserved on the backend by every process, after it.
+    :param busy_slots: slots taken by every process, after it.
+    :param resyncing: Redis started empty moments ago; nothing is granted until every
+        live process has republished its leases.
+    :param purged: leases and tickets of dead processes dropped by this call.
+    :param queued: tickets waiting on the backend, from every process.
+    :param granted: ticket id -> the slot ids its lease holds (``()``: unpinned).
+    """
+
+    now_ms: int
+    reserved_tokens: int
+    busy_slots: int
+    resyncing: bool
+    purged: int
+    queued: int
+    granted: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, raw: Sequence[Any]) -> GrantReply:
+        """Read a script's reply (see ``_GRANT``)."""
+        def text(v: Any) -> str:
+            return v.decode() if isinstance(v, bytes) else str(v)
+        granted = {}
+        for i in range(6, len(raw) - 1, 2):
+            csv = text(raw[i + 1])
+            granted[text(raw[i])] = tuple(int(x) for x in csv.split(",")) if csv else ()
+        return cls(int(raw[0]), int(raw[1]), int(raw[2]), bool(int(raw[3])), int(raw[4]),
+                   int(raw[5]), granted)
+
+
+def default_owner() -> str:
+    """A process id unique across machines and restarts: ``host:pid:random``."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}".replace("#", "_")
+
+
+OpHook = Callable[[str, str, float], None]  # (op, outcome, seconds)
+
+
+class SharedStore:
+    """One process's link to the shared admission state: the Redis client, its process id
+    (``owner``), the heartbeat that renews its liveness and republishes its leases every
+    ``renew_interval_s``, and the subscription that wakes waiting requests.
+
+    :param settings: the ``[state]`` section.
+    :param clock: injected time source (the heartbeat's sleeps, ticket arrival times).
+    :param client: a Redis client (tests pass their own); by default one on
+        ``settings.redis_url``, with ``op_timeout_s`` as its socket timeouts.
+    :param owner: this process's id; by default :func:`default_owner`.
+    :param on_op: called with (op, outcome, seconds) after each call, for metrics
+        (``outcome`` is ``ok`` or ``error``).
+    :param on_expired: called with the count of leases and tickets of dead processes a
+        call dropped.
+
+    Calls raise :class:`~gateway.errors.StateUnavailable` when Redis cannot be reached;
+    :attr:`up` is False from then until a call succeeds again (one WARNING log line when
+    it goes, one INFO line when it comes back).
+    """
+
+    def __init__(self, settings: StateSettings, *, clock: Clock,
+                 client: aioredis.Redis | None = None, owner: str | None = None,
+                 on_op: OpHook | None = None,
+                 on_expired: Callable[[int], None] | None = None) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.owner = owner or default_owner()
+        # One immediate retry on a broken connection (a pooled connection to a Redis
+        # that restarted fails once, then a new one is made); none when it is down.
+        self.client = client or aioredis.Redis.from_url(
+            settings.redis_url, socket_timeout=settings.op_timeout_s,
+            socket_connect_timeout=settings.op_timeout_s,
+            retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError])
+        self._owns_client = client is None
+        self._on_op = on_op
+        self._on_expired = on_expired
+        self.up = True
+        self.accounts: dict[str, SharedAccount] = {}
+        self._grant = self.client.register_script(_GRANT)
+        self._sync = self.client.register_script(_SYNC)
+        self._release = self.client.register_script(_RELEASE)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._offset_s: float | None = None  # Redis's clock minus ours, seconds
+        self._serial = 0
+        self._running = False
+
+    def key(self, *parts: str) -> str:
+        """A key or channel name under the prefix."""
+        return ":".join((self.settings.key_prefix, *parts))
+
+    def account(self, backend: str) -> SharedAccount:
+        """The shared budget of ``backend`` (one per name, however many admissions use
+        it)."""
+        if backend not in self.accounts:
+            self.accounts[backend] = SharedAccount(self, backend)
+        return self.accounts[backend]
+
+    def new_id(self) -> str:
+        """A fresh ticket (and lease) id of this process."""
+        self._serial += 1
+        return f"{self.owner}#{self._serial}"
+
+    def score_ms(self, since: float) -> int:
+        """The queue score of a request that came at ``since`` (our clock, seconds):
+        that time on Redis's clock, ms."""
+        return int((since + (self._offset_s or 0.0)) * 1000)
+
+    async def start(self) -> None:
+        """Renew liveness once (learning Redis's clock; a failure is logged, not raised),
+        then start the heartbeat and the subscription."""
+        self._running = True
+        with contextlib.suppress(StateUnavailable):
+            await self.heartbeat()
+        self._spawn(self._beat_forever())
+        self._spawn(self._listen_forever())
+
+    async def close(self) -> None:
+        """Stop the background tasks, give back this process's leases and tickets, and
+        close the client it created."""
+        self._running = False
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+        with contextlib.suppress(Exception):
+            for account in self.accounts.values():
+                account.leases.clear()
+                account.providers.clear()
+                await self.call("close", lambda a=account: a.sync_args())  # type: ignore[misc]
+            await self.client.zrem(self.key("procs"), self.owner)
+        if self._owns_client:
+            with contextlib.suppress(Exception):
+                await self.client.aclose()
+
+    async def heartbeat(self) -> None:
+        """Renew this process's liveness and republish, per backend, its leases and
+        tickets.
+
+        :raises StateUnavailable: Redis could not be reached.
+        """
+        if not self.accounts:
+            await self.call("renew", self._renew_only)
+            return
+        for account in list(self.accounts.values()):
+            account.seen(await self.call("renew", account.sync_args))
+
+    async def _renew_only(self) -> GrantReply:
+        t = await self.client.time()
+        now_ms = int(t[0]) * 1000 + int(t[1]) // 1000
+        await self.client.zadd(self.key("procs"),
+                               {self.owner: now_ms + self.ttl_ms})
+        return GrantReply(now_ms, 0, 0, False, 0, 0)
+
+    @property
+    def ttl_ms(self) -> int:
+        """The lease TTL, ms."""
+        return int(self.settings.lease_ttl_s * 1000)
+
+    async def call(self, op: str, make: Callable[[], Any]) -> GrantReply:
+        """Run one Redis call (``make()`` returns its awaitable), timed and counted.
+
+        :raises StateUnavailable: Redis could not be reached or timed out.
+        """
+        start = self.clock.now()
+        try:
+            raw = await asyncio.wait_for(make(), self.settings.op_timeout_s)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._count(op, "error", start)
+            if self.up:
+                log.warning("shared state: Redis at %s cannot be reached (%s); refusing "
+                            "new requests with 503 state_unavailable until it is back",
+                            self._where(), type(exc).__name__)
+            self.up = False
+            raise StateUnavailable(
+                "The gateway's shared admission state (Redis) cannot be reached, so it "
+                "cannot know what the other gateway processes hold on this backend; "
+                "retry after the Retry-After delay.", retry_after_s=2.0) from exc
+        self._count(op, "ok", start)
+        if not self.up:
+            log.info("shared state: Redis at %s is reachable again; admitting",
+                     self._where())
+        self.up = True
+        reply = raw if isinstance(raw, GrantReply) else (
+            GrantReply.parse(raw) if isinstance(raw, list) else None)
+        if reply is None:
+            return GrantReply(0, 0, 0, False, 0, 0)
+        self._offset_s = reply.now_ms / 1000 - self.clock.now()
+        if reply.purged and self._on_expired is not None:
+            self._on_expired(reply.purged)
+        return reply
+
+    def _where(self) -> str:
+        url = self.settings.redis_url
+        return url.split("@")[-1]  # never log a password
+
+    def _count(self, op: str, outcome: str, start: float) -> None:
+        if self._on_op is not None:
+            self._on_op(op, outcome, max(0.0, self.clock.now() - start))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def release_later(self, account: SharedAccount, ids: Iterable[str]) -> None:
+        """Give back leases in the background (a failure is healed by the heartbeat, which
+        republishes only the leases still held)."""
+        ids = list(ids)
+        if not ids:
+            return
+
+        async def run() -> None:
+            with contextlib.suppress(StateUnavailable):
+                await self.call("release", lambda: self._release(
+                    keys=[account.keys[0]], args=[account.channel, *ids]))
+        try:
+            self._spawn(run())
+        except RuntimeError:  # no running loop (closing): the heartbeat's absence heals
+            pass
+
+    async def _beat_forever(self) -> None:
+        while self._running:
+            await self.clock.sleep(self.settings.renew_interval_s)
+            with contextlib.suppress(StateUnavailable):
+                await self.heartbeat()
+
+    async def _listen_forever(self) -> None:
+        """Wake each account's admissions when its channel is published; reconnect after
+        a loss, every renewal period."""
+        prefix = self.key("wake", "")
+        while self._running:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.psubscribe(prefix + "*")
+                async for message in pubsub.listen():
+                    channel = message.get("channel")
+                    name = (channel.decode() if isinstance(channel, bytes)
+                            else str(channel))[len(prefix):]
+                    account = self.accounts.get(name)
+                    if account is not None:
+                        account.stir()
+            except (RedisError, OSError):
+                pass
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+            if self._running:
+                await self.clock.sleep(self.settings.renew_interval_s)
+
+
+Provider = Callable[[], list[tuple[str, int]]]  # this process's waiting (ticket, score)
+
+
+class SharedAccount:
+    """One backend's shared budget as this process uses it.
+
+    :ivar leases: this process's leases on the backend: id -> the record kept in Redis.
+    :ivar reserved_tokens: KV tokens reserved by every process, as last seen.
+    :ivar busy_slots: slots taken by every process, as last seen.
+    :ivar queued: requests waiting on the backend in every process, as last seen.
+    """
+
+    def __init__(self, store: SharedStore, backend: str) -> None:
+        self.store = store
+        self.backend = backend
+        self.keys = [store.key("b", backend, "leases"), store.key("b", backend, "queue"),
+                     store.key("procs"), store.key("epoch")]
+        self.channel = store.key("wake", backend)
+        self.leases: dict[str, str] = {}
+        self.providers: list[Provider] = []
+        self.listeners: list[Callable[[], None]] = []
+        self.reserved_tokens = 0
+        self.busy_slots = 0
+        self.queued = 0
+
+    def bind(self, waiting: Provider, on_change: Callable[[], None]) -> None:
+        """Add an admission of this backend: ``waiting()`` lists its waiting tickets and
+        ``on_change()`` is called when the shared queue may have moved."""
+        self.providers.append(waiting)
+        self.listeners.append(on_change)
+
+    def stir(self) -> None:
+        """The backend's channel was published: wake its admissions."""
+        for listener in list(self.listeners):
+            listener()
+
+    def _common(self) -> list[Any]:
+        s = self.store.settings
+        resync_ms = int(2 * s.renew_interval_s * 1000 + 500)
+        return [self.store.owner, self.store.ttl_ms, resync_ms, self.channel]
+
+    def sync_args(self) -> Any:
+        """The heartbeat's call for this backend (see ``_SYNC``)."""
+        args = self._common()
+        args.append(len(self.leases))
+        for item in self.leases.items():
+            args.extend(item)
+        waiting = [t for provider in self.providers for t in provider()]
+        args.append(len(waiting))
+        for ticket, score in waiting:
+            args.extend((ticket, score))
+        return self.store._sync(keys=self.keys, args=args)
+
+    def seen(self, reply: GrantReply) -> None:
+        """Note the shared figures of a reply."""
+        self.reserved_tokens, self.busy_slots = reply.reserved_tokens, reply.busy_slots
+        self.queued = reply.queued
+
+    async def grant(self, layout: Layout, asks: Sequence[Ask], *,
+                    keep: Iterable[tuple[str, int]] = (),
+                    order: Sequence[int] = ()) -> GrantReply:
+        """Queue ``asks`` in the shared queue (and withdraw this process's tickets not in
+        ``asks`` or ``keep``), then grant, atomically and in the queue's order, each head
+        that is one of ``asks`` while it fits (:func:`gateway.core.capacity.fits` on the
+        shared sums).
+
+        :param layout: the backend's layout, as this process discovered it.
+        :param keep: other tickets of this process still waiting, (id, score).
+        :param order: slot ids in the order this process would pick them (least recently
+            used first); others after.
+        :returns: the reply; each granted lease is recorded in :attr:`leases`.
+        :raises StateUnavailable: Redis could not be reached.
+        """
+        keep = list(keep)
+        args = self._common() + [layout.pool_tokens or 0, layout.slots,
+                                 layout.usable_per_slot, layout.capacity_tokens,
+                                 ",".join(map(str, order)), len(keep)]
+        for ticket, score in keep:
+            args.extend((ticket, score))
+        args.append(len(asks))
+        for ask in asks:
+            c = ask.charge
+            args.extend((ask.ticket, ask.score_ms, c.tokens, c.slots,
+                         c.prompt_tokens + c.max_tokens, 1 if c.pinnable else 0,
+                         -1 if ask.prefer is None else ask.prefer))
+        reply = await self.store.call("grant", lambda: self.store._grant(keys=self.keys,
+                                                                         args=args))
+        self.seen(reply)
+        owner = self.store.owner
+        by_id = {ask.ticket: ask.charge for ask in asks}
+        for ticket, ids in reply.granted.items():
+            c = by_id[ticket]
+            self.leases[ticket] = f"{owner}|{c.tokens}|{c.slots}|{','.join(map(str, ids))}"
+        return reply
+
+    def release(self, ids: Iterable[str]) -> None:
+        """Give back leases of this process (in the background)."""
+        gone = [i for i in ids if self.leases.pop(i, None) is not None]
+        self.store.release_later(self, gone)
