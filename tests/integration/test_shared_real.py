@@ -177,7 +177,7 @@ async def test_a_killed_process_gives_its_capacity_back(
                   lease_ttl_s=3.0, renew_interval_s=0.5) as (a, b):
         async with httpx.AsyncClient(timeout=600) as client:
             doomed = asyncio.ensure_future(
-                client.post(a.url + "/v1/chat/completions", json=overflow_chat(1000)))
+                client.post(a.url + "/v1/chat/completions", json=overflow_chat(700)))
             store = redis.Redis.from_url(redis_server.url)
             deadline = time.monotonic() + 60
             while not store.hlen("it:b:local:leases") and time.monotonic() < deadline:
@@ -185,15 +185,15 @@ async def test_a_killed_process_gives_its_capacity_back(
             assert store.hlen("it:b:local:leases") == 1
             os.kill(a.proc.pid, signal.SIGKILL)  # its lease is never released
             started = time.monotonic()
-            # Another chat of 1,783 tokens does not fit beside the dead one's; it is served once
+            # Another chat of 1,483 tokens does not fit beside the dead one's; it is served once
             # the TTL has passed (llama-server stops a request whose client went away).
             answer = await client.post(b.url + "/v1/chat/completions",
-                                       json=overflow_chat(1000))
+                                       json=overflow_chat(700))
             waited = time.monotonic() - started
             with pytest.raises(httpx.HTTPError):
                 await doomed
         assert answer.status_code == 200, answer.text
-        assert answer.json()["usage"]["completion_tokens"] == 1000
+        assert answer.json()["usage"]["completion_tokens"] == 700
         assert waited > 2.0  # not before the TTL
         assert b.metric("gateway_upstream_errors_total") == 0
         assert b.metric("gateway_state_lease_expiries_total", reason="owner_lost") >= 1
