@@ -14,12 +14,18 @@ from gateway.http.auth import Access, access_of, admin_authorized
     ("/health", Access.open), ("/ready", Access.open),
     ("/status", Access.status), ("/status.json", Access.status),
     ("/admin/backends", Access.admin), ("/admin/reload", Access.admin),
-    ("/metrics", Access.metrics),
+    ("/metrics", Access.scrape),
     ("/v1/chat/completions", Access.tenant), ("/api/tags", Access.tenant),
     ("/admin", Access.tenant),  # not an admin route: the API's 404 after a tenant's key
 ])
 def test_each_path_has_one_access(path: str, access: Access) -> None:
     assert access_of(path) is access
+
+
+def test_auth_speaks_the_route_tables_access() -> None:
+    from gateway.wire import routes
+
+    assert Access is routes.Access and access_of is routes.access_of
 
 
 def test_the_admin_key_is_a_bearer_key_and_basic_only_where_asked() -> None:

@@ -62,7 +62,7 @@ def test_the_other_modules_use_the_derived_sets() -> None:
 
 @pytest.mark.parametrize("path,access", [
     ("/health", Access.open), ("/ready", Access.open), ("/metrics", Access.scrape),
-    ("/status", Access.admin), ("/admin/reload", Access.admin),
+    ("/status", Access.status), ("/status.json", Access.status), ("/admin/reload", Access.admin),
     ("/admin/anything", Access.admin), ("/v1/chat/completions", Access.tenant),
     ("/api/tags", Access.tenant), ("/nope", Access.tenant),
 ])

@@ -1,11 +1,12 @@
 """Who may call what: one :func:`authorize` for every kind of access, one admin-key check.
 
-Each path has an :class:`Access`:
+Each path has an :class:`~gateway.wire.routes.Access`, the route table's
+(:func:`gateway.wire.routes.access_of`; both names are re-exported here):
 
 * ``open``: the probes (``/health``, ``/ready``); never a key.
 * ``tenant``: the API routes; a tenant's key when tenants are configured
   (:meth:`gateway.admission.tenants.Tenants.authenticate`), else anyone.
-* ``metrics``: ``/metrics``; the admin key when ``server.admin_key`` is set, unless
+* ``scrape``: ``/metrics``; the admin key when ``server.admin_key`` is set, unless
   ``server.metrics_public``.
 * ``admin``: ``/admin/...``; the admin key, and without one configured the routes do not
   exist (404).
@@ -14,7 +15,7 @@ Each path has an :class:`Access`:
 
 The edge (:func:`authenticate`, run by
 :class:`~gateway.http.middleware.RequestAccounting` before the body is read) checks
-``tenant`` and ``metrics``; the ``admin`` and ``status`` endpoints check their own access
+``tenant`` and ``scrape``; the ``admin`` and ``status`` endpoints check their own access
 once routed (so a wrong method on them is a 405 first), never with a tenant's key.
 """
 
@@ -22,16 +23,16 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Iterable
-from enum import Enum
 from typing import Any
 
 from starlette.requests import Request
 
-from gateway.admission.tenants import OPEN_PATHS, admin_key_matches, key_of
+from gateway.admission.tenants import admin_key_matches, key_of
 from gateway.errors import RouteNotFound, Unauthorized
 from gateway.fleet.state import GatewayState
 from gateway.observe.record import record_of
 from gateway.wire import routes
+from gateway.wire.routes import Access, access_of
 
 __all__ = ["REALM", "STATUS_PATHS", "Access", "access_of", "admin_authorized",
            "authenticate", "authorize", "status_authorized"]
@@ -40,36 +41,13 @@ STATUS_PATHS = routes.STATUS_PATHS
 REALM = "llm-gateway"  # the HTTP Basic realm a browser shows when it asks for the key
 
 
-class Access(Enum):
-    """What a path needs (see the module)."""
-
-    open = "open"  # probes: nothing
-    tenant = "tenant"  # a tenant's key, when tenants are configured
-    metrics = "metrics"  # the admin key when set, unless server.metrics_public
-    admin = "admin"  # the admin key; 404 without one configured
-    status = "status"  # the admin key when set, bearer or HTTP Basic
-
-
-def access_of(path: str) -> Access:
-    """The access ``path`` needs."""
-    if path in OPEN_PATHS:
-        return Access.open
-    if path in STATUS_PATHS:
-        return Access.status
-    if path.startswith("/admin/"):
-        return Access.admin
-    if path == "/metrics":
-        return Access.metrics
-    return Access.tenant
-
-
 def authenticate(scope: Any) -> None:
     """The edge's check, before the request's body is read (the
-    :class:`~gateway.http.middleware.RequestAccounting` hook): ``tenant`` and ``metrics``
+    :class:`~gateway.http.middleware.RequestAccounting` hook): ``tenant`` and ``scrape``
     access (:func:`authorize`); the admin routes and the status page pass here and are
     checked by their endpoints. The app's state is ``scope["app"].state.gateway``."""
     access = access_of(scope["path"])
-    if access in (Access.tenant, Access.metrics):
+    if access in (Access.tenant, Access.scrape):
         authorize(scope["app"].state.gateway, scope, access)
 
 
@@ -92,7 +70,7 @@ def authorize(state: GatewayState, scope: Any, access: Access) -> None:
         tenant = state.tenants.authenticate(headers)
         record = record_of(scope)
         record.tenant, record.priority = tenant, tenant.priority
-    elif access is Access.metrics:
+    elif access is Access.scrape:
         if key is not None and not server.metrics_public and not admin_authorized(
                 headers, key):
             raise Unauthorized("/metrics (server.admin_key is set) needs Authorization: "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.admission.lease import Lease
@@ -12,7 +12,7 @@ from gateway.backends.target import Target
 from gateway.core.capacity import Charge
 from gateway.core.fairness import ANONYMOUS, Party
 from gateway.core.prefix import Prefix
-from gateway.fleet.pool import Candidate, ModelQueue
+from gateway.fleet.pool import AdmitPath, Candidate, ModelQueue
 from gateway.wire.routes import BY_NAME, RouteSpec
 
 __all__ = ["Exchange"]
@@ -36,6 +36,15 @@ class Exchange:
         this many seconds while it waits (0: it waits silently).
     :param tracked: the ``predictive`` policy follows this request token by token and
         may preempt and continue it (:class:`gateway.relay.tracked.TrackedResponse`).
+    :param admit_path: the way to a lease (:class:`gateway.fleet.pool.AdmitPath`): a
+        :class:`~gateway.fleet.pool.LoneBackend` when one backend serves the model, its
+        :class:`~gateway.fleet.pool.ModelQueue` for a pool. The exchange asks it and never
+        branches on which it is.
+    :param candidates: the request as planned on each backend it may run on (one for a
+        lone backend); a grant binds the exchange to the candidate it went to.
+    :param queue: the pool's queue (the same object as ``admit_path``), or ``None`` for
+        a lone backend: the relay reads it to mark a failed backend down and to fail
+        over.
     """
 
     backend: Target
@@ -46,6 +55,7 @@ class Exchange:
     started: float
     headers: list[tuple[bytes, bytes]]
     client_wants_usage: bool
+    admit_path: AdmitPath
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     status: int = 0
     tag: tuple[str, int] | None = None
@@ -56,9 +66,9 @@ class Exchange:
     forget_count: Callable[[], None] | None = None
     progress_s: float = 0.0  # SSE progress comments while queued, every this many s
     tracked: bool = False  # followed token by token, preemptible (gateway.relay.tracked)
-    # With several backends for the model: the request as planned on each, and the
-    # model's queue, which picks one at admission (gateway.fleet.pool). Empty and None for a
-    # lone backend, whose own admission is used.
+    # The request as planned on each backend it may run on (gateway.fleet.pool), and,
+    # with several backends for the model, the model's queue, which picks one at
+    # admission (None for a lone backend).
     candidates: list[Candidate] = field(default_factory=list)
     queue: ModelQueue | None = None
     affinity: str | None = None  # the backend that served this conversation's prefix
@@ -81,6 +91,8 @@ class Exchange:
     # The last failure of the backend during it (a gateway_upstream_errors_total kind),
     # or "shutting_down" when a drain cut it: a stream's 200 may hide either.
     upstream_error: str | None = None
+    # The candidate of the last grant; None while it waits through its admit path.
+    _bound: Candidate | None = field(default=None, repr=False)
 
     @property
     def spec(self) -> RouteSpec:
@@ -95,42 +107,50 @@ class Exchange:
     @property
     def may_fail_over(self) -> bool:
         """Another backend of the model could take this request if its backend fails."""
-        return self.queue is not None and self.queue.failover and len(self.candidates) > 1
+        return self.admit_path.failover and len(self.candidates) > 1
 
     def try_admit(self) -> Lease | None:
         """A lease now (on the best backend of the model), or ``None``."""
-        if self.queue is None:
-            return self.backend.try_admit(self.charge, self.party,
-                                          self.backend.slot_for(self.prefix))
-        return self._bind(self.queue.try_admit(self.candidates, self.affinity, self.party,
-                                               self.prefix))
+        got = self.admit_path.try_admit(self.candidates, self.affinity, self.party,
+                                        self.prefix)
+        return None if got is None else self._bind(got)
 
     async def admit(self, *, front: bool = False) -> Lease:
         """Wait for a lease in FIFO order (on whichever backend of the model frees room
         first; with ``front``, ahead of the others); raises as
         :meth:`gateway.admission.admission.Admission.admit`."""
-        if self.queue is None:
-            return await self.backend.admit(self.charge, front=front, party=self.party,
-                                            prefer=self.backend.slot_for(self.prefix))
-        got = await self.queue.admit(self.candidates, self.affinity, front=front,
-                                     party=self.party, prefix=self.prefix)
-        lease = self._bind(got)
-        assert lease is not None
-        return lease
+        self._bound = None  # waiting through the path again (a failover)
+        return self._bind(await self.admit_path.admit(
+            self.candidates, self.affinity, front=front, party=self.party,
+            prefix=self.prefix))
+
+    async def readmit(self, *, front: bool = True, prefer: int | None = None) -> Lease:
+        """Wait again on the backend the request is bound to, in that backend's own
+        queue (with ``front``, at its head; ``prefer``: the slot to take there, where
+        the request's prompt is cached), with its current charge: a preempted answer
+        coming back to be continued, or an overflowed one restarted. Not through the
+        admit path, which would pick a backend; raises as
+        :meth:`gateway.admission.admission.Admission.admit`."""
+        return await self.backend.admit(self.charge, front=front, prefer=prefer,
+                                        party=self.party)
 
     def queue_progress(self) -> tuple[int, float | None] | None:
-        """While waiting: the place in the queue (1 = next) and predicted seconds."""
-        if self.queue is None:
-            return self.backend.queue_progress(self.charge)
-        position = self.queue.position(self.candidates)
-        return None if position is None else (position, None)
+        """While waiting: the place in the queue (1 = next) and predicted seconds
+        (``None`` when not predicted: a pool predicts none); ``None`` when not waiting.
 
-    def _bind(self, got: tuple[Candidate, Lease] | None) -> Lease | None:
-        if got is None:
-            return None
+        Before its first grant (or waiting again through the admit path), the request
+        is asked about as planned; once granted, as it now stands on its backend (a
+        continuation waits there with a new charge, :meth:`readmit`): a lone backend
+        finds it in its own queue; a pool's queue does not hold it (``None``).
+        """
+        if self._bound is None:
+            return self.admit_path.progress(self.candidates)
+        return self.admit_path.progress([replace(self._bound, charge=self.charge)])
+
+    def _bind(self, got: tuple[Candidate, Lease]) -> Lease:
         candidate, lease = got
-        if self.queue is not None:
-            self.queue.remember(self.affinity_key, candidate.backend.name)
+        self._bound = candidate
+        self.admit_path.remember(self.affinity_key, candidate.backend.name)
         self.backend, self.charge, self.body = candidate.backend, candidate.charge, candidate.body
         self.tag, self.tracked = candidate.tag, candidate.tracked
         return lease

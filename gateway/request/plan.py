@@ -1,8 +1,11 @@
-"""The request pipeline: read → parse → pick the backend → check → count → plan the
-charge → an :class:`~gateway.request.exchange.Exchange` ready to be admitted and forwarded.
+"""The request pipeline: read → parse → tenant → route (pick the backends, check the
+queue's room) → shape → count → candidates (plan the charge on each backend) → charge the
+tenant → an :class:`~gateway.request.exchange.Exchange` ready to be admitted and forwarded.
 
 Every step raises a :class:`~gateway.errors.GatewayError` that the app renders; nothing
 here waits for capacity (that is the :class:`~gateway.relay.response.ProxyResponse`'s job).
+The pipeline reads only the parts of the gateway's state that :class:`Planning` names
+(:class:`~gateway.fleet.state.GatewayState` has them all).
 """
 
 from __future__ import annotations
@@ -10,17 +13,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from starlette.requests import Request
 
-from gateway.admission.tenants import PRIORITY_HEADER, Tenant
+from gateway.admission.tenants import PRIORITY_HEADER, Tenant, Tenants, TokenHold
 from gateway.backends.target import Target
 from gateway.backends.upstream import never_reached
-from gateway.config import STRICT_DEFAULT_MAX_TOKENS
+from gateway.clock import Clock
+from gateway.config import STRICT_DEFAULT_MAX_TOKENS, Settings
 from gateway.core.capacity import plan_charge
 from gateway.core.fairness import Party
-from gateway.core.prefix import prefix_of
+from gateway.core.prefix import Prefix, prefix_of
 from gateway.errors import (
     BackendNotReady,
     ContextLengthExceeded,
@@ -30,8 +34,9 @@ from gateway.errors import (
     ShuttingDown,
     UpstreamKind,
 )
-from gateway.fleet.pool import Candidate, ModelQueue, affinity_key
-from gateway.fleet.state import GatewayState
+from gateway.fleet.fleet import RouteCounter
+from gateway.fleet.pool import AdmitPath, Candidate, LoneBackend, ModelQueue, affinity_key
+from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import AccessRecord, record_of
 from gateway.request.exchange import Exchange
 from gateway.request.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
@@ -39,8 +44,79 @@ from gateway.wire.resume import resumable
 from gateway.wire.routes import BY_NAME, Api
 from gateway.wire.validation import ParsedRequest, check_content_type
 
-__all__ = ["count_prompt", "estimate_prompt", "prepare_exchange", "read_body",
-           "require_ready"]
+__all__ = ["Backends", "Planning", "count_prompt", "estimate_prompt", "prepare_exchange",
+           "read_body", "require_ready"]
+
+
+class Backends(Protocol):
+    """Which backends a request may go to (:class:`gateway.fleet.fleet.Fleet`)."""
+
+    def resolve(self, model: object, kind: str | None = None,
+                route: str | None = None) -> list[Target]:
+        """The backends a request naming ``model`` may go to, in configuration order.
+
+        :raises RouteNotFound: no backend of ``kind`` serves ``route`` (404).
+        :raises ModelNotFound: no backend serves ``model`` (404).
+        """
+        ...
+
+    def usable(self, members: list[Target]) -> list[Target]:
+        """The members new requests may go to now.
+
+        :raises BackendNotReady: none is (503).
+        """
+        ...
+
+    def queue_for(self, members: list[Target], on_route: RouteCounter | None = None
+                  ) -> ModelQueue | None:
+        """The one queue shared by ``members`` when there are several, else ``None``."""
+        ...
+
+    def mark_failed(self, backend: Target, queue: ModelQueue | None = None) -> float:
+        """Mark ``backend`` down after a failure before any byte; seconds it is down."""
+        ...
+
+
+@runtime_checkable
+class Planning(Protocol):
+    """The parts of the gateway's state the pipeline reads: the settings, the clock, the
+    backends (:class:`Backends`), the tenants, the metrics, whether the gateway is
+    draining, and where a pool queue counts its routing decisions
+    (:class:`gateway.fleet.state.GatewayState` has them all)."""
+
+    @property
+    def settings(self) -> Settings:
+        """The configuration (``server``, ``admission``, ``routing``)."""
+        ...
+
+    @property
+    def clock(self) -> Clock:
+        """The injected time source."""
+        ...
+
+    @property
+    def fleet(self) -> Backends:
+        """The backends and their pool queues."""
+        ...
+
+    @property
+    def tenants(self) -> Tenants:
+        """Who is calling, and their place in the queues."""
+        ...
+
+    @property
+    def metrics(self) -> GatewayMetrics:
+        """The gateway's metrics."""
+        ...
+
+    @property
+    def draining(self) -> bool:
+        """The gateway is stopping: new requests are refused."""
+        ...
+
+    def count_route(self, model: str, backend: str, reason: str) -> None:
+        """Count one routing decision of a pool queue (``gateway_route_decisions_total``)."""
+        ...
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -86,7 +162,7 @@ async def _estimate(req: ParsedRequest, margin: float) -> int:
     return counted + req.extra_prompt_tokens
 
 
-async def estimate_prompt(state: GatewayState, backend: Target, req: ParsedRequest
+async def estimate_prompt(state: Planning, backend: Target, req: ParsedRequest
                           ) -> tuple[int, int]:
     """A local estimate of the prompt tokens, as (charged, raw): raw with no margin, and
     charged with the backend's factor for the model (the configured
@@ -96,7 +172,7 @@ async def estimate_prompt(state: GatewayState, backend: Target, req: ParsedReque
     return await _estimate(req, factor), await _estimate(req, 1.0)
 
 
-async def count_prompt(state: GatewayState, backend: Target, req: ParsedRequest,
+async def count_prompt(state: Planning, backend: Target, req: ParsedRequest,
                        note: AccessRecord | None = None,
                        ) -> tuple[int, int | None, Callable[[], None] | None]:
     """Prompt tokens as the backend counts them (the longest prompt of a batch), else a
@@ -170,7 +246,7 @@ def _prompt_floor(req: ParsedRequest) -> int:
     return tokens_at_least(["".join(texts)])
 
 
-def _count_sdk_retry(state: GatewayState, request: Request) -> None:
+def _count_sdk_retry(state: Planning, request: Request) -> None:
     retry = request.headers.get("x-stainless-retry-count", "")
     if retry.isascii() and retry.isdigit():
         attempt = int(retry) if len(retry) < 4 else 999
@@ -190,7 +266,7 @@ def require_ready(backend: Target) -> None:
         )
 
 
-async def prepare_exchange(state: GatewayState, request: Request, route: str) -> Exchange:
+async def prepare_exchange(state: Planning, request: Request, route: str) -> Exchange:
     """Run the pipeline for one request on ``route``: ``chat``, ``completions``,
     ``responses`` or ``embeddings`` (the OpenAI API), ``messages`` (Anthropic's),
     ``rerank``, ``infill`` or ``completion`` (llama-server's own), ``ollama_chat`` or
@@ -198,7 +274,9 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
 
     The request is counted once, on the first usable backend of its model, and planned
     against every usable backend of the model (:mod:`gateway.fleet.pool`): the exchange
-    carries one :class:`~gateway.fleet.pool.Candidate` per backend it fits.
+    carries one :class:`~gateway.fleet.pool.Candidate` per backend it fits, and the
+    :class:`~gateway.fleet.pool.AdmitPath` that admits it (the pool's queue, or a
+    :class:`~gateway.fleet.pool.LoneBackend`).
 
     :raises GatewayError: the first step that refuses the request (4xx for the client's
         mistakes, 404 for a model no backend serves, 503 when no backend of the model is
@@ -206,7 +284,46 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         the one from the backend with the largest slot.
     """
     started = state.clock.now()
-    record_of(request.scope).route = route
+    record = record_of(request.scope)
+    record.route = route
+    req = await _read_request(state, request, route)
+    tenant = record.tenant or state.tenants.authenticate(request.headers.raw)
+    party = _party(state, request, tenant, req.body)
+    backends, path, queue = _route(state, record, req, route, party)
+    batch = max(1, len(req.prompts))
+    refusals: list[tuple[int, GatewayError]] = []  # the largest slot's is raised
+    fitting = _shape_fits(backends, req, route, batch, refusals)
+    prompt_tokens, raw_estimate, forget_count, fitting = await _count_on_one(
+        state, record, req, fitting, queue)
+    candidates = _candidates(state, fitting, req, route, prompt_tokens, batch, refusals)
+    first = candidates[0]
+    prompt_total = prompt_tokens * batch  # a batch's prompts, each at most the longest
+    hold, extra = _charge_tenant(state, record, tenant, first, prompt_tokens, prompt_total)
+    key, prefix = _affinity(state, req, queue)
+    return Exchange(
+        backend=first.backend, route=route, body=first.body, charge=first.charge,
+        stream=req.stream, started=started, headers=list(request.headers.raw),
+        admit_path=path, request_id=record.upstream_id or None,
+        client_wants_usage=bool((req.body.get("stream_options") or {}).get(
+            "include_usage")),
+        extra_headers=extra, tag=first.tag, api=req.api,
+        progress_s=_progress_s(state, request, req), raw_estimate=raw_estimate,
+        forget_count=forget_count, tracked=first.tracked, candidates=candidates,
+        queue=queue, affinity_key=key,
+        affinity=queue.affinity_for(key) if queue is not None else None, prefix=prefix,
+        tenant=tenant, party=party, hold=hold, prompt_total=prompt_total,
+        batched=batch > 1,
+    )
+
+
+async def _read_request(state: Planning, request: Request, route: str) -> ParsedRequest:
+    """Arrival: refuse while draining, count an SDK's retry, check the content type, read
+    the body (at most ``server.max_body_bytes``) and parse it as ``route`` takes it.
+
+    :raises ShuttingDown: the gateway is draining (503).
+    :raises InvalidRequest: the content type or encoding, or the body (4xx).
+    :raises PayloadTooLarge: the body is over the limit (413).
+    """
     if state.draining:
         raise ShuttingDown("The gateway is shutting down; retry after the Retry-After "
                            "delay.", retry_after_s=1.0)
@@ -214,35 +331,66 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
     check_content_type(request.headers.get("content-type"),
                        request.headers.get("content-encoding"))
     raw = await read_body(request, state.settings.server.max_body_bytes)
-    req = BY_NAME[route].parse(raw)
-    tenant = record_of(request.scope).tenant or state.tenants.authenticate(
-        request.headers.raw)
-    party = _party(state, request, tenant, req.body)
-    members = state.resolve(req.body.get("model"), req.spec.backend_kind, route=route)
-    record_of(request.scope).backend = members[0].name
-    backends = state.usable(members)
+    return BY_NAME[route].parse(raw)
+
+
+def _route(state: Planning, record: AccessRecord, req: ParsedRequest, route: str,
+           party: Party) -> tuple[list[Target], AdmitPath, ModelQueue | None]:
+    """Route: the usable backends of the request's model (the first, which counts it,
+    checks the request), the :class:`~gateway.fleet.pool.AdmitPath` that admits it, and
+    the pool's queue (``None`` for a lone backend). A full queue answers here, before
+    any counting. ``record.backend`` names the backend the request is on so far.
+
+    :raises GatewayError: as :meth:`Backends.resolve`, :meth:`Backends.usable` and the
+        backend's ``check_request``; ``QueueFull`` (503) when it could only queue and
+        the queue is full.
+    """
+    members = state.fleet.resolve(req.body.get("model"), req.spec.backend_kind, route=route)
+    record.backend = members[0].name
+    backends = state.fleet.usable(members)
     counter = backends[0]
-    record_of(request.scope).backend = counter.name
+    record.backend = counter.name
     counter.check_request(req)
-    queue = state.queue_for(members)
-    if queue is not None:
-        queue.check_room(party)
-    else:
-        counter.check_queue_room(party)  # a full queue answers before any counting
-    batch = max(1, len(req.prompts))
-    refusals: list[tuple[int, GatewayError]] = []
+    queue = state.fleet.queue_for(members, state.count_route)
+    path: AdmitPath = queue if queue is not None else LoneBackend(counter)
+    path.check_room(party)
+    return backends, path, queue
+
+
+def _largest(refusals: list[tuple[int, GatewayError]]) -> GatewayError:
+    """The refusal from the backend with the largest slot (the first of equals)."""
+    return max(refusals, key=lambda r: r[0])[1]
+
+
+def _shape_fits(backends: list[Target], req: ParsedRequest, route: str, batch: int,
+                refusals: list[tuple[int, GatewayError]]) -> list[Target]:
+    """Shape: the backends whose layout can hold what the body alone shows, before any
+    counting; each refusal is added to ``refusals`` with the backend's slot size.
+
+    :raises GatewayError: the largest slot's refusal, when no backend can hold it.
+    """
     fitting = []
-    for backend in backends:  # what the body alone shows, before any counting
+    for backend in backends:
         try:
             _check_shape(backend, req, route, batch)
             fitting.append(backend)
         except GatewayError as exc:
             refusals.append((_slot_of(backend), exc))
     if not fitting:
-        raise max(refusals, key=lambda r: r[0])[1]
-    prompt_tokens, raw_estimate, forget_count, fitting = await _count_on_one(
-        state, request, req, fitting, queue)
-    # Followed live only when every backend can follow it: one response class for all.
+        raise _largest(refusals)
+    return fitting
+
+
+def _candidates(state: Planning, fitting: list[Target], req: ParsedRequest, route: str,
+                prompt_tokens: int, batch: int, refusals: list[tuple[int, GatewayError]]
+                ) -> list[Candidate]:
+    """Candidates: the request planned on each of ``fitting`` it fits (:func:`_plan`),
+    followed live only when every one of them can follow it (one response class for
+    all); each refusal is added to ``refusals``.
+
+    :raises GatewayError: the largest slot's refusal (of the shape's and these), when it
+        fits no backend.
+    """
     track = all(_trackable(backend, req, route, batch) for backend in fitting)
     candidates = []
     for backend in fitting:
@@ -252,12 +400,21 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
         except GatewayError as exc:
             refusals.append((_slot_of(backend), exc))
     if not candidates:
-        raise max(refusals, key=lambda r: r[0])[1]
-    first = candidates[0]
+        raise _largest(refusals)
+    return candidates
+
+
+def _charge_tenant(state: Planning, record: AccessRecord, tenant: Tenant, first: Candidate,
+                   prompt_tokens: int, prompt_total: int
+                   ) -> tuple[TokenHold | None, list[tuple[bytes, bytes]]]:
+    """Charge: note the counts in ``record``, hold ``prompt_total`` tokens of the tenant's
+    tokens-per-minute quota, and the headers the answer gets (the prompt's count, the
+    tenant's rate limits, a clamped cap), counting a defaulted or clamped cap.
+
+    :raises QuotaExceeded: the tenant is over its quota (429).
+    """
     charge = first.charge
-    record = record_of(request.scope)
     record.prompt_tokens, record.max_tokens = prompt_tokens, charge.max_tokens
-    prompt_total = prompt_tokens * batch  # a batch's prompts, each at most the longest
     hold = tenant.hold_tokens(state.clock.now(), prompt_total)  # 429 over the quota
     extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]
     extra += [(k.encode(), v.encode()) for k, v in
@@ -267,29 +424,28 @@ async def prepare_exchange(state: GatewayState, request: Request, route: str) ->
     if charge.clamped:
         state.metrics.max_tokens_clamped.labels(first.backend.name).inc()
         extra.append((b"x-gateway-max-tokens-clamped", str(charge.max_tokens).encode()))
-    options = req.body.get("stream_options") or {}
-    admission = state.settings.admission
+    return hold, extra
+
+
+def _affinity(state: Planning, req: ParsedRequest, queue: ModelQueue | None
+              ) -> tuple[str | None, Prefix | None]:
+    """With ``routing.affinity``: the conversation's key, for a pool to prefer the backend
+    that served it (``None`` for a lone backend), and what its prompt holds, for slot
+    affinity on a generation route."""
     affine = state.settings.routing.affinity
     key = affinity_key(req.body) if affine and queue is not None else None
-    return Exchange(
-        backend=first.backend, route=route, body=first.body, charge=charge,
-        stream=req.stream, started=started, headers=list(request.headers.raw),
-        request_id=record_of(request.scope).upstream_id or None,
-        client_wants_usage=bool(options.get("include_usage")),
-        extra_headers=extra, tag=first.tag, api=req.api,
-        progress_s=admission.queue_progress_s if req.stream and req.api != Api.ollama
-        and request.headers.get(
-            "x-queue-progress", "").strip().lower() in ("1", "true", "yes") else 0.0,
-        raw_estimate=raw_estimate, forget_count=forget_count, tracked=first.tracked,
-        candidates=candidates if queue is not None else [], queue=queue,
-        affinity_key=key, affinity=queue.affinity_for(key) if queue is not None else None,
-        prefix=prefix_of(req.body) if affine and req.spec.generates else None,
-        tenant=tenant, party=party, hold=hold, prompt_total=prompt_total,
-        batched=batch > 1,
-    )
+    return key, prefix_of(req.body) if affine and req.spec.generates else None
 
 
-def _party(state: GatewayState, request: Request, tenant: Tenant, body: dict[str, Any]
+def _progress_s(state: Planning, request: Request, req: ParsedRequest) -> float:
+    """Seconds between queue progress comments: ``admission.queue_progress_s`` for a
+    stream (not Ollama's) that asked with ``x-queue-progress``, else 0.0 (silent)."""
+    asked = request.headers.get("x-queue-progress", "").strip().lower()
+    return (state.settings.admission.queue_progress_s if req.stream
+            and req.api != Api.ollama and asked in ("1", "true", "yes") else 0.0)
+
+
+def _party(state: Planning, request: Request, tenant: Tenant, body: dict[str, Any]
            ) -> Party:
     """The request's place in the queues: its tenant and the class it asks for in the
     ``x-priority`` header or a string ``priority`` field (taken out of the body: the
@@ -313,21 +469,21 @@ def _party(state: GatewayState, request: Request, tenant: Tenant, body: dict[str
     return party
 
 
-async def _count_on_one(state: GatewayState, request: Request, req: ParsedRequest,
+async def _count_on_one(state: Planning, record: AccessRecord, req: ParsedRequest,
                         backends: list[Target], queue: ModelQueue | None
                         ) -> tuple[int, int | None, Callable[[], None] | None, list[Target]]:
     """Count the prompt on the first of ``backends`` that answers; one that cannot be
     reached, or is loading its model, is marked down and left out. Returns the count,
     the raw estimate and how to forget the count (see :func:`count_prompt`), and the
-    backends still in play.
+    backends still in play. ``record`` gets the backend counting and the count's source.
 
     :raises GatewayError: as :func:`count_prompt`, from the last backend tried.
     """
     routing = state.settings.routing
     for i, counter in enumerate(backends):
-        record_of(request.scope).backend = counter.name
+        record.backend = counter.name
         try:
-            counted, raw, forget = await count_prompt(state, counter, req, record_of(request.scope))
+            counted, raw, forget = await count_prompt(state, counter, req, record)
             return counted, raw, forget, backends[i:]
         except GatewayError as exc:
             passed_over = never_reached(exc) or isinstance(exc, BackendNotReady)
@@ -376,7 +532,7 @@ def _trackable(backend: Target, req: ParsedRequest, route: str, batch: int) -> b
             and req.spec.resumable and resumable(route, req.body))
 
 
-def _plan(state: GatewayState, backend: Target, req: ParsedRequest, route: str,
+def _plan(state: Planning, backend: Target, req: ParsedRequest, route: str,
           prompt_tokens: int, batch: int, tracked: bool) -> Candidate:
     """The charge and body of the request on ``backend``.
 

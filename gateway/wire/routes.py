@@ -42,12 +42,15 @@ class Api(StrEnum):
 
 
 class Access(StrEnum):
-    """Who may call a route (checked by the app before a body is read)."""
+    """Who may call a route: the one vocabulary of access, checked by
+    :func:`gateway.http.auth.authorize` (``tenant`` and ``scrape`` at the edge, before a
+    body is read; ``admin`` and ``status`` by their endpoints once routed)."""
 
     open = "open"  # anyone: load balancer probes never need a key
     tenant = "tenant"  # a tenant's key, when tenants are configured
-    admin = "admin"  # server.admin_key, checked by the route itself (status page, /admin/)
     scrape = "scrape"  # server.admin_key when set, unless server.metrics_public (/metrics)
+    admin = "admin"  # server.admin_key as a bearer key; 404 without one (/admin/...)
+    status = "status"  # server.admin_key when set, bearer or HTTP Basic (the status page)
 
 
 class Route(StrEnum):
@@ -217,8 +220,8 @@ ROUTES: tuple[RouteSpec, ...] = (
     _get(Route.health, "/health", access=Access.open, quiet=True, probe=True),
     _get(Route.ready, "/ready", access=Access.open, quiet=True, probe=True),
     _get(Route.metrics, "/metrics", access=Access.scrape, quiet=True),
-    _get(Route.status, "/status", access=Access.admin, quiet=True),
-    _get(Route.status, "/status.json", access=Access.admin, quiet=True),
+    _get(Route.status, "/status", access=Access.status, quiet=True),
+    _get(Route.status, "/status.json", access=Access.status, quiet=True),
     # Ollama's listing routes, relayed to an Ollama backend.
     _get(Route.other, "/api/tags", api=Api.ollama, backend_kind="ollama"),
     _get(Route.other, "/api/version", api=Api.ollama, backend_kind="ollama"),
@@ -257,7 +260,7 @@ QUIET_PATHS = _paths(s for s in ROUTES if s.quiet)
 #: Paths whose access lines are always DEBUG: the load balancer's probes.
 PROBE_PATHS = _paths(s for s in ROUTES if s.probe)
 #: The status page and its JSON.
-STATUS_PATHS = _paths(s for s in ROUTES if s.name is Route.status)
+STATUS_PATHS = _paths(s for s in ROUTES if s.access is Access.status)
 #: Paths that never need a key (probes).
 OPEN_PATHS = _paths(s for s in ROUTES if s.access is Access.open)
 
