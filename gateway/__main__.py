@@ -24,6 +24,17 @@ def _serve(args: argparse.Namespace) -> int:
         update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     )
     configure_logging(server)
+    if args.workers > 1:
+        from gateway.config import StateBackend
+        from gateway.http.serving import serve_workers
+
+        if settings.state.backend is not StateBackend.redis:
+            print(f"gateway serve: --workers {args.workers} needs [state] backend = "  # noqa: T201
+                  '"redis": each worker would otherwise admit as if it alone used every '
+                  "backend, and together they would overflow it", file=sys.stderr)
+            return 2
+        return serve_workers(settings, args.workers, host=server.host, port=server.port,
+                             config_path=args.config)
     serve(create_app(settings), settings, host=server.host, port=server.port,
           config_path=args.config)
     return 0
@@ -160,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="TOML config file (default: defaults + GATEWAY_* env)")
     serve.add_argument("--host", help="listen address (overrides server.host)")
     serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
+    serve.add_argument("--workers", type=int, default=1,
+                       help='processes serving the one port (N > 1 needs [state] backend '
+                            '= "redis"; each has its own server.max_connections)')
     serve.set_defaults(func=_serve)
     check = sub.add_parser("check-config", help="validate a config file and print the result")
     check.add_argument("config", help="TOML config file")

@@ -211,8 +211,11 @@ class Admission:
         budget = self._budget
         if self._shared is not None:  # what every process holds on the backend
             budget = Budget(self._shared.reserved_tokens, self._shared.busy_slots)
+        queued = len(self._room)
+        if self._shared is not None:  # tickets of every process (as last seen)
+            queued = max(queued, self._shared.queued)
         return AdmissionStats(
-            queued=len(self._room),
+            queued=queued,
             inflight=self._inflight,
             reserved_tokens=budget.reserved_tokens,
             busy_slots=budget.busy_slots,

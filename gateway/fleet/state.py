@@ -17,12 +17,10 @@ import httpx
 
 from gateway.admission.shared import SharedStore
 from gateway.admission.tenants import Tenants
-from gateway.backends.target import Target
 from gateway.clock import Clock
 from gateway.config import Settings
 from gateway.errors import ShuttingDown
 from gateway.fleet.fleet import Fleet
-from gateway.fleet.pool import ModelQueue
 from gateway.fleet.tasks import TaskSet
 from gateway.observe.metrics import GatewayMetrics
 
@@ -93,22 +91,6 @@ class GatewayState:
                 return True
             await self.clock.sleep(0.1)
         return False
-
-    # -- for gateway/request/plan.py until it reads the fleet itself -------------------
-
-    def resolve(self, model: object, kind: str | None = None,
-                route: str | None = None) -> list[Target]:
-        """:meth:`Fleet.resolve` (kept for :mod:`gateway.request.plan`)."""
-        return self.fleet.resolve(model, kind, route)
-
-    def usable(self, members: list[Target]) -> list[Target]:
-        """:meth:`Fleet.usable` (kept for :mod:`gateway.request.plan`)."""
-        return self.fleet.usable(members)
-
-    def queue_for(self, members: list[Target]) -> ModelQueue | None:
-        """:meth:`Fleet.queue_for`, its routing decisions counted in
-        ``gateway_route_decisions_total`` (kept for :mod:`gateway.request.plan`)."""
-        return self.fleet.queue_for(members, self.count_route)
 
     def count_route(self, model: str, backend: str, reason: str) -> None:
         """Count one routing decision of a pool queue (``gateway_route_decisions_total``)."""

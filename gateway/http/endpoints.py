@@ -210,7 +210,7 @@ async def reload(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     """``GET /metrics`` in the Prometheus text format (access checked at the edge)."""
-    registry = _state(request).metrics.registry
+    registry = _state(request).metrics.scrape_registry()
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 

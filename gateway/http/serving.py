@@ -20,8 +20,13 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import multiprocessing
+import os
 import resource
 import signal
+import socket
+import tempfile
+import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from types import FrameType
@@ -34,7 +39,7 @@ from gateway.errors import GatewayError
 from gateway.fleet.reload import reload_config
 from gateway.http.app import uvicorn_options
 
-__all__ = ["DrainingServer", "serve"]
+__all__ = ["DrainingServer", "serve", "serve_workers"]
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +135,96 @@ def serve(app: Any, settings: Settings, *, host: str | None = None,
         log_level=server.log_level, loop="uvloop", log_config=None, access_log=False,
         **uvicorn_options(settings))
     DrainingServer(config).run()
+
+
+def serve_workers(settings: Settings, workers: int, *, host: str, port: int,
+                  config_path: str | None) -> int:
+    """Serve on one port with ``workers`` processes (``gateway serve --workers N``), which
+    share one admission budget per backend through ``[state] backend = "redis"``.
+
+    The parent binds the port and starts each worker with the socket (``spawn``, so that
+    nothing of the parent's event loop is inherited); each builds its own app from
+    ``config_path`` and serves with :class:`DrainingServer`, so SIGTERM drains every
+    worker, a second one cuts, and SIGHUP reloads each. A worker that dies while no
+    signal came is started again after a second. uvicorn's own ``--workers`` supervisor is
+    not used because it builds a plain ``uvicorn.Server`` in each child, without the
+    drain, and pickles the config, whose guarded h11 protocol class is built at run time.
+
+    Counters and histograms of every worker are summed on each scrape (prometheus_client's
+    multiprocess mode: ``PROMETHEUS_MULTIPROC_DIR`` is a directory the parent creates and
+    removes); the capacity gauges are read from the shared state, the same in every
+    worker.
+
+    :returns: the exit status: 0 after a signal, once every worker has stopped.
+    :raises ValueError: ``workers`` < 2, or the state is not shared.
+    """
+    if workers < 2:
+        raise ValueError("serve_workers needs at least 2 workers")
+    if settings.state.backend.value != "redis":
+        raise ValueError('--workers needs [state] backend = "redis"')
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(settings.server.max_connections)
+    sock.set_inheritable(True)
+    metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    ctx = multiprocessing.get_context("spawn")
+    signals: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda sig, _frame: signals.append(sig))
+
+    def start(index: int) -> multiprocessing.process.BaseProcess:
+        proc = ctx.Process(target=_worker_main, args=(config_path, host, port, sock, index),
+                           name=f"gateway-worker-{index}")
+        proc.start()
+        return proc
+
+    procs = [start(i) for i in range(workers)]
+    log.info("serving on %s:%d with %d workers (pids %s)", host, port, workers,
+             ", ".join(str(p.pid) for p in procs))
+    stopping = False
+    try:
+        while any(p.is_alive() for p in procs) or not stopping:
+            while signals:
+                sig = signals.pop(0)
+                stopping = stopping or sig != signal.SIGHUP
+                for proc in procs:
+                    if proc.is_alive() and proc.pid is not None:
+                        os.kill(proc.pid, sig)
+            for i, proc in enumerate(procs):
+                if not stopping and not proc.is_alive():
+                    log.error("worker %d (pid %s) exited with status %s; starting it again",
+                              i, proc.pid, proc.exitcode)
+                    time.sleep(1.0)
+                    procs[i] = start(i)
+            time.sleep(0.2)
+    finally:
+        sock.close()
+        for name in os.listdir(metrics_dir):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(metrics_dir, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(metrics_dir)
+    return 0
+
+
+def _worker_main(config_path: str | None, host: str, port: int, sock: socket.socket,
+                 index: int) -> None:
+    """One worker of :func:`serve_workers`: its own settings, app and server."""
+    from gateway.config import load_settings
+    from gateway.http.app import create_app
+    from gateway.observe.logs import configure_logging
+
+    settings = load_settings(config_path)
+    configure_logging(settings.server)
+    app = create_app(settings)
+    app.state.gateway.config_path = config_path
+    server = settings.server
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=server.log_level, loop="uvloop",
+        log_config=None, access_log=False, **uvicorn_options(settings))
+    DrainingServer(config).run(sockets=[sock])
 
 
 def warn_if_open(settings: Settings, host: str) -> bool:

@@ -6,11 +6,13 @@ admission stats at scrape time by a collector, so they can never drift from the 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator
 from enum import StrEnum
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from gateway.admission.lease import AdmissionStats
@@ -127,6 +129,20 @@ class _AdmissionCollector(Collector):
             yield fam
 
 
+class _StateCollector(Collector):
+    """``gateway_state_up``, read at scrape time."""
+
+    def __init__(self, up: Callable[[], bool]) -> None:
+        self._up = up
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "gateway_state_up", "1 when the shared admission state (Redis) answered its "
+            "last call; 0 while it cannot be reached (requests get 503 state_unavailable).")
+        family.add_metric([], 1.0 if self._up() else 0.0)
+        yield family
+
+
 class PreemptionReason(StrEnum):
     """The ``reason`` of ``gateway_preemptions_total``."""
 
@@ -167,6 +183,9 @@ class GatewayMetrics:
                  pool_source: PoolSource | None = None,
                  state_up: Callable[[], bool] | None = None) -> None:
         self.registry = registry
+        # Read at scrape time from this process (gauges of the admission state).
+        self._live: list[Collector] = [_AdmissionCollector(stats_source, pool_source)]
+        self._scrape: CollectorRegistry | None = None
         self.state_ops: Counter | None = None
         self.state_latency: Histogram | None = None
         self.state_expiries: Counter | None = None
@@ -187,10 +206,7 @@ class GatewayMetrics:
             for op in ("grant", "renew", "release"):
                 for outcome in ("ok", "error"):
                     self.state_ops.labels(op, outcome)
-            up = Gauge("gateway_state_up", "1 when the shared admission state (Redis) "
-                       "answered its last call; 0 while it cannot be reached (requests get "
-                       "503 state_unavailable).", registry=registry)
-            up.set_function(lambda: 1.0 if state_up() else 0.0)
+            self._live.append(_StateCollector(state_up))
         self.requests = Counter(
             "gateway_requests", "Requests answered, by final HTTP status (tenant and "
             "priority \"none\" before they are known, as for a 401).",
@@ -306,7 +322,25 @@ class GatewayMetrics:
             "(the gateway's count) or completion (the backend's usage).",
             ["tenant", "kind"], registry=registry,
         )
-        registry.register(_AdmissionCollector(stats_source, pool_source))
+        for collector in self._live:
+            registry.register(collector)
+
+    def scrape_registry(self) -> CollectorRegistry:
+        """The registry ``/metrics`` renders: :attr:`registry`, or, under
+        ``gateway serve --workers N`` (``PROMETHEUS_MULTIPROC_DIR`` set), the counters and
+        histograms of every worker summed by prometheus_client's ``MultiProcessCollector``
+        plus this worker's gauges, which read the shared state and so are the same in
+        every worker."""
+        path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not path:
+            return self.registry
+        if self._scrape is None:
+            scrape = CollectorRegistry(auto_describe=False)
+            MultiProcessCollector(scrape, path=path)
+            for collector in self._live:
+                scrape.register(collector)
+            self._scrape = scrape
+        return self._scrape
 
     def state_op(self, op: str, outcome: str, seconds: float) -> None:
         """Count one call to the shared state

@@ -227,3 +227,47 @@ async def test_redis_lost_then_back(default_server: LlamaServer, redis_server: A
         assert a.metric("gateway_state_up") == 1
         assert "cannot be reached" in a.log.read_text()
         assert "reachable again" in a.log.read_text()
+
+
+async def test_workers_on_one_port_share_the_budget(
+        default_server: LlamaServer, redis_server: Any, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "gateway.toml", default_server.url, redis_server.url)
+    port = free_port()
+    log = tmp_path / "workers.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port",
+         str(port), "--workers", "2"], stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        sampler = Sampler(redis_server.url)
+        stop = asyncio.Event()
+        sampling = asyncio.ensure_future(sampler.run(stop))
+        try:
+            answers = await post_all([(url, overflow_chat(200)) for _ in range(3)])
+        finally:
+            stop.set()
+            await sampling
+        assert [r.status_code for r in answers] == [200] * 3, [r.text for r in answers]
+        assert 0 < sampler.peak_tokens <= 2048
+        owners = set()
+        for _ in range(6):  # whichever worker answers the scrape, it sums both
+            text = httpx.get(url + "/metrics", timeout=5).text
+            served = sum(float(line.split()[-1]) for line in text.splitlines()
+                         if line.startswith("gateway_requests_total{")
+                         and 'route="chat"' in line and 'code="200"' in line)
+            assert served == 3, text
+        assert "with 2 workers" in log.read_text()
+        owners = {line.split("pids ")[-1] for line in log.read_text().splitlines()
+                  if "with 2 workers" in line}
+        assert len(owners) == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert proc.returncode == 0, log.read_text()[-3000:]
