@@ -261,3 +261,30 @@ async def test_interleavings_keep_the_budget_within_the_pool(redis_server: Any) 
         await client.aclose()
         for p in procs:
             await p.store.close()
+
+
+# -- configuration -------------------------------------------------------------------
+
+def test_state_settings_refuse_what_cannot_be_shared(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    from gateway.config import ConfigError, load_settings
+
+    redis_state = {"backend": "redis"}
+    with pytest.raises(ConfigError, match="policy"):
+        load_settings(state=redis_state, admission={"policy": "predictive"})
+    with pytest.raises(ConfigError, match="one backend"):
+        load_settings(state=redis_state, backends=[
+            {"name": "a", "url": "http://a:1", "model": "m"},
+            {"name": "b", "url": "http://b:1", "model": "m"}])
+    with pytest.raises(ConfigError, match="lease_ttl_s"):
+        load_settings(state={**redis_state, "lease_ttl_s": 2, "renew_interval_s": 1})
+    with pytest.raises(ConfigError, match="redis_url"):
+        load_settings(state={**redis_state, "redis_url": "http://localhost:6379"})
+    assert load_settings().state.backend.value == "memory"
+    # --workers N > 1 is refused without the shared state, before anything starts.
+    done = subprocess.run([sys.executable, "-m", "gateway", "serve", "--workers", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert 'backend = "redis"' in done.stderr
