@@ -222,7 +222,8 @@ async def test_script_decides_as_the_capacity_model(
 
 async def test_interleavings_keep_the_budget_within_the_pool(redis_server: Any) -> None:
     """Random reserve, release, renewal and death over three processes: the shared sums
-    never pass the pool or go negative, and return to zero."""
+    never pass the pool or go negative, and return to zero (a dead process's leases
+    included)."""
     rng = random.Random(7)
     procs = [Proc(redis_server.url, name, lease_ttl_s=0.7, renew_interval_s=0.2)
              for name in "XYZ"]
@@ -233,7 +234,8 @@ async def test_interleavings_keep_the_budget_within_the_pool(redis_server: Any) 
     try:
         for _ in range(120):
             op = rng.random()
-            p = rng.choice(procs)
+            alive = [p for p in procs if p.store._running]
+            p = rng.choice(alive)
             if op < 0.5:
                 charge = Charge(rng.randint(1, 300), rng.randint(1, 900))
                 try:
@@ -246,8 +248,13 @@ async def test_interleavings_keep_the_budget_within_the_pool(redis_server: Any) 
                 owner.admission.release(lease)
             elif op < 0.95:
                 await p.store.heartbeat()
-            else:  # a process dies: Redis forgets it at once, as after its TTL
+            elif len(alive) > 1:  # a process dies (kill -9): its renewals stop, and
+                # Redis takes it for dead at once, as after its TTL
+                p.store._running = False
+                for task in list(p.store._tasks):
+                    task.cancel()
                 await client.zadd("t:procs", {p.store.owner: 0})
+                held = [(o, lease) for o, lease in held if o is not p]
             tokens, slots = await shared_sums(redis_server.url)
             assert 0 <= tokens <= LAYOUT.capacity_tokens
             assert 0 <= slots <= LAYOUT.slots
@@ -255,7 +262,8 @@ async def test_interleavings_keep_the_budget_within_the_pool(redis_server: Any) 
             owner.admission.release(lease)
         await asyncio.sleep(0.3)
         for p in procs:
-            await p.store.heartbeat()
+            if p.store._running:
+                await p.store.heartbeat()
         assert await shared_sums(redis_server.url) == (0, 0)
     finally:
         await client.aclose()
@@ -288,3 +296,20 @@ def test_state_settings_refuse_what_cannot_be_shared(tmp_path: Any) -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert 'backend = "redis"' in done.stderr
+
+
+async def test_a_process_taken_for_dead_says_so_when_it_renews(
+        redis_server: Any, caplog: pytest.LogCaptureFixture) -> None:
+    async with Proc(redis_server.url, "A") as a:
+        seen: list[tuple[int, str]] = []
+        a.store._on_expired = lambda n, why: seen.append((n, why))
+        held = await asyncio.wait_for(a.admission.admit(Charge(10, 10)), 3)
+        client = aioredis.Redis.from_url(redis_server.url)
+        try:
+            await client.zadd("t:procs", {"A": 0})  # its liveness lapsed (a long stall)
+        finally:
+            await client.aclose()
+        await a.store.heartbeat()
+        assert (0, "renewed_late") in seen
+        assert "renewed its liveness later than lease_ttl_s" in caplog.text
+        a.admission.release(held)

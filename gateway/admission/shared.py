@@ -61,11 +61,14 @@ local leases, queue, procs, epoch = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner, ttl, resync_ms, channel = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local was = redis.call('ZSCORE', procs, owner)
+local lapsed = (not was) or tonumber(was) <= now
 redis.call('ZADD', procs, now + ttl, owner)
 local resync_until = tonumber(redis.call('GET', epoch) or '-1')
 if resync_until < 0 then
   resync_until = now + resync_ms
   redis.call('SET', epoch, resync_until)
+  lapsed = false  -- Redis started empty: every process republishes, none lapsed
 end
 local alive = {}
 local function is_alive(o)
@@ -189,7 +192,8 @@ return res
 # The heartbeat. ARGV 5..: this owner's leases (l), l x (id, value), its tickets (k),
 # k x (id, score). Its leases and tickets in Redis become exactly these (a restart of
 # Redis, or a release that was lost, heals here). Returns {now, reserved, busy,
-# resyncing, purged, queued}.
+# resyncing, purged, queued, lapsed}: lapsed is 1 when this owner held leases but had been
+# taken for dead (it renewed later than its TTL), so others may have been granted them.
 _SYNC = _PRELUDE + r"""
 local l = tonumber(ARGV[5])
 local b = 6
@@ -209,7 +213,7 @@ scan_leases()
 set_tickets(mine)
 finish()
 return {now, reserved, busy, (now < resync_until) and 1 or 0, purged,
-        redis.call('ZCARD', queue)}
+        redis.call('ZCARD', queue), (lapsed and l > 0) and 1 or 0}
 """
 
 # KEYS 1 leases; ARGV 1 channel, 2.. lease ids. Returns how many were held.
@@ -292,8 +296,9 @@ class SharedStore:
     :param owner: this process's id; by default :func:`default_owner`.
     :param on_op: called with (op, outcome, seconds) after each call, for metrics
         (``outcome`` is ``ok`` or ``error``).
-    :param on_expired: called with the count of leases and tickets of dead processes a
-        call dropped.
+    :param on_expired: called with (count, reason): ``owner_lost`` with the leases and
+        tickets of dead processes a call dropped; ``renewed_late`` (count 0) when this
+        process's own leases had been taken for dead before it renewed.
 
     Calls raise :class:`~gateway.errors.StateUnavailable` when Redis cannot be reached;
     :attr:`up` is False from then until a call succeeds again (one WARNING log line when
@@ -303,7 +308,7 @@ class SharedStore:
     def __init__(self, settings: StateSettings, *, clock: Clock,
                  client: aioredis.Redis | None = None, owner: str | None = None,
                  on_op: OpHook | None = None,
-                 on_expired: Callable[[int], None] | None = None) -> None:
+                 on_expired: Callable[[int, str], None] | None = None) -> None:
         self.settings = settings
         self.clock = clock
         self.owner = owner or default_owner()
@@ -314,10 +319,21 @@ class SharedStore:
             socket_connect_timeout=settings.op_timeout_s,
             retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError])
         self._owns_client = client is None
+        # Subscriptions wait for messages with no read timeout (the calls' op_timeout_s
+        # would end an idle subscription every op_timeout_s, and messages published
+        # while it is renewed would be lost); a dead connection is found by TCP
+        # keepalive and by the periodic health check of redis-py.
+        pool = self.client.connection_pool
+        self._sub_client = aioredis.Redis(connection_pool=aioredis.ConnectionPool(
+            connection_class=pool.connection_class,
+            **{**pool.connection_kwargs, "socket_timeout": None, "socket_keepalive": True,
+               "health_check_interval": max(1, int(settings.lease_ttl_s))}))
         self._on_op = on_op
         self._on_expired = on_expired
         self.up = True
         self.accounts: dict[str, SharedAccount] = {}
+        #: The ids of the live gateway processes, as the last heartbeat saw them.
+        self.processes: list[str] = []
         self._grant = self.client.register_script(_GRANT)
         self._sync = self.client.register_script(_SYNC)
         self._release = self.client.register_script(_RELEASE)
@@ -371,6 +387,9 @@ class SharedStore:
                 account.providers.clear()
                 await self.call("close", lambda a=account: a.sync_args())  # type: ignore[misc]
             await self.client.zrem(self.key("procs"), self.owner)
+        with contextlib.suppress(Exception):
+            await self._sub_client.aclose()
+            await self._sub_client.connection_pool.disconnect()
         if self._owns_client:
             with contextlib.suppress(Exception):
                 await self.client.aclose()
@@ -381,27 +400,45 @@ class SharedStore:
 
         :raises StateUnavailable: Redis could not be reached.
         """
+        now_ms = None
         if not self.accounts:
-            await self.call("renew", self._renew_only)
-            return
+            now_ms = await self.call("renew", self._renew_only)
         for account in list(self.accounts.values()):
-            account.seen(await self.call("renew", account.sync_args))
+            raw = await self.call("renew", account.sync_args)
+            reply = self.reply(raw[:6])
+            account.seen(reply)
+            now_ms = reply.now_ms
+            if len(raw) > 6 and int(raw[6]):
+                log.error("shared state: this process renewed its liveness later than "
+                          "lease_ttl_s (%g s), so the others took its %d lease(s) on %s "
+                          "for dead and may have granted that capacity again; the "
+                          "backend may overflow until they end. Raise lease_ttl_s, or "
+                          "look for what stalled this process.",
+                          self.settings.lease_ttl_s, len(account.leases), account.backend)
+                if self._on_expired is not None:
+                    self._on_expired(0, "renewed_late")
+        alive = await self.call("renew", lambda: self.client.zrangebyscore(
+            self.key("procs"), f"({now_ms}", "+inf"))
+        self.processes = sorted(v.decode() if isinstance(v, bytes) else str(v)
+                                for v in alive)
 
-    async def _renew_only(self) -> GrantReply:
+    async def _renew_only(self) -> int:
         t = await self.client.time()
         now_ms = int(t[0]) * 1000 + int(t[1]) // 1000
         await self.client.zadd(self.key("procs"),
                                {self.owner: now_ms + self.ttl_ms})
-        return GrantReply(now_ms, 0, 0, False, 0, 0)
+        self._offset_s = now_ms / 1000 - self.clock.now()
+        return now_ms
 
     @property
     def ttl_ms(self) -> int:
         """The lease TTL, ms."""
         return int(self.settings.lease_ttl_s * 1000)
 
-    async def call(self, op: str, make: Callable[[], Any]) -> GrantReply:
+    async def call(self, op: str, make: Callable[[], Any]) -> Any:
         """Run one Redis call (``make()`` returns its awaitable), timed and counted.
 
+        :returns: its raw result.
         :raises StateUnavailable: Redis could not be reached or timed out.
         """
         start = self.clock.now()
@@ -423,13 +460,15 @@ class SharedStore:
             log.info("shared state: Redis at %s is reachable again; admitting",
                      self._where())
         self.up = True
-        reply = raw if isinstance(raw, GrantReply) else (
-            GrantReply.parse(raw) if isinstance(raw, list) else None)
-        if reply is None:
-            return GrantReply(0, 0, 0, False, 0, 0)
+        return raw
+
+    def reply(self, raw: Sequence[Any]) -> GrantReply:
+        """Read a grant or sync script's reply; learn Redis's clock from it and count the
+        leases and tickets of dead processes it dropped."""
+        reply = GrantReply.parse(raw)
         self._offset_s = reply.now_ms / 1000 - self.clock.now()
         if reply.purged and self._on_expired is not None:
-            self._on_expired(reply.purged)
+            self._on_expired(reply.purged, "owner_lost")
         return reply
 
     def _where(self) -> str:
@@ -472,9 +511,11 @@ class SharedStore:
         a loss, every renewal period."""
         prefix = self.key("wake", "")
         while self._running:
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._sub_client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.psubscribe(prefix + "*")
+                for account in list(self.accounts.values()):
+                    account.stir()  # what was published before this subscription
                 async for message in pubsub.listen():
                     channel = message.get("channel")
                     name = (channel.decode() if isinstance(channel, bytes)
@@ -576,8 +617,8 @@ class SharedAccount:
             args.extend((ask.ticket, ask.score_ms, c.tokens, c.slots,
                          c.prompt_tokens + c.max_tokens, 1 if c.pinnable else 0,
                          -1 if ask.prefer is None else ask.prefer))
-        reply = await self.store.call("grant", lambda: self.store._grant(keys=self.keys,
-                                                                         args=args))
+        reply = self.store.reply(await self.store.call(
+            "grant", lambda: self.store._grant(keys=self.keys, args=args)))
         self.seen(reply)
         owner = self.store.owner
         by_id = {ask.ticket: ask.charge for ask in asks}

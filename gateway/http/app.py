@@ -103,8 +103,8 @@ def create_app(
         # The store reports to the metrics, built below (its calls start with the app).
         store = SharedStore(settings.state, clock=clock, client=redis_client,
                             on_op=lambda *a: metrics.state_op(*a) if metrics else None,
-                            on_expired=lambda n: metrics.state_expired(n) if metrics
-                            else None)
+                            on_expired=lambda n, why: metrics.state_expired(n, why)
+                            if metrics else None)
     make_target = _target_factory(http_client, clock, store)
     backends = {b.name: make_target(b, settings.admission) for b in settings.backends}
     tasks = TaskSet()

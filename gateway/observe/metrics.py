@@ -200,9 +200,11 @@ class GatewayMetrics:
                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
             self.state_expiries = Counter(
                 "gateway_state_lease_expiries", "Leases and queued requests of other "
-                "gateway processes dropped because their owner stopped renewing (died), "
-                "by reason.", ["reason"], registry=registry)
+                "gateway processes dropped because their owner stopped renewing (died): "
+                "reason owner_lost; renewed_late when this process renewed too late and "
+                "found its own leases taken for dead.", ["reason"], registry=registry)
             self.state_expiries.labels("owner_lost")
+            self.state_expiries.labels("renewed_late")
             for op in ("grant", "renew", "release"):
                 for outcome in ("ok", "error"):
                     self.state_ops.labels(op, outcome)
@@ -349,10 +351,12 @@ class GatewayMetrics:
             self.state_ops.labels(op, outcome).inc()
             self.state_latency.labels(op).observe(seconds)
 
-    def state_expired(self, count: int) -> None:
-        """Count leases and tickets of dead processes dropped by the shared state."""
+    def state_expired(self, count: int, reason: str) -> None:
+        """Count lease expiries: ``owner_lost``, leases and tickets of dead processes
+        dropped by the shared state; ``renewed_late``, once each time this process found
+        its own leases had been taken for dead (``count`` 0 counts one)."""
         if self.state_expiries is not None:
-            self.state_expiries.labels("owner_lost").inc(count)
+            self.state_expiries.labels(reason).inc(count or 1)
 
     def prime(self, backends: Iterable[str], parties: Iterable[tuple[str, str]]) -> None:
         """Create, at zero, the counter series the alert rules and the dashboard take
