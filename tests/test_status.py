@@ -89,7 +89,9 @@ async def test_the_json_has_every_field_of_an_idle_backend(harness: Harness) -> 
     assert r.status_code == 200 and r.headers["cache-control"] == "no-store"
     data = r.json()
     assert set(data) == {"generated_at", "draining", "refresh_ms", "recent_window_s",
-                         "backends", "retiring", "pools", "unassigned_rejections"}
+                         "backends", "retiring", "pools", "unassigned_rejections",
+                         "state"}
+    assert data["state"] == {"backend": "memory"}
     assert data["retiring"] == []
     assert data["draining"] is False and data["pools"] == []
     (row,) = data["backends"]

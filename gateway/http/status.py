@@ -164,7 +164,12 @@ def register_status(app: FastAPI, state: GatewayState) -> None:
          "retiring": [status_row(..., retiring=True) + {"rejections": empty}],
          "pools": [{"model": str, "backends": [str], "queued": int,
                     "queue_capacity": int, "oldest_wait_s": float}],
-         "unassigned_rejections": {"total": {...}, "recent": {...}}}
+         "unassigned_rejections": {"total": {...}, "recent": {...}},
+         "state": {"backend": "memory" | "redis",
+                   # with "redis" only:
+                   "up": bool,                # Redis answered its last call
+                   "process": str,            # this process's id (host:pid:random)
+                   "processes": [str]}}       # every live gateway process's id
 
     ``backends`` are the configured backends, the ones ``/metrics`` shows; ``retiring``
     those a reload removed or replaced that still finish requests (a replaced one has
@@ -187,6 +192,15 @@ async def status_html(request: Request) -> Response:
     authorize(request.app.state.gateway, request.scope, Access.status)
     page, headers = _page()
     return Response(page, media_type="text/html; charset=utf-8", headers=headers)
+
+
+def _state_row(state: GatewayState) -> dict[str, object]:
+    """Where admission state lives, and with Redis, who shares it."""
+    shared = state.shared
+    if shared is None:
+        return {"backend": "memory"}
+    return {"backend": "redis", "up": shared.up, "process": shared.owner,
+            "processes": shared.processes or [shared.owner]}
 
 
 async def status_json(request: Request) -> Response:
@@ -214,4 +228,5 @@ async def status_json(request: Request) -> Response:
         "pools": [pool_row(queue, oldest) for queue, oldest in fleet.pool_queues()],
         "unassigned_rejections": {"total": _elsewhere(totals, shown),
                                   "recent": _elsewhere(recent, shown)},
+        "state": _state_row(state),
     }, headers={"cache-control": "no-store"})

@@ -164,6 +164,9 @@ async def test_three_processes_serve_the_seed_overload_with_no_overflow(
         assert [r.json()["usage"]["completion_tokens"] for r in answers] == [200] * 4
         assert sampler.samples > 10
         assert 0 < sampler.peak_tokens <= 2048 and sampler.peak_slots <= 4
+        status = httpx.get(gws[1].url + "/status.json", timeout=5).json()["state"]
+        assert status["backend"] == "redis" and status["up"] is True
+        assert len(status["processes"]) == 3 and status["process"] in status["processes"]
         for gw in gws:
             assert gw.metric("gateway_upstream_errors_total") == 0
             assert gw.metric("gateway_state_up") == 1
