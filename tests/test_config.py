@@ -37,12 +37,13 @@ def test_example_config_documents_every_key() -> None:
         ClassSettings,
         RoutingSettings,
         ServerSettings,
+        StateSettings,
         TenantSettings,
     )
 
     text = (ROOT / "config.example.toml").read_text()
     for model in (ServerSettings, AdmissionSettings, RoutingSettings, BackendSettings,
-                  ClassSettings, TenantSettings):
+                  ClassSettings, TenantSettings, StateSettings):
         for key in model.model_fields:
             assert f"{key} =" in text, key
 

@@ -45,6 +45,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from gateway.admission.shared_tenants import TenantShare
 from gateway.clock import Clock
 from gateway.config import StateSettings
 from gateway.core.capacity import Charge, Layout
@@ -332,6 +333,7 @@ class SharedStore:
         self._on_expired = on_expired
         self.up = True
         self.accounts: dict[str, SharedAccount] = {}
+        self.tenants: dict[str, TenantShare] = {}
         #: The ids of the live gateway processes, as the last heartbeat saw them.
         self.processes: list[str] = []
         self._grant = self.client.register_script(_GRANT)
@@ -353,6 +355,12 @@ class SharedStore:
             self.accounts[backend] = SharedAccount(self, backend)
         return self.accounts[backend]
 
+    def tenant(self, name: str) -> TenantShare:
+        """The shared quotas of tenant ``name`` (one per name)."""
+        if name not in self.tenants:
+            self.tenants[name] = TenantShare(self, name)
+        return self.tenants[name]
+
     def new_id(self) -> str:
         """A fresh ticket (and lease) id of this process."""
         self._serial += 1
@@ -369,8 +377,8 @@ class SharedStore:
         self._running = True
         with contextlib.suppress(StateUnavailable):
             await self.heartbeat()
-        self._spawn(self._beat_forever())
-        self._spawn(self._listen_forever())
+        self.spawn(self._beat_forever())
+        self.spawn(self._listen_forever())
 
     async def close(self) -> None:
         """Stop the background tasks, give back this process's leases and tickets, and
@@ -386,6 +394,9 @@ class SharedStore:
                 account.leases.clear()
                 account.providers.clear()
                 await self.call("close", lambda a=account: a.sync_args())  # type: ignore[misc]
+            for share in self.tenants.values():
+                share.held.clear()
+                await self.call("close", lambda t=share: t.sync_args())  # type: ignore[misc]
             await self.client.zrem(self.key("procs"), self.owner)
         with contextlib.suppress(Exception):
             await self._sub_client.aclose()
@@ -417,6 +428,8 @@ class SharedStore:
                           self.settings.lease_ttl_s, len(account.leases), account.backend)
                 if self._on_expired is not None:
                     self._on_expired(0, "renewed_late")
+        for share in list(self.tenants.values()):
+            await self.call("renew", share.sync_args)
         alive = await self.call("renew", lambda: self.client.zrangebyscore(
             self.key("procs"), f"({now_ms}", "+inf"))
         self.processes = sorted(v.decode() if isinstance(v, bytes) else str(v)
@@ -479,7 +492,9 @@ class SharedStore:
         if self._on_op is not None:
             self._on_op(op, outcome, max(0.0, self.clock.now() - start))
 
-    def _spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` as one of the store's background tasks (cancelled by
+        :meth:`close`)."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -496,7 +511,7 @@ class SharedStore:
                 await self.call("release", lambda: self._release(
                     keys=[account.keys[0]], args=[account.channel, *ids]))
         try:
-            self._spawn(run())
+            self.spawn(run())
         except RuntimeError:  # no running loop (closing): the heartbeat's absence heals
             pass
 
@@ -509,20 +524,23 @@ class SharedStore:
     async def _listen_forever(self) -> None:
         """Wake each account's admissions when its channel is published; reconnect after
         a loss, every renewal period."""
-        prefix = self.key("wake", "")
+        prefix, tenants = self.key("wake", ""), self.key("twake", "")
         while self._running:
             pubsub = self._sub_client.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.psubscribe(prefix + "*")
-                for account in list(self.accounts.values()):
-                    account.stir()  # what was published before this subscription
+                await pubsub.psubscribe(prefix + "*", tenants + "*")
+                for target in [*self.accounts.values(), *self.tenants.values()]:
+                    target.stir()  # what was published before this subscription
                 async for message in pubsub.listen():
                     channel = message.get("channel")
                     name = (channel.decode() if isinstance(channel, bytes)
-                            else str(channel))[len(prefix):]
-                    account = self.accounts.get(name)
-                    if account is not None:
-                        account.stir()
+                            else str(channel))
+                    if name.startswith(prefix):
+                        woken: Any = self.accounts.get(name[len(prefix):])
+                    else:
+                        woken = self.tenants.get(name[len(tenants):])
+                    if woken is not None:
+                        woken.stir()
             except (RedisError, OSError):
                 pass
             finally:

@@ -25,6 +25,7 @@ and nothing is checked.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import math
@@ -33,8 +34,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from gateway.admission.shared import SharedStore
+from gateway.admission.shared_tenants import TenantShare
 from gateway.admission.waitroom import Waitroom
-from gateway.clock import Clock
+from gateway.clock import Clock, wait
 from gateway.config import Settings, TenantSettings
 from gateway.core.fairness import ANONYMOUS, Party
 from gateway.errors import Forbidden, InvalidRequest, RateLimited, Unauthorized
@@ -100,11 +103,16 @@ def format_reset(seconds: float) -> str:
 
 @dataclass(eq=False)
 class TokenHold:
-    """Tokens one request counts in its tenant's window, from ``at`` (clock seconds)."""
+    """Tokens one request counts in its tenant's window, from ``at`` (clock seconds).
+
+    :param shared: with shared quotas, its entry in Redis and that entry's time (ms on
+        Redis's clock), for :meth:`Tenant.settle`.
+    """
 
     at: float
     tokens: int
     settled: bool = False  # its final count is in
+    shared: tuple[str, int] | None = None
 
 
 @dataclass(eq=False)
@@ -113,6 +121,9 @@ class Tenant:
 
     :param settings: its ``[[tenants]]`` entry, or ``None`` for the anonymous tenant.
     :param rank: its class's rank (0: the highest); ``priority`` the class's name.
+    :param share: its quotas as every gateway process counts them
+        (:class:`~gateway.admission.shared_tenants.TenantShare`, with ``[state] backend =
+        "redis"``), or ``None``: this process's requests only.
     """
 
     name: str
@@ -127,6 +138,8 @@ class Tenant:
     # request that waits there, on the clock that request's wait is measured on.
     _gate: Waitroom[None, None] | None = None
     _window: deque[TokenHold] = field(default_factory=deque)
+    share: TenantShare | None = None
+    _refused: Exception | None = None  # refuse_waiting's error, for the shared gate
 
     @property
     def weight(self) -> float:
@@ -150,6 +163,13 @@ class Tenant:
             return {}
         used = self.used_tokens(now)
         full = self._window[-1].at + TOKENS_WINDOW_S - now if self._window else 0.0
+        if self.share is not None and self.share.last is not None:  # every process's
+            last = self.share.last
+            used = last.used + (int(last.member.rsplit("|", 1)[1]) if last.admitted
+                                else 0)
+            ages = [age for age, _ in last.entries]
+            full = TOKENS_WINDOW_S - min(ages) if ages else (
+                TOKENS_WINDOW_S if last.admitted else 0.0)
         return {"x-ratelimit-limit-tokens": str(limit),
                 "x-ratelimit-remaining-tokens": str(max(0, limit - used)),
                 "x-ratelimit-reset-tokens": format_reset(full)}
@@ -166,22 +186,51 @@ class Tenant:
             return None
         used = self.used_tokens(now)
         if used + prompt_tokens > limit:
-            headers = self.rate_headers(now)
-            if prompt_tokens > limit:
-                raise RateLimited(
-                    f"This request's prompt has {prompt_tokens} tokens, more than tenant "
-                    f"{self.name!r} may use in a minute ({limit}); it can never pass. "
-                    "Shorten the prompt, or ask for a larger tokens_per_minute.",
-                    reason="tokens_per_minute", retry_after_s=None,
-                    headers={**headers, "x-should-retry": "false"})
-            wait = self._reset_s(now, used, prompt_tokens, limit)
-            raise RateLimited(
-                f"Tenant {self.name!r} is over its tokens per minute: limit {limit}, used "
-                f"{used}, requested {prompt_tokens} (prompt). Retry in {wait:.1f} s.",
-                reason="tokens_per_minute", retry_after_s=wait, headers=headers)
+            self._refuse_tokens(now, used, prompt_tokens, limit,
+                                self._reset_s(now, used, prompt_tokens, limit))
         hold = TokenHold(now, prompt_tokens)
         self._window.append(hold)
         return hold
+
+    async def hold(self, now: float, prompt_tokens: int) -> TokenHold | None:
+        """:meth:`hold_tokens`, over every gateway process's window when the quota is
+        shared (one atomic check-and-add in Redis).
+
+        :raises RateLimited: as :meth:`hold_tokens`.
+        :raises StateUnavailable: the quota is shared and Redis cannot be reached.
+        """
+        limit = self.settings.tokens_per_minute if self.settings else None
+        if self.share is None or limit is None:
+            return self.hold_tokens(now, prompt_tokens)
+        reply = await self.share.hold(prompt_tokens, limit, TOKENS_WINDOW_S)
+        if not reply.admitted:
+            excess, wait = reply.used + prompt_tokens - limit, TOKENS_WINDOW_S
+            for age, tokens in reply.entries:  # oldest first
+                excess -= tokens
+                if excess <= 0:
+                    wait = max(0.0, TOKENS_WINDOW_S - age)
+                    break
+            self._refuse_tokens(now, reply.used, prompt_tokens, limit, wait)
+        hold = TokenHold(now, prompt_tokens, shared=(reply.member, reply.now_ms))
+        self._window.append(hold)
+        return hold
+
+    def _refuse_tokens(self, now: float, used: int, prompt_tokens: int, limit: int,
+                       wait: float) -> None:
+        """:raises RateLimited: ``prompt_tokens`` do not fit the window (``used`` of
+        ``limit``); they fit in ``wait`` seconds."""
+        headers = self.rate_headers(now)
+        if prompt_tokens > limit:
+            raise RateLimited(
+                f"This request's prompt has {prompt_tokens} tokens, more than tenant "
+                f"{self.name!r} may use in a minute ({limit}); it can never pass. "
+                "Shorten the prompt, or ask for a larger tokens_per_minute.",
+                reason="tokens_per_minute", retry_after_s=None,
+                headers={**headers, "x-should-retry": "false"})
+        raise RateLimited(
+            f"Tenant {self.name!r} is over its tokens per minute: limit {limit}, used "
+            f"{used}, requested {prompt_tokens} (prompt). Retry in {wait:.1f} s.",
+            reason="tokens_per_minute", retry_after_s=wait, headers=headers)
 
     def settle(self, hold: TokenHold | None, prompt: int, completion: int, now: float
                ) -> None:
@@ -190,6 +239,8 @@ class Tenant:
         its completion counts from ``now``, when it was generated. Once per hold."""
         if hold is None or hold.settled:
             return
+        if hold.shared is not None and self.share is not None:
+            self.share.settle(hold.shared[0], hold.shared[1], max(0, prompt), completion)
         hold.settled = True
         hold.tokens = max(0, prompt)
         if not hold.tokens and hold in self._window:
@@ -209,6 +260,9 @@ class Tenant:
 
     def refuse_waiting(self, exc: Exception) -> None:
         """Fail every request waiting at the gate with ``exc`` (the gateway drains)."""
+        self._refused = exc
+        if self.share is not None:
+            self.share.stir()
         if self._gate is not None:
             self._gate.refuse_waiting(exc)
 
@@ -277,6 +331,8 @@ class Tenant:
             ``ShuttingDown``).
         """
         cap = self.settings.max_inflight if self.settings else None
+        if cap is not None and self.share is not None:
+            return await self._enter_shared(cap, timeout_s, clock)
         if cap is None or (self.inflight < cap and not self._gate):
             self.inflight += 1
             return 0.0
@@ -291,8 +347,49 @@ class Tenant:
                 headers=self.rate_headers(clock.now())))
         return clock.now() - turn.since
 
+    async def _enter_shared(self, cap: int, timeout_s: float, clock: Clock) -> float:
+        """:meth:`enter` when ``max_inflight`` counts every gateway process's requests:
+        take a place in Redis, or wait (counted as waiting) for one to be given back
+        anywhere (woken by its notification, or every ``poll_interval_s``)."""
+        share = self.share
+        assert share is not None
+        start = clock.now()
+        share.changed.clear()
+        if await share.acquire(cap):
+            self.inflight += 1
+            return 0.0
+        poll_s = share.store.settings.poll_interval_s
+        self._refused = None
+        with self.counted_waiting(clock.now()):
+            while True:
+                left = timeout_s - (clock.now() - start)
+                if self._refused is not None:
+                    raise self._refused
+                if left <= 0:
+                    raise RateLimited(
+                        f"Tenant {self.name!r} had {cap} requests in hand (its "
+                        f"max_inflight, over every gateway process) for the "
+                        f"{timeout_s:g} s this request may wait; retry later.",
+                        reason="max_inflight", retry_after_s=1.0,
+                        headers=self.rate_headers(clock.now()))
+                changed = asyncio.ensure_future(share.changed.wait())
+                try:
+                    await wait(clock, changed, min(poll_s, left))
+                except TimeoutError:
+                    pass
+                finally:
+                    changed.cancel()
+                share.changed.clear()
+                if self._refused is None and await share.acquire(cap):
+                    self.inflight += 1
+                    return clock.now() - start
+
     def leave(self) -> None:
         """A request past the gate has ended: let the next waiting one through."""
+        if self.share is not None and self.share.held:
+            self.share.release()
+            self.inflight -= 1
+            return
         if self._gate is not None and (turn := self._gate.head()) is not None:
             self._gate.grant(turn, None)  # its place passes on: inflight stays the same
             return
@@ -310,6 +407,8 @@ class Tenants:
 
     settings: Settings
     previous: Tenants | None = None
+    # With [state] backend = "redis": quotas counted over every gateway process.
+    shared: SharedStore | None = None
     by_name: dict[str, Tenant] = field(init=False)
     # Tenants a reload removed while they held requests: the same objects come back if
     # a later reload adds them again, so their counts stay right.
@@ -338,6 +437,12 @@ class Tenants:
                         if name not in self.by_name and (t.inflight or t.waiting)}
         for tenant in self.by_name.values():
             tenant.reopen()
+        if self.shared is None and self.previous is not None:
+            self.shared = self.previous.shared
+        if self.shared is not None:
+            for tenant in self.by_name.values():
+                if tenant.share is None and tenant.settings is not None:
+                    tenant.share = self.shared.tenant(tenant.name)
         self._hashes = [(bytes.fromhex(h), t) for t in self.by_name.values()
                         if t.settings is not None for h in t.settings.key_hashes]
         self.previous = None  # keep no chain of old registries

@@ -115,8 +115,8 @@ def create_app(
                              lambda: pool_gauge_rows(fleet.pool_queues()),
                              state_up=None if store is None else (lambda: store.up))
     client = http_client or next(iter(backends.values())).client
-    state = GatewayState(settings, client, clock, fleet, Tenants(settings), metrics, tasks,
-                         shared=store)
+    state = GatewayState(settings, client, clock, fleet, Tenants(settings, shared=store),
+                         metrics, tasks, shared=store)
     state.prime_metrics()
 
     app = FastAPI(

@@ -298,7 +298,8 @@ async def prepare_exchange(state: Planning, request: Request, route: str) -> Exc
     candidates = _candidates(state, fitting, req, route, prompt_tokens, batch, refusals)
     first = candidates[0]
     prompt_total = prompt_tokens * batch  # a batch's prompts, each at most the longest
-    hold, extra = _charge_tenant(state, record, tenant, first, prompt_tokens, prompt_total)
+    hold, extra = await _charge_tenant(state, record, tenant, first, prompt_tokens,
+                                       prompt_total)
     key, prefix = _affinity(state, req, queue)
     return Exchange(
         backend=first.backend, route=route, body=first.body, charge=first.charge,
@@ -404,7 +405,7 @@ def _candidates(state: Planning, fitting: list[Target], req: ParsedRequest, rout
     return candidates
 
 
-def _charge_tenant(state: Planning, record: AccessRecord, tenant: Tenant, first: Candidate,
+async def _charge_tenant(state: Planning, record: AccessRecord, tenant: Tenant, first: Candidate,
                    prompt_tokens: int, prompt_total: int
                    ) -> tuple[TokenHold | None, list[tuple[bytes, bytes]]]:
     """Charge: note the counts in ``record``, hold ``prompt_total`` tokens of the tenant's
@@ -415,7 +416,7 @@ def _charge_tenant(state: Planning, record: AccessRecord, tenant: Tenant, first:
     """
     charge = first.charge
     record.prompt_tokens, record.max_tokens = prompt_tokens, charge.max_tokens
-    hold = tenant.hold_tokens(state.clock.now(), prompt_total)  # 429 over the quota
+    hold = await tenant.hold(state.clock.now(), prompt_total)  # 429 over the quota
     extra = [(b"x-gateway-prompt-tokens", str(prompt_tokens).encode())]
     extra += [(k.encode(), v.encode()) for k, v in
               tenant.rate_headers(state.clock.now()).items()]

@@ -1,0 +1,224 @@
+"""Tenant quotas shared by several gateway processes, in Redis (``[state] backend =
+"redis"``): a tenant's ``tokens_per_minute`` window and its ``max_inflight`` count hold
+over every process, however its requests are spread.
+
+Keys, under ``[state] key_prefix``, next to those of :mod:`gateway.admission.shared`:
+
+* ``{prefix}:t:{tenant}:tpm``, a sorted set: ``{id}|{tokens}`` -> when they were counted
+  (ms, on Redis's clock). The window is what scored within the last 60 s; a script checks
+  and adds atomically, so two processes cannot both take the last tokens.
+* ``{prefix}:t:{tenant}:inflight``, a sorted set: ``{owner}#{n}`` -> when it was taken.
+  Its size is the tenant's requests past its gate in every process; entries of a process
+  taken for dead (``{prefix}:procs``) are dropped, as its leases are.
+* ``{prefix}:twake:{tenant}``, a pub/sub channel published when a place is given back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gateway.errors import StateUnavailable
+
+if TYPE_CHECKING:
+    from gateway.admission.shared import SharedStore
+
+__all__ = ["TenantShare", "WindowReply"]
+
+# KEYS 1 window. ARGV 1 window ms, 2 limit, 3 member id, 4 tokens.
+# Returns {admitted (0/1), used before, now ms, then (score, tokens) of each entry}.
+_HOLD = r"""
+local key = KEYS[1]
+local span, limit, id, need = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now - span)
+local all = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
+local used = 0
+local out = {}
+for i = 1, #all, 2 do
+  local tok = tonumber(string.match(all[i], '|(%d+)$'))
+  used = used + tok
+  table.insert(out, all[i + 1])
+  table.insert(out, tok)
+end
+local ok = 0
+if used + need <= limit then
+  ok = 1
+  redis.call('ZADD', key, now, id .. '|' .. need)
+  redis.call('PEXPIRE', key, span + 1000)
+end
+local res = {ok, used, now}
+for _, v in ipairs(out) do table.insert(res, v) end
+return res
+"""
+
+# KEYS 1 window. ARGV 1 window ms, 2 old member, 3 its score, 4 new member (or ''),
+# 5 completion member (or ''). The prompt keeps its time; the completion counts from now.
+_SETTLE = r"""
+local key = KEYS[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREM', key, ARGV[2])
+if ARGV[4] ~= '' then redis.call('ZADD', key, tonumber(ARGV[3]), ARGV[4]) end
+if ARGV[5] ~= '' then redis.call('ZADD', key, now, ARGV[5]) end
+redis.call('PEXPIRE', key, tonumber(ARGV[1]) + 1000)
+return 1
+"""
+
+# KEYS 1 inflight, 2 procs. ARGV 1 cap, 2 id, 3 owner, 4 TTL ms.
+# Returns {taken (0/1), count after}.
+_ACQUIRE = r"""
+local key, procs = KEYS[1], KEYS[2]
+local cap, id, owner, ttl = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', procs, now + ttl, owner)
+local alive = {}
+for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+  local o = string.match(m, '^(.*)#')
+  if alive[o] == nil then
+    local s = redis.call('ZSCORE', procs, o)
+    alive[o] = (s ~= false and s ~= nil and tonumber(s) > now)
+  end
+  if not alive[o] then redis.call('ZREM', key, m) end
+end
+local n = redis.call('ZCARD', key)
+if n < cap then
+  redis.call('ZADD', key, now, id)
+  return {1, n + 1}
+end
+return {0, n}
+"""
+
+# The heartbeat: this owner's places become exactly ARGV 2.. (a lost release heals).
+# KEYS 1 inflight. ARGV 1 owner, 2.. ids.
+_SYNC = r"""
+local key, owner = KEYS[1], ARGV[1]
+local keep = {}
+for i = 2, #ARGV do keep[ARGV[i]] = true end
+for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+  if string.match(m, '^(.*)#') == owner and not keep[m] then redis.call('ZREM', key, m) end
+end
+local t = redis.call('TIME')
+for id, _ in pairs(keep) do redis.call('ZADD', key, 'NX', tonumber(t[1]) * 1000, id) end
+return 1
+"""
+
+# KEYS 1 inflight. ARGV 1 channel, 2.. ids.
+_RELEASE = r"""
+local n = redis.call('ZREM', KEYS[1], unpack(ARGV, 2))
+if n > 0 then redis.call('PUBLISH', ARGV[1], 'released') end
+return n
+"""
+
+
+@dataclass(frozen=True)
+class WindowReply:
+    """A tokens-per-minute check.
+
+    :param admitted: the tokens were counted.
+    :param used: tokens in the window before them, from every process.
+    :param now_ms: Redis's clock, ms.
+    :param entries: (age seconds, tokens) of each entry in the window, oldest first.
+    :param member: the entry added (its id and tokens), for :meth:`TenantShare.settle`.
+    """
+
+    admitted: bool
+    used: int
+    now_ms: int
+    entries: tuple[tuple[float, int], ...]
+    member: str = ""
+
+
+class TenantShare:
+    """One tenant's quotas as every gateway process sees them.
+
+    :param store: the process's link to Redis (:class:`~gateway.admission.shared.SharedStore`).
+    :param name: the tenant's name.
+
+    Calls raise :class:`~gateway.errors.StateUnavailable` when Redis cannot be reached.
+    """
+
+    def __init__(self, store: SharedStore, name: str) -> None:
+        self.store = store
+        self.name = name
+        self.window_key = store.key("t", name, "tpm")
+        self.inflight_key = store.key("t", name, "inflight")
+        self.channel = store.key("twake", name)
+        self._hold = store.client.register_script(_HOLD)
+        self._settle = store.client.register_script(_SETTLE)
+        self._acquire = store.client.register_script(_ACQUIRE)
+        self._release = store.client.register_script(_RELEASE)
+        self._sync = store.client.register_script(_SYNC)
+        self.changed = asyncio.Event()
+        self.held: list[str] = []  # this process's places past the gate
+        self.last: WindowReply | None = None
+
+    def stir(self) -> None:
+        """A place was given back somewhere: wake this process's waiters at the gate."""
+        self.changed.set()
+
+    async def hold(self, tokens: int, limit: int, window_s: float) -> WindowReply:
+        """Count ``tokens`` in the tenant's window when they fit ``limit`` over the last
+        ``window_s`` seconds of every process.
+
+        :raises StateUnavailable: Redis could not be reached.
+        """
+        member = self.store.new_id()
+        raw = await self.store.call("tenant", lambda: self._hold(
+            keys=[self.window_key], args=[int(window_s * 1000), limit, member, tokens]))
+        reply = _window_reply(raw, f"{member}|{tokens}" if int(raw[0]) else "")
+        self.last = reply
+        return reply
+
+    def settle(self, member: str, score_ms: int, prompt: int, completion: int) -> None:
+        """Set what a held request really counted (in the background): its prompt at the
+        time it was held (0 drops it), its completion from now."""
+        base = member.rsplit("|", 1)[0]
+        args = [60_000, member, score_ms, f"{base}|{prompt}" if prompt > 0 else "",
+                f"{base}c|{completion}" if completion > 0 else ""]
+        self._background("tenant", lambda: self._settle(keys=[self.window_key], args=args))
+
+    async def acquire(self, cap: int) -> bool:
+        """Take a place past the gate when fewer than ``cap`` are taken in every process.
+
+        :raises StateUnavailable: Redis could not be reached.
+        """
+        place = self.store.new_id()
+        raw = await self.store.call("tenant", lambda: self._acquire(
+            keys=[self.inflight_key, self.store.key("procs")],
+            args=[cap, place, self.store.owner, self.store.ttl_ms]))
+        if int(raw[0]):
+            self.held.append(place)
+            return True
+        return False
+
+    def release(self) -> None:
+        """Give back one of this process's places (in the background); the others' waiters
+        are told."""
+        if self.held:
+            place = self.held.pop()
+            self._background("tenant", lambda: self._release(
+                keys=[self.inflight_key], args=[self.channel, place]))
+
+    def sync_args(self) -> Any:
+        """The heartbeat's call: this process's places become exactly :attr:`held`."""
+        return self._sync(keys=[self.inflight_key], args=[self.store.owner, *self.held])
+
+    def _background(self, op: str, make: Any) -> None:
+        async def run() -> None:
+            with contextlib.suppress(StateUnavailable):
+                await self.store.call(op, make)
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing to do
+            self.store.spawn(run())
+
+
+def _window_reply(raw: Sequence[Any], member: str) -> WindowReply:
+    now_ms = int(raw[2])
+    entries = tuple(((now_ms - float(raw[i])) / 1000, int(raw[i + 1]))
+                    for i in range(3, len(raw) - 1, 2))
+    return WindowReply(bool(int(raw[0])), int(raw[1]), now_ms, entries, member)
