@@ -59,7 +59,7 @@ class Strategy(Protocol):
     """How a response runs each attempt of its request."""
 
     async def attempt(self, watcher: DisconnectWatcher, send: Send, lease: Lease) -> None:
-        """Run one attempt on ``lease`` (begun with :meth:`Tries.start`), relay what
+        """Run one attempt on ``lease`` (started with :meth:`Tries.start`), relay what
         reaches the client, and give the lease back whatever happens; the attempt's
         :meth:`~gateway.relay.attempt.Attempt.next_step` then says what follows."""
 
