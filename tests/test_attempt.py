@@ -56,3 +56,18 @@ def test_the_retry_decision(failed: bool, restart: bool, step: NextStep) -> None
     a.failed = UpstreamUnavailable("down") if failed else None
     a.restart = restart
     assert a.next_step() is step
+
+
+@pytest.mark.parametrize(("failed", "preempted", "restart", "step"), [
+    (False, "pool_pressure", False, NextStep.RESUME),
+    (False, "overflow", False, NextStep.RESUME),
+    (False, "overflow", True, NextStep.RESUME),  # the tracked relay never restarts
+    (True, "overflow", False, NextStep.FAIL_OVER),
+])
+def test_a_preempted_attempt_resumes(failed: bool, preempted: str, restart: bool,
+                                     step: NextStep) -> None:
+    a = _attempt()
+    a.failed = UpstreamUnavailable("down") if failed else None
+    a.preempted = preempted
+    a.restart = restart
+    assert a.next_step() is step

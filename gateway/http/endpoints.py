@@ -29,7 +29,6 @@ from gateway.http.auth import Access, authorize
 from gateway.http.views import admin_row, ready_row
 from gateway.observe.record import record_of
 from gateway.relay.response import ProxyResponse
-from gateway.relay.tracked import TrackedResponse
 from gateway.request.plan import count_prompt, prepare_exchange, read_body, require_ready
 from gateway.wire.routes import BY_NAME, DIRECT, FORWARDED, SERVED, Route
 from gateway.wire.validation import check_content_type
@@ -54,9 +53,8 @@ async def handle(request: Request, route: str) -> Response:
     and relays it (:func:`gateway.request.plan.prepare_exchange`)."""
     state = _state(request)
     exchange = await prepare_exchange(state, request, route)
-    kind = TrackedResponse if exchange.tracked else ProxyResponse
-    return kind(exchange, client=exchange.backend.client, metrics=state.metrics,
-                clock=state.clock, cut=state.cut, tasks=state.tasks)
+    return ProxyResponse(exchange, client=exchange.backend.client, metrics=state.metrics,
+                         clock=state.clock, cut=state.cut, tasks=state.tasks)
 
 
 async def generate(request: Request) -> Response:

@@ -12,10 +12,11 @@ one place:
                            |    (a whole answer: DONE at once)              ^
                            +--------------------finished()------------------+
 
-After the try, :meth:`Attempt.next_step` answers the one retry question of the plain
-relay (fail over to another backend, restart at the head of the queue, or stop); the
-tracked relay's third way, resuming a preempted stream, is decided in
-:mod:`gateway.relay.tracked`.
+After the try, :meth:`Attempt.next_step` answers the one retry question of both relays
+(:class:`NextStep`): fail over to another backend, restart at the head of the queue,
+resume a preempted answer where it stopped, or stop. The response
+(:class:`gateway.relay.response.ProxyResponse`) acts on the answer; the steps themselves
+are in :mod:`gateway.relay.retry` and, for resuming, :mod:`gateway.relay.tracked`.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class AttemptState(enum.Enum):
 
 
 class NextStep(enum.Enum):
-    """What the plain relay does once an attempt has ended."""
+    """What the relay does once an attempt has ended."""
 
     #: The answer (or its error) went to the client: nothing more.
     STOP = "stop"
@@ -70,6 +71,10 @@ class NextStep(enum.Enum):
     #: The backend overflowed its KV pool and failed the whole answer before any of it
     #: was sent (predictive policy): the same request again, at the head of the queue.
     RESTART = "restart"
+    #: The admission preempted a tracked answer (the pool would run short), or the
+    #: backend ran out of cells under it: queue its continuation at the head and go on
+    #: in the same client answer (:mod:`gateway.relay.tracked`).
+    RESUME = "resume"
 
 
 @dataclass(eq=False)
@@ -84,6 +89,8 @@ class Attempt:
     :param failed: the backend failed the request before answering, and the relay keeps
         this error to try another backend instead of answering it.
     :param restart: the backend overflowed and failed the whole answer unsent.
+    :param preempted: why a tracked try was cut short to be resumed
+        (``pool_pressure``, ``overflow``), or ``None``.
     """
 
     lease: Lease
@@ -92,6 +99,7 @@ class Attempt:
     pending: asyncio.Future[httpx.Response] | None = None
     failed: GatewayError | None = None
     restart: bool = False
+    preempted: str | None = None
 
     def sent(self) -> None:
         """The request is going upstream now."""
@@ -121,9 +129,12 @@ class Attempt:
         return self.state is AttemptState.LAUNCHED
 
     def next_step(self) -> NextStep:
-        """The retry decision once the try has ended: fail over, restart, or stop."""
+        """The retry decision once the try has ended: fail over, resume, restart, or
+        stop (in that order: another backend rather than this one again)."""
         if self.failed is not None:
             return NextStep.FAIL_OVER
+        if self.preempted is not None:
+            return NextStep.RESUME
         return NextStep.RESTART if self.restart else NextStep.STOP
 
 

@@ -1,10 +1,11 @@
-"""The small pieces the proxy relays with: ASGI send wrappers and the parsing of whole
+"""The small pieces the proxy relays with: ASGI send wrappers, the two ways a whole
+answer goes out (an error, an upstream answer with its headers), and the parsing of whole
 answers off the event loop."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 import orjson
@@ -12,11 +13,16 @@ from starlette.types import Message, Send
 
 from gateway.errors import GatewayError
 from gateway.relay.watcher import DisconnectWatcher
+from gateway.request.exchange import Exchange
 from gateway.wire.events import usage_of_whole
-from gateway.wire.shapes import sse_error_prefix
+from gateway.wire.shapes import error_messages, sse_error_prefix
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = ["SSE_HEADERS", "THREAD_PARSE_BYTES", "Started", "Unraced", "body_message",
-           "failure_kind", "json_object", "unless_gone", "usage_of"]
+           "failure_kind", "json_object", "send_error", "send_whole", "unless_gone",
+           "usage_of"]
 
 
 #: The response headers of a relayed SSE stream (no caching; nginx must not buffer it,
@@ -28,9 +34,42 @@ SSE_HEADERS = [
 ]
 
 
+# Upstream response headers relayed on whole (non-SSE) answers.
+_PASS_RESPONSE_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
+
+
 def body_message(chunk: bytes) -> Message:
     """An ASGI body message that keeps the response open."""
     return {"type": "http.response.body", "body": chunk, "more_body": True}
+
+
+async def send_error(send: Send, exc: GatewayError, x: Exchange) -> None:
+    """Answer ``exc`` in the error shape of ``x``'s API (a JSON body with its own
+    status), and note that status on ``x``."""
+    start, body = error_messages(exc, x.api)
+    x.status = exc.status_code
+    await send(start)
+    await send(body)
+
+
+async def send_whole(send: Send, resp: httpx.Response, body: bytes, x: Exchange) -> None:
+    """Send ``body`` as the whole answer, with ``resp``'s status, content type and
+    retry headers (``retry-after-ms`` derived from a ``retry-after`` in seconds), and
+    ``x``'s own headers; note the status on ``x``."""
+    ctype = resp.headers.get("content-type", "application/json").encode()
+    headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+    for name in _PASS_RESPONSE_HEADERS:
+        if name in resp.headers:
+            headers.append((name.encode(), resp.headers[name].encode()))
+    retry_after = resp.headers.get("retry-after", "")
+    if "retry-after-ms" not in resp.headers and retry_after.isdigit():
+        headers.append((b"retry-after-ms", str(int(retry_after) * 1000).encode()))
+    x.status = resp.status_code
+    await send({
+        "type": "http.response.start", "status": resp.status_code,
+        "headers": headers + x.extra_headers,
+    })
+    await send({"type": "http.response.body", "body": body})
 
 
 def failure_kind(exc: GatewayError) -> str:

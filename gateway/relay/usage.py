@@ -1,5 +1,6 @@
 """A request's token accounting, from the answers' usage to the metrics, the output
-prediction and the tenant's window: the :class:`UsageBook`."""
+prediction and the tenant's window, and the timing of its output tokens (TTFT, ITL): the
+:class:`UsageBook`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from gateway.clock import Clock
 from gateway.observe.metrics import GatewayMetrics
+from gateway.relay.inspect import TokenTimes
 from gateway.request.exchange import Exchange
 
 __all__ = ["UsageBook"]
@@ -16,7 +18,8 @@ log = logging.getLogger(__name__)
 
 
 class UsageBook:
-    """The tokens one request used, over all its upstream attempts.
+    """The tokens one request used, over all its upstream attempts, and when its output
+    tokens came.
 
     :param x: the request (its backend is read at each call: in a pool, admission binds
         it).
@@ -32,6 +35,29 @@ class UsageBook:
         self.completion: int | None = None
         self.reported_prompt: int | None = None
         self.streamed = 0
+        self._itl: Any = None  # gateway_itl_seconds for the backend named _itl_of
+        self._itl_of: str | None = None
+
+    def token_seen(self, times: TokenTimes) -> None:
+        """An output token was relayed now: count it, and observe the request's TTFT
+        (its first token) or the inter-token latency since ``times.last_token``, under
+        the backend that sent it. A whole answer followed token by token upstream (the
+        predictive policy) has no TTFT or ITL: its client sees no first token."""
+        self.streamed += 1
+        if not self.x.stream:
+            return
+        now = self.clock.now()
+        if times.last_token is None:
+            ttft = now - self.x.started
+            if self.x.ttft_s is None:  # a resumed answer's first token is not its first
+                self.x.ttft_s = ttft
+            self.metrics.ttft.labels(self.x.backend.name).observe(ttft)
+        else:
+            name = self.x.backend.name
+            if self._itl_of != name:  # the labelled child, looked up once per backend
+                self._itl, self._itl_of = self.metrics.itl.labels(name), name
+            self._itl.observe(now - times.last_token)
+        times.last_token = now
 
     def all_choices(self, usage: Any, reasons: list[Any]) -> Any:
         """``usage`` with ``completion_tokens`` for every choice of an ``n > 1`` answer.

@@ -1,0 +1,115 @@
+"""The upstream tries of one request, as the relay keeps them: :class:`Tries`.
+
+Both relays (:mod:`gateway.relay.plain`, :mod:`gateway.relay.tracked`) run a request as
+one or more :class:`~gateway.relay.attempt.Attempt` objects, one per lease. What they
+share about them is here: starting one, noting that it went upstream, counting how it
+failed, and giving its lease back (at once, or through the slot watch when the backend
+may still be working on it).
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from gateway.admission.lease import Lease
+from gateway.clock import Clock
+from gateway.errors import GatewayError
+from gateway.observe.metrics import GatewayMetrics
+from gateway.relay.attempt import Attempt, ticket_for, upstream_request_for
+from gateway.relay.send import failure_kind
+from gateway.request.exchange import Exchange
+
+__all__ = ["Tries"]
+
+
+class Tries:
+    """The attempts of request ``x`` (only the last is kept) and what they did.
+
+    :ivar current: the upstream try under way, or the last one (``None`` before the
+        first).
+    :ivar forwarded: some attempt went upstream (the tenant is charged its tokens).
+    """
+
+    def __init__(self, x: Exchange, metrics: GatewayMetrics, clock: Clock) -> None:
+        self.x = x
+        self.metrics = metrics
+        self.clock = clock
+        self.current: Attempt | None = None
+        self.forwarded = False
+
+    @property
+    def now(self) -> Attempt:
+        """The attempt under way (there is one from :meth:`start` on).
+
+        :raises AssertionError: before the first attempt.
+        """
+        assert self.current is not None
+        return self.current
+
+    def start(self, lease: Lease) -> float:
+        """Begin a new attempt on ``lease`` (the last one's upstream state is
+        forgotten), noting what its slot will cache; returns the clock time it starts,
+        seconds (for :meth:`give_back`)."""
+        self.current = Attempt(lease, self.clock.now())
+        self.x.backend.remember_slot(self.x.prefix, lease)
+        return self.current.started
+
+    def sent(self) -> None:
+        """The attempt's request is going upstream now."""
+        self.now.sent()
+        self.forwarded = True
+
+    def upstream_request(self) -> httpx.Request:
+        """The request the current attempt sends (pinned to its lease's slot)."""
+        lease = None if self.current is None else self.current.lease
+        return upstream_request_for(self.x, lease)
+
+    def upstream_error(self, kind: str) -> None:
+        """Count a failure of the request's backend in
+        ``gateway_upstream_errors_total`` under ``kind``, and keep the kind for the
+        request's access line."""
+        self.metrics.upstream_errors.labels(self.x.backend.name, kind).inc()
+        self.x.upstream_error = kind
+
+    def broke(self, exc: GatewayError) -> str:
+        """Note a transport failure ``exc`` of the current attempt; return its
+        ``gateway_upstream_errors_total`` kind (not counted here).
+
+        A refused connection reached nothing. A connection the backend broke under an
+        unpinned request ends that request too (nothing else can be learnt of it:
+        ``/slots`` cannot tell its tasks apart); a timeout may leave it running.
+        """
+        kind = failure_kind(exc)
+        attempt = self.current
+        unpinned = attempt is not None and not attempt.lease.pinned
+        if attempt is not None and (kind == "connect" or (unpinned and kind != "timeout")):
+            attempt.finished()
+        return kind
+
+    def give_back(self, lease: Lease, held_since: float, *, served: bool, stream: bool,
+                  quick: bool = False) -> None:
+        """Release ``lease`` after an attempt that began at ``held_since``: at once when
+        the backend is known to be done with the request, else through the slot watch.
+
+        :param served: the attempt answered (its duration feeds the backend's record).
+        :param stream: the upstream request was a stream (its headers mean "started").
+        :param quick: the gateway cut the stream itself to make room: read ``/slots``
+            soon (:data:`gateway.admission.slotwatch.QUICK_POLL_S`).
+        """
+        x = self.x
+        if served:
+            x.backend.record_duration(self.clock.now() - held_since, x.charge)
+        attempt = self.current
+        if attempt is not None and attempt.abandoned:
+            # The gateway left before the backend finished (client gone, timeout,
+            # preemption). The backend may go on using the slot's cells for a while:
+            # keep the reservation until it is seen to end (gateway.admission.slotwatch).
+            # An upstream request still waiting for its answer is handed on open, so
+            # that the backend cannot drop it unseen and start it later.
+            x.backend.release_abandoned(
+                lease, ticket_for(x, lease, self.clock.now()), served=served,
+                pending=attempt.pending, stream=stream, launched=attempt.launched,
+                quick=quick,
+            )
+        else:
+            x.backend.release(lease, served=served)
