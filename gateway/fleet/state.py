@@ -56,7 +56,7 @@ class GatewayState:
     draining: bool = False  # stopping: /ready is 503 and new requests are refused
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Set when a drain runs out of time: requests in hand are cut, each stream with a
-    # final error event (gateway.relay.response.ProxyResponse._cut_off).
+    # final error event (gateway.relay.plain.PlainRelay, which cuts it off).
     cut: asyncio.Event = field(default_factory=asyncio.Event)
 
     def prime_metrics(self) -> None:

@@ -117,9 +117,8 @@ class Admitter:
         """
         x = self.x
         admit = asyncio.ensure_future(
-            x.backend.admit(x.charge, front=front, prefer=prefer, party=x.party)
-            if front or prefer
-            is not None else x.admit())
+            x.readmit(front=front, prefer=prefer) if front or prefer is not None
+            else x.admit())
         await asyncio.sleep(0)  # admit refuses at once, or queues
         if admit.done():
             return admit.result()

@@ -90,7 +90,7 @@ async def restart(parts: RelayParts, watcher: DisconnectWatcher, send: Send
     name = x.backend.name
     m.preemptions.labels(name, "overflow").inc()
     try:
-        lease = await watcher.race(x.backend.admit(x.charge, front=True, party=x.party))
+        lease = await watcher.race(x.readmit(front=True))
     except ClientDisconnected:
         m.resumes.labels(name, "client_gone").inc()
         x.status = 499

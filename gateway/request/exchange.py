@@ -35,7 +35,7 @@ class Exchange:
     :param progress_s: a queued stream gets its 200 at once and an SSE comment every
         this many seconds while it waits (0: it waits silently).
     :param tracked: the ``predictive`` policy follows this request token by token and
-        may preempt and continue it (:class:`gateway.relay.tracked.TrackedResponse`).
+        may preempt and continue it (:class:`gateway.relay.tracked.TrackedRelay`).
     :param admit_path: the way to a lease (:class:`gateway.fleet.pool.AdmitPath`): a
         :class:`~gateway.fleet.pool.LoneBackend` when one backend serves the model, its
         :class:`~gateway.fleet.pool.ModelQueue` for a pool. The exchange asks it and never
