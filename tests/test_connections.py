@@ -9,6 +9,7 @@ and that nothing malformed reached the upstream.
 from __future__ import annotations
 
 import json
+import resource
 import socket
 import time
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.config import ServerSettings, load_settings, open_files_needed
 from gateway.http.app import MAX_HEAD_BYTES
 from gateway.http.middleware import MAX_HEADER_BYTES
 from tests.fakes import FakeLlamaServer
@@ -293,3 +295,23 @@ def test_an_idle_keep_alive_connection_outlives_the_head_timeout(
         time.sleep(1.5)  # idle between requests: the keep-alive timeout applies, not this
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
         assert read_all(sock).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize(("hard", "expected"), [
+    (4096, 1280),  # (4,096 - 256) // 3: 3 descriptors each, 256 kept for the rest
+    (200, 1),  # below the reserve: still one
+    (1 << 20, 10_000),  # at most 10,000
+    (resource.RLIM_INFINITY, 10_000),
+])
+def test_the_default_max_connections_is_sized_from_the_open_file_limit(
+        monkeypatch: pytest.MonkeyPatch, hard: int, expected: int) -> None:
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (1024, hard))
+    sized = ServerSettings().max_connections
+    assert sized == expected
+    if 256 < hard < 10_000 * 3:
+        assert open_files_needed(sized) <= hard < open_files_needed(sized + 1)
+
+
+def test_a_max_connections_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (1024, 4096))
+    assert load_settings(server={"max_connections": 50}).server.max_connections == 50
