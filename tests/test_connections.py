@@ -185,7 +185,7 @@ def test_a_burst_past_max_connections_refuses_only_the_rest(make_settings: Any) 
     whole, the other 10 get 503 too_many_connections in the OpenAI shape, with
     Retry-After, counted as rejections and never forwarded. (With uvicorn's own
     limit_concurrency all 30 got its plain 503: each head saw 30 connections open.)"""
-    fake = FakeLlamaServer(slots=32, tokens=8, token_delay=0.25)  # 2 s per stream
+    fake = FakeLlamaServer(slots=32, tokens=8, token_delay=0.4)  # 3.2 s per stream
     stream = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
                          "stream": True}).encode()
     with served(settings(make_settings, max_connections=20), fake.client()) as port:
