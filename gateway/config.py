@@ -11,6 +11,7 @@ Environment overrides use ``__`` between levels, for example
 from __future__ import annotations
 
 import os
+import resource
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -47,6 +48,7 @@ __all__ = [
     "StateBackend",
     "StateSettings",
     "load_settings",
+    "open_files_needed",
 ]
 
 
@@ -83,6 +85,34 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# File descriptors behind server.max_connections = N: up to 2 x N client connections
+# (each request in hand, and as many more idle, sending a head or being refused), one
+# upstream connection per request in hand, and a reserve for the rest (the listening
+# socket, the side-call pools, Redis, log files, the event loop's own).
+_FDS_PER_CONNECTION = 3
+_FDS_RESERVED = 256
+# Above this many streams one process's single core is the bound, not its descriptors
+# (49 KiB of RSS per open stream, docs/benchmarks.md): run workers instead.
+_SIZED_MAX_CONNECTIONS_CAP = 10_000
+
+
+def open_files_needed(max_connections: int) -> int:
+    """The open-file limit a process serving ``max_connections`` requests at once needs:
+    ``3 x max_connections + 256`` descriptors (see the comment above this function)."""
+    return _FDS_PER_CONNECTION * max_connections + _FDS_RESERVED
+
+
+def _sized_max_connections() -> int:
+    """The default of ``server.max_connections``: as many as the process's hard limit on
+    open files allows once each has its descriptors, ``(hard - 256) // 3``, at least 1 and
+    at most 10,000 (also when the hard limit is unlimited)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        return _SIZED_MAX_CONNECTIONS_CAP
+    fit = (hard - _FDS_RESERVED) // _FDS_PER_CONNECTION
+    return max(1, min(_SIZED_MAX_CONNECTIONS_CAP, fit))
+
+
 class ServerSettings(_Strict):
     """Where the gateway listens and how much it will read from a client."""
 
@@ -113,12 +143,18 @@ class ServerSettings(_Strict):
     drain_queued: Literal["serve", "refuse"] = "serve"
     # Client connection limits (gateway/http/connection.py): the longest a client may take to
     # send a request head, from its first byte (slowloris); the longest it may pause
-    # while sending a body (seconds); and how many client connections are open at once.
-    # Past max_connections a new request gets uvicorn's plain 503 and its connection is
-    # closed: a bound on sockets and file descriptors, far above max_queue on purpose.
+    # while sending a body (seconds); and how many requests a process has in hand at
+    # once, each on its own client connection (max_connections). Past it a new request
+    # gets 503 too_many_connections in its API's shape, with Retry-After, counted in
+    # gateway_rejections_total; those within it are served. Client connections open at
+    # once are capped at twice it (one past that is closed unanswered). A bound on
+    # sockets and file descriptors, far above max_queue on purpose. Per process: with
+    # `gateway serve --workers N` each worker has its own, N times it in all. Unset, it
+    # is sized from the hard limit on open files (RLIMIT_NOFILE): (hard - 256) // 3, at
+    # most 10,000 (see open_files_needed); `gateway serve` raises the soft limit to match.
     head_timeout_s: float = Field(10.0, gt=0)
     body_idle_timeout_s: float = Field(30.0, gt=0)
-    max_connections: int = Field(1000, ge=1)
+    max_connections: int = Field(default_factory=_sized_max_connections, ge=1)
     # The bearer key of the /admin routes (backends view, drain, reload) and of /metrics;
     # unset: the admin routes do not exist and /metrics is open.
     admin_key: SecretStr | None = None

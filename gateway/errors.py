@@ -19,6 +19,7 @@ Tree::
     │   │   └── Shed              503 queue_full, reason shed (a higher class took its place)
         │   ├── QueueTimeout          503 queue_timeout
         │   ├── BackendNotReady       503 backend_unavailable
+        │   ├── TooManyConnections    503 too_many_connections (server.max_connections)
         │   └── UpstreamContextOverflow 503 upstream_context_overflow
         ├── UpstreamUnavailable       502 (connect failure)
         ├── UpstreamTimeout           504
@@ -62,6 +63,7 @@ __all__ = [
     "QueueWaitPredicted",
     "ServiceError",
     "StateUnavailable",
+    "TooManyConnections",
     "HeadersTooLarge",
     "UnsupportedMediaType",
     "UpstreamRefused",
@@ -105,6 +107,7 @@ class RejectionReason(StrEnum):
     backend_unavailable = "backend_unavailable"  # not ready, or cannot be reached
     shutting_down = "shutting_down"  # the gateway drains before it stops
     state_unavailable = "state_unavailable"  # the shared admission state cannot be reached
+    too_many_connections = "too_many_connections"  # server.max_connections in hand already
 
 
 class GatewayError(Exception):
@@ -336,6 +339,15 @@ class StateUnavailable(Overloaded):
 
     code = "state_unavailable"
     rejection_reason = RejectionReason.state_unavailable
+
+
+class TooManyConnections(Overloaded):
+    """Raised for a request that arrives while its process already has
+    ``server.max_connections`` requests in hand (:mod:`gateway.http.middleware`): refused
+    before it is read, whatever its backend (HTTP 503, ``Retry-After``)."""
+
+    code = "too_many_connections"
+    rejection_reason = RejectionReason.too_many_connections
 
 
 class ShuttingDown(Overloaded):

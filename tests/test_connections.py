@@ -1,6 +1,6 @@
 """The gateway on the wire, under uvicorn with the options of ``gateway.http.app.uvicorn_options``:
 oversized heads, request smuggling shapes, HTTP/1.0, ``Expect: 100-continue``, slowloris
-and stalled bodies, and the connection limit (issue 14, part 3).
+and stalled bodies (issue 14, part 3), and the connection limits (issue 25, item 8).
 
 The upstream is the fake llama-server (tests/fakes.py). Each test checks both the answer
 and that nothing malformed reached the upstream.
@@ -9,12 +9,15 @@ and that nothing malformed reached the upstream.
 from __future__ import annotations
 
 import json
+import resource
 import socket
 import time
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.config import ServerSettings, load_settings, open_files_needed
 from gateway.http.app import MAX_HEAD_BYTES
 from gateway.http.middleware import MAX_HEADER_BYTES
 from tests.fakes import FakeLlamaServer
@@ -176,19 +179,87 @@ def test_a_stalled_body_is_cut_and_a_slow_one_is_not(
     assert len(fake.generations) == 1
 
 
-def test_past_max_connections_a_request_gets_503(
+def test_a_burst_past_max_connections_refuses_only_the_rest(make_settings: Any) -> None:
+    """30 clients connect at once, then each sends a stream request, with room for 20
+    requests in hand and a slow upstream with room for all: the first 20 are served
+    whole, the other 10 get 503 too_many_connections in the OpenAI shape, with
+    Retry-After, counted as rejections and never forwarded. (With uvicorn's own
+    limit_concurrency all 30 got its plain 503: each head saw 30 connections open.)"""
+    fake = FakeLlamaServer(slots=32, tokens=8, token_delay=0.4)  # 3.2 s per stream
+    stream = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                         "stream": True}).encode()
+    with served(settings(make_settings, max_connections=20), fake.client()) as port:
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=30)
+                 for _ in range(30)]
+        for sock in socks:
+            sock.sendall(request_bytes(CHAT, stream))
+        health = split_response(exchange(port, b"GET /health HTTP/1.1\r\nHost: g\r\n"
+                                               b"Connection: close\r\n\r\n"))[0]
+        answers = [split_response(read_all(sock)) for sock in socks]
+        for sock in socks:
+            sock.close()
+        rejected = rejections(port, "too_many_connections")
+    served_whole = [body for status, _, body in answers
+                    if status == 200 and b"data: [DONE]" in body and b'"error"' not in body]
+    refused = [(headers, body) for status, headers, body in answers if status == 503]
+    assert len(served_whole) == 20 and len(refused) == 10
+    for headers, body in refused:
+        error = json.loads(body)["error"]
+        assert error["code"] == "too_many_connections" and error["type"] == "server_error"
+        assert "server.max_connections = 20" in error["message"]
+        assert int(headers["retry-after"]) >= 1
+    assert rejected == 10
+    assert len(fake.generations) == 20
+    assert health == 200  # probes are outside the limit
+
+
+def test_idle_connections_do_not_count_and_past_twice_the_limit_one_is_closed(
         make_settings: Any, fake: FakeLlamaServer) -> None:
+    """With max_connections = 4, four idle connections leave room for a request; eight
+    open are the cap, so a ninth is closed unanswered; once they close, all is served."""
     with served(settings(make_settings, max_connections=4), fake.client()) as port:
         idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
         time.sleep(0.2)
-        refused = split_response(exchange(port, request_bytes(CHAT, BODY)))
+        beside_idle = split_response(exchange(port, request_bytes(CHAT, BODY)))[0]
+        idle += [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        time.sleep(0.2)
+        try:
+            past_cap = exchange(port, request_bytes(CHAT, BODY), timeout=5)
+        except OSError:  # reset before the request was even written
+            past_cap = b""
         for sock in idle:
             sock.close()
         time.sleep(0.2)
-        served_after = split_response(exchange(port, request_bytes(CHAT, BODY)))
-    assert refused[0] == 503 and refused[1].get("connection") == "close"
-    assert served_after[0] == 200
-    assert len(fake.generations) == 1
+        after = split_response(exchange(port, request_bytes(CHAT, BODY)))[0]
+    assert beside_idle == 200
+    assert past_cap == b""
+    assert after == 200
+    assert len(fake.generations) == 2
+
+
+def rejections(port: int, reason: str) -> float:
+    """The sum of ``gateway_rejections_total{reason}`` as the gateway's /metrics shows it."""
+    raw = exchange(port, b"GET /metrics HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
+    status, headers, body = split_response(raw)
+    assert status == 200
+    if headers.get("transfer-encoding") == "chunked":
+        body = dechunk(body)
+    return sum(sample.value for family in text_string_to_metric_families(body.decode())
+               for sample in family.samples
+               if sample.name == "gateway_rejections_total"
+               and sample.labels.get("reason") == reason)
+
+
+def dechunk(body: bytes) -> bytes:
+    """A chunked body's data."""
+    out = b""
+    while body:
+        size, _, rest = body.partition(b"\r\n")
+        n = int(size.split(b";")[0], 16)
+        if n == 0:
+            break
+        out, body = out + rest[:n], rest[n + 2:]
+    return out
 
 
 def test_a_pipelined_request_with_a_stalled_body_is_cut(
@@ -224,3 +295,23 @@ def test_an_idle_keep_alive_connection_outlives_the_head_timeout(
         time.sleep(1.5)  # idle between requests: the keep-alive timeout applies, not this
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
         assert read_all(sock).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize(("hard", "expected"), [
+    (4096, 1280),  # (4,096 - 256) // 3: 3 descriptors each, 256 kept for the rest
+    (200, 1),  # below the reserve: still one
+    (1 << 20, 10_000),  # at most 10,000
+    (resource.RLIM_INFINITY, 10_000),
+])
+def test_the_default_max_connections_is_sized_from_the_open_file_limit(
+        monkeypatch: pytest.MonkeyPatch, hard: int, expected: int) -> None:
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (1024, hard))
+    sized = ServerSettings().max_connections
+    assert sized == expected
+    if 256 < hard < 10_000 * 3:
+        assert open_files_needed(sized) <= hard < open_files_needed(sized + 1)
+
+
+def test_a_max_connections_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (1024, 4096))
+    assert load_settings(server={"max_connections": 50}).server.max_connections == 50

@@ -59,13 +59,20 @@ def uvicorn_options(settings: Settings | None = None) -> dict[str, Any]:
       client cannot read (``uvicorn/protocols/http/httptools_impl.py``).
     * Request heads up to :data:`MAX_HEAD_BYTES` (``h11_max_incomplete_event_size``).
     * Idle client connections kept ``server.keepalive_timeout_s`` seconds.
-    * At most ``server.max_connections`` client connections (``limit_concurrency``).
+    * At most 2 × ``server.max_connections`` client connections open at once, and a listen
+      backlog that holds a burst of ``server.max_connections`` (at least uvicorn's 2,048;
+      the kernel caps it at ``net.core.somaxconn``).
+    * No ``limit_concurrency``: past it uvicorn refuses every request of a burst, not only
+      those past the limit (:mod:`gateway.http.connection`). The app's middleware limits
+      the requests in hand to ``server.max_connections`` instead (see :func:`create_app`).
     """
     server = (settings or Settings()).server
     return {
-        "http": guarded_protocol(server.head_timeout_s, server.body_idle_timeout_s),
+        "http": guarded_protocol(server.head_timeout_s, server.body_idle_timeout_s,
+                                 max_open=2 * server.max_connections),
         "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
-        "limit_concurrency": server.max_connections,
+        "limit_concurrency": None,
+        "backlog": max(2048, server.max_connections),
         "timeout_graceful_shutdown": 5,
         "timeout_keep_alive": server.keepalive_timeout_s,
     }
@@ -128,7 +135,8 @@ def create_app(
     register_status(app, state)
     app.add_middleware(RequestAccounting, metrics=state.metrics,
                        keepalive_timeout_s=settings.server.keepalive_timeout_s,
-                       authenticate=authenticate, routes=direct)
+                       authenticate=authenticate, routes=direct,
+                       max_in_flight=settings.server.max_connections)
     app.add_exception_handler(GatewayError, _render)  # type: ignore[arg-type]
     return app
 

@@ -21,6 +21,14 @@ OpenAI-shaped 500 for anything that escapes the handlers.
   (:func:`gateway.observe.logs.log_access`) from the request's one
   :class:`~gateway.observe.record.AccessRecord`, which it creates and stores in the scope
   and the handlers fill in;
+* refuses a request past ``max_in_flight`` requests in hand (``server.max_connections``)
+  with 503 ``too_many_connections`` in its API's shape, with ``Retry-After``, counted as
+  a rejection: it counts each request as it passes, after the header bounds and the key
+  (so a refusal carries its tenant), before any await, so exactly the first
+  ``max_in_flight`` of a burst are served and only the rest refused. Probes
+  (``/health``, ``/ready``) and ``/metrics`` are neither counted nor refused: they answer
+  at once, and a busy process must not look dead to its orchestrator. Why here and not
+  uvicorn's ``limit_concurrency``: :mod:`gateway.http.connection`;
 * serves the generation routes itself (``routes``: ``POST`` path → ASGI callable),
   without the web framework's routing, dependency and exception layers, which cost
   about a fifth of a forwarded request's CPU time (``py-spy`` over ``make bench``). A
@@ -36,11 +44,11 @@ from collections.abc import Callable, Mapping
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import GatewayError, HeadersTooLarge
+from gateway.errors import GatewayError, HeadersTooLarge, TooManyConnections
 from gateway.observe.logs import access_level, log_access, request_id_of
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import SCOPE_KEY, AccessRecord
-from gateway.wire.routes import LABELS
+from gateway.wire.routes import LABELS, PROBE_PATHS, ROUTES, Route
 from gateway.wire.shapes import error_messages, shape_of
 
 __all__ = ["MAX_HEADERS", "MAX_HEADER_BYTES", "RequestAccounting", "count_rejection",
@@ -51,6 +59,8 @@ log = logging.getLogger(__name__)
 MAX_HEADERS = 64  # llama-server (cpp-httplib) itself refuses more than 100
 MAX_HEADER_BYTES = 16 * 1024  # names + values, all headers together
 
+# Paths outside the in-flight limit: the orchestrator's probes and the scrape.
+_UNLIMITED = PROBE_PATHS | {s.path for s in ROUTES if s.name is Route.metrics}
 
 
 def route_of(path: str) -> str:
@@ -84,16 +94,21 @@ class RequestAccounting:
         :class:`GatewayError` (401) to refuse it, and may set the request record's
         ``tenant`` (an object with a ``name``) and ``priority`` for the labels.
     :param routes: ``POST`` paths served by their own ASGI callable instead of ``app``.
+    :param max_in_flight: the most requests in hand at once (``server.max_connections``);
+        the next gets 503 :class:`~gateway.errors.TooManyConnections`. ``None``: no limit.
     """
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics,
                  keepalive_timeout_s: int | None = None,
                  authenticate: Callable[[Scope], None] | None = None,
-                 routes: Mapping[str, ASGIApp] | None = None) -> None:
+                 routes: Mapping[str, ASGIApp] | None = None,
+                 max_in_flight: int | None = None) -> None:
         self.app = app
         self.metrics = metrics
         self.authenticate = authenticate
         self.routes = routes or {}
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0  # requests past the limit's check and not yet ended
         self.keep_alive = (None if keepalive_timeout_s is None else
                            (b"keep-alive", f"timeout={keepalive_timeout_s}".encode()))
 
@@ -118,6 +133,7 @@ class RequestAccounting:
                 message = {**message, "headers": [*headers, *added]}
             await send(message)
 
+        counted = False
         try:
             headers = scope["headers"]
             size = sum(len(k) + len(v) for k, v in headers)
@@ -129,6 +145,9 @@ class RequestAccounting:
                 )
             if self.authenticate is not None:
                 self.authenticate(scope)
+            if self.max_in_flight is not None and scope["path"] not in _UNLIMITED:
+                self._enter(self.max_in_flight)
+                counted = True
             direct = self.routes.get(scope["path"]) if scope["method"] == "POST" else None
             await (direct or self.app)(scope, receive, tracking_send)
         except GatewayError as exc:
@@ -146,9 +165,20 @@ class RequestAccounting:
                 ), shape_of(scope["path"])):
                     await tracking_send(message)
         finally:
+            if counted:
+                self.in_flight -= 1
             record.duration_s = time.monotonic() - record.began
             route = route_of(scope["path"])
             self.metrics.requests.labels(*record.labels(route)).inc()
             level = access_level(scope["path"], record.counted_status)
             if level is not None:  # the line's fields are gathered only when written
                 log_access(record.line(route), level)
+
+    def _enter(self, limit: int) -> None:
+        """Count one more request in hand, or refuse it when ``limit`` are already."""
+        if self.in_flight >= limit:
+            raise TooManyConnections(
+                f"This gateway process already has {self.in_flight:,} requests in hand, "
+                f"its limit (server.max_connections = {limit:,}); retry after the "
+                "Retry-After delay.")
+        self.in_flight += 1

@@ -34,7 +34,7 @@ from typing import Any
 
 import uvicorn
 
-from gateway.config import Settings
+from gateway.config import Settings, open_files_needed
 from gateway.errors import GatewayError
 from gateway.fleet.reload import reload_config
 from gateway.http.app import uvicorn_options
@@ -128,7 +128,7 @@ def serve(app: Any, settings: Settings, *, host: str | None = None,
     # where they came from (its signature is the tests' and the benchmarks').
     app.state.gateway.config_path = config_path
     server = settings.server
-    _raise_fd_limit(2 * server.max_connections + 256)
+    _raise_fd_limit(open_files_needed(server.max_connections))
     warn_if_open(settings, host or server.host)
     config = uvicorn.Config(
         app, host=host or server.host, port=port if port is not None else server.port,
@@ -221,6 +221,7 @@ def _worker_main(config_path: str | None, host: str, port: int, sock: socket.soc
     app = create_app(settings)
     app.state.gateway.config_path = config_path
     server = settings.server
+    _raise_fd_limit(open_files_needed(server.max_connections))  # each worker its own
     config = uvicorn.Config(
         app, host=host, port=port, log_level=server.log_level, loop="uvloop",
         log_config=None, access_log=False, **uvicorn_options(settings))
@@ -255,9 +256,12 @@ async def _cut(state: Any, grace_s: float = 2.0) -> None:
 
 
 def _raise_fd_limit(wanted: int) -> None:
-    """Raise the soft limit on open files towards ``wanted`` (at most the hard limit):
-    each client connection in hand holds one descriptor and, while forwarded, another
-    upstream. Logs a warning when the hard limit is lower than ``wanted``."""
+    """Raise the soft limit on open files towards ``wanted`` (at most the hard limit),
+    :func:`gateway.config.open_files_needed` of ``server.max_connections``: each request
+    in hand holds its client connection and an upstream one, and as many more client
+    connections may be open without a request. When ``server.max_connections`` is unset
+    it was sized from this hard limit, so it fits. Logs a warning when the hard limit is
+    lower than ``wanted``."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
     if soft != resource.RLIM_INFINITY and soft < target:
