@@ -5,7 +5,10 @@ with yamllint, the stack's Prometheus config with promtool, and the dashboard's
 expressions parsed as PromQL by promtool. The files are then read as data: the gateway
 config the stack mounts loads with the gateway's own loader, and its backends, ports
 and capacity numbers are the ones the compose services are started with; Prometheus and
-Grafana point at the services that exist. Every gateway metric and label the dashboard
+Grafana point at the services that exist; the gateway replicas share one budget in the
+stack's Redis, and the stack's HAProxy balances over every replica and checks /ready
+(tests/test_deploy.py runs ``haproxy -c`` on its config). Every gateway metric and label
+the dashboard
 reads is checked against the gateway's own /metrics after traffic, so that a renamed
 metric cannot leave an empty panel."""
 
@@ -14,12 +17,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path, PurePosixPath
 from typing import Any
+from unittest import mock
 from urllib.parse import urlsplit
 
 import pytest
@@ -27,10 +32,11 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import BackendKind, Settings, load_settings
+from gateway.config import BackendKind, Settings, StateBackend, load_settings
 from gateway.http.app import create_app
 from tests.conftest import Harness
 from tests.fakes import FakeLlamaServer
+from tests.test_deploy import HAPROXY_CFG, haproxy_sections, haproxy_servers
 
 pytestmark = pytest.mark.anyio
 
@@ -120,12 +126,36 @@ def seconds(duration: str) -> float:
 
 
 def gateway_service() -> tuple[str, dict[str, Any]]:
+    """The one service built from the repository: the gateway's image."""
     built = {name: s for name, s in services().items() if "build" in s}
-    # One replica per set of backends until admission state is shared.
     assert len(built) == 1, sorted(built)
-    name, service = next(iter(built.items()))
-    assert service.get("deploy", {}).get("replicas", 1) == 1
-    return name, service
+    return next(iter(built.items()))
+
+
+def replicas() -> dict[str, dict[str, Any]]:
+    """Every gateway replica: the services that run the gateway's image. Each is one
+    container (its own name in haproxy.cfg and prometheus.yml), not scaled by compose."""
+    _, built = gateway_service()
+    found = {name: s for name, s in services().items() if s.get("image") == built["image"]}
+    for name, service in found.items():
+        assert service.get("deploy", {}).get("replicas", 1) == 1, name
+        assert "scale" not in service, name
+    return found
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    """A service's ``environment``, map or list syntax."""
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        env = dict(entry.split("=", 1) for entry in env)
+    return {key: str(value) for key, value in env.items()}
+
+
+def replica_settings(service: dict[str, Any]) -> Settings:
+    """The settings a replica runs with: the config it mounts where the image reads it,
+    under the ``GATEWAY_*`` variables of its environment."""
+    with mock.patch.dict(os.environ, environment(service)):
+        return load_settings(bind_source(service, dockerfile_config_path()))
 
 
 def dockerfile_config_path() -> str:
@@ -201,29 +231,103 @@ def test_images_name_no_registry_host_and_are_pinned() -> None:
 
 
 def test_the_gateway_service_mounts_its_config_where_the_image_reads_it() -> None:
-    name, service = gateway_service()
-    build = service["build"]
+    _, built = gateway_service()
+    build = built["build"]
     assert (COMPOSE_DIR / build["context"]).resolve() == ROOT
     assert (ROOT / build.get("dockerfile", "Dockerfile")).resolve() == ROOT / "Dockerfile"
     path = dockerfile_config_path()
     assert path == "/etc/gateway/config.toml"
-    source = bind_source(service, path)
-    assert source == COMPOSE_DIR / "gateway.toml"
-    # The image's CMD is what reads it: compose must not point the gateway elsewhere.
-    assert "command" not in service or path in service["command"]
-    settings = compose_settings()
-    assert settings.server.host == "0.0.0.0"
-    assert published(service) == {settings.server.port} == exposed(service)
-    # Prometheus scrapes /metrics without a key.
-    assert settings.server.admin_key is None or settings.server.metrics_public
-    # Compose waits longer than the drain before it kills the gateway.
-    assert seconds(service["stop_grace_period"]) > settings.server.drain_timeout_s
-    # Every backend is a compose service, reached on a port that service listens on.
-    for backend in settings.backends:
-        host, port = host_port(backend.url)
-        assert host in services() and host != name, backend.url
-        assert port in exposed(services()[host]), backend.url
-    assert {b.kind for b in settings.backends} == {BackendKind.llama_cpp, BackendKind.ollama}
+    assert len(replicas()) == 2, sorted(replicas())
+    for name, service in replicas().items():
+        source = bind_source(service, path)
+        assert source == COMPOSE_DIR / "gateway.toml", name
+        # The image's CMD is what reads it: compose must not point the gateway elsewhere.
+        assert "command" not in service or path in service["command"]
+        settings = replica_settings(service)
+        assert settings.server.host == "0.0.0.0"
+        # Reached through the load balancer, which publishes the port; not directly.
+        assert published(service) == set() and exposed(service) == {settings.server.port}
+        # Prometheus scrapes /metrics without a key.
+        assert settings.server.admin_key is None or settings.server.metrics_public
+        # Compose waits longer than the drain before it kills the gateway.
+        assert seconds(service["stop_grace_period"]) > settings.server.drain_timeout_s
+        # Every backend is a compose service, reached on a port that service listens on.
+        for backend in settings.backends:
+            host, port = host_port(backend.url)
+            assert host in services() and host not in replicas(), backend.url
+            assert port in exposed(services()[host]), backend.url
+        assert {b.kind for b in settings.backends} == {BackendKind.llama_cpp,
+                                                        BackendKind.ollama}
+
+
+def redis_service() -> tuple[str, dict[str, Any]]:
+    """The compose service the replicas' redis_url names, and the port it is reached on."""
+    (url,) = {replica_settings(s).state.redis_url for s in replicas().values()}
+    parts = urlsplit(url)
+    assert parts.scheme == "redis" and parts.hostname in services(), url
+    return parts.hostname, services()[parts.hostname]
+
+
+def test_the_replicas_share_one_budget_in_the_stacks_redis() -> None:
+    settings = {name: replica_settings(s) for name, s in replicas().items()}
+    # One budget per backend needs the same Redis, key prefix and backends everywhere:
+    # indeed the same settings (two replicas with different backends' names would
+    # reserve under different keys).
+    assert len({s.model_dump_json() for s in settings.values()}) == 1
+    state = next(iter(settings.values())).state
+    assert state.backend is StateBackend.redis
+    name, service = redis_service()
+    assert service["image"].split(":")[0] == "redis"
+    assert (urlsplit(state.redis_url).port or 6379) in exposed(service)
+    assert published(service) == set()  # the compose network only: no password on it
+    assert "redis-cli" in service["healthcheck"]["test"]
+    # Persistence off: after a restart the replicas publish their state again.
+    command = [str(arg) for arg in service["command"]]
+    assert flag(command, "--save") == "" and flag(command, "--appendonly") == "no"
+    for replica, spec in replicas().items():
+        assert spec["depends_on"][name]["condition"] == "service_healthy", replica
+    # A live replica that misses a renewal or two keeps its leases.
+    assert state.lease_ttl_s >= 5 * state.renew_interval_s
+
+
+def load_balancer() -> tuple[str, dict[str, Any]]:
+    """The HAProxy service, and the config it mounts where its image reads it."""
+    found = {n: s for n, s in services().items()
+             if s.get("image", "").split(":")[0] == "haproxy"}
+    assert len(found) == 1, sorted(found)
+    return next(iter(found.items()))
+
+
+def test_haproxy_balances_over_every_replica_and_checks_ready() -> None:
+    _, lb = load_balancer()
+    assert bind_source(lb, "/usr/local/etc/haproxy/haproxy.cfg") == HAPROXY_CFG
+    assert "command" not in lb  # the image's default reads that file
+    text = HAPROXY_CFG.read_text()
+    port = next(iter({replica_settings(s).server.port for s in replicas().values()}))
+    # Clients reach the stack at the port one gateway used to publish, on loopback.
+    (frontend,) = [h for h in haproxy_sections(text) if h.startswith("frontend ")]
+    (bind,) = [w for w in haproxy_sections(text)[frontend] if w[0] == "bind"]
+    assert bind[1] == f":{port}" and published(lb) == {port}
+    assert all(str(entry).startswith("127.0.0.1:") for entry in lb["ports"])
+    # Every replica, on its port, with a health check; none other.
+    servers = haproxy_servers(text)
+    checked = {address for _, address, rest in servers if "backup" not in rest}
+    assert checked == {f"{name}:{port}" for name in replicas()}
+    assert all("check" in rest for _, _, rest in servers if "backup" not in rest)
+    # The unchecked backups are the same replicas, used only when none is ready.
+    backups = {address for _, address, rest in servers if "backup" in rest}
+    assert backups == checked
+    assert all("check" not in rest for _, _, rest in servers if "backup" in rest)
+    backend = next(lines for h, lines in haproxy_sections(text).items()
+                   if h.startswith("backend "))
+    assert ["option", "httpchk"] in backend
+    assert ["http-check", "send", "meth", "GET", "uri", "/ready"] in backend
+    assert ["option", "allbackups"] in backend
+    # It can start before the replicas resolve, and follows their new addresses.
+    default_server = next(w for w in backend if w[0] == "default-server")
+    assert "init-addr" in default_server and "resolvers" in default_server
+    for replica in replicas():
+        assert replica in lb["depends_on"]
 
 
 def test_llama_server_is_started_with_the_layout_the_gateway_config_states() -> None:
@@ -317,8 +421,9 @@ def test_prometheus_scrapes_the_compose_services_and_loads_the_alert_rules() -> 
             host, port = host_port(target)
             assert host in services() and port in exposed(services()[host]), (job, target)
     # The gateway's job is the one the alerts read (GatewayDown: up{job="llm-gateway"}).
-    gateway, _ = gateway_service()
-    assert jobs["llm-gateway"] == [f"{gateway}:{compose_settings().server.port}"]
+    # Each replica is scraped directly (not through haproxy, which would alternate).
+    port = compose_settings().server.port
+    assert sorted(jobs["llm-gateway"]) == sorted(f"{name}:{port}" for name in replicas())
     assert set(re.findall(r'job="([^"]+)"', ALERTS.read_text())) <= set(jobs)
     # So is every job the dashboard names.
     named = {job for _, expr in expressions()
