@@ -38,6 +38,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import re
 import shutil
 import socket
 import statistics
@@ -188,10 +189,12 @@ class Gateway:
 
 
 def start_gateway(label: str, up_port: int, redis: Redis | None, workers: int = 1,
-                  prefix: str = "bench") -> Gateway:
+                  prefix: str = "bench", metrics_dir: str | None = None) -> Gateway:
     """A gateway in front of the upstream on ``up_port``, as bench/bench.py configures
     it (INFO, an access line per request to a discarded stderr, a queue that never
-    fills), with memory state or, given ``redis``, Redis state under ``prefix``."""
+    fills), with memory state or, given ``redis``, Redis state under ``prefix``.
+    ``metrics_dir``: prometheus_client's multiprocess mode in that directory, as each
+    worker of ``--workers`` has it."""
     port = free_port()
     env = dict(
         os.environ, GATEWAY_SERVER__PORT=str(port), GATEWAY_SERVER__LOG_LEVEL="info",
@@ -202,6 +205,8 @@ def start_gateway(label: str, up_port: int, redis: Redis | None, workers: int = 
     if redis is not None:
         env.update(GATEWAY_STATE__BACKEND="redis", GATEWAY_STATE__REDIS_URL=redis.url,
                    GATEWAY_STATE__KEY_PREFIX=prefix)
+    if metrics_dir is not None:
+        env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     args = [sys.executable, "-m", "gateway", "serve"]
     if workers > 1:
         args += ["--workers", str(workers)]
@@ -269,10 +274,12 @@ def print_cells(cells: list[Cell], base_label: str) -> None:
     for c in cells:
         base = next(b for b in cells if b.run == c.run and b.label == base_label)
         r, b = c.result, base.result
+        # (a memory cell sees only the heartbeats of the idle Redis gateways)
+        us = f"{c.script_us:.1f}" if c.script_calls >= 0.01 else "-"
         print(f"{c.run:>8}  {c.label:<18} {r['rps']:>7.0f} {r['p50_ms']:>7.2f} "  # noqa: T201
               f"{r['p99_ms']:>7.2f} {r['rps'] / b['rps']:>11.2f} "
               f"{r['p50_ms'] / b['p50_ms']:>11.2f} {c.gateway_cpu_ms:>9.3f} "
-              f"{c.redis_cpu_ms:>12.3f} {c.script_calls:>9.2f} {c.script_us:>7.1f} "
+              f"{c.redis_cpu_ms:>12.3f} {c.script_calls:>9.2f} {us:>7} "
               f"{c.busy:>5.0%} {int(r['errors'])}")
         if len(c.per_worker) > 1:
             split = " / ".join(f"{s:.0%}" for s in c.per_worker)
@@ -307,11 +314,11 @@ def grant_ceiling(redis: Redis, slots: int, held: int, requests: int = 20000,
     calls0, usec0 = script_stats(redis)
     done = subprocess.run(
         ["redis-benchmark", "-p", str(redis.port), "-n", str(requests), "-c", str(clients),
-         "--csv", "EVALSHA", *args], capture_output=True, text=True, check=True)
+         "-q", "EVALSHA", *args], capture_output=True, text=True, check=True)
     calls1, usec1 = script_stats(redis)
-    last = done.stdout.strip().splitlines()[-1].split(",")
+    rate = re.findall(r"([\d.]+) requests per second", done.stdout)
     client.delete(leases, queue, procs, epoch)
-    return float(last[1].strip('"')), (usec1 - usec0) / max(1, calls1 - calls0)
+    return float(rate[-1]) if rate else 0.0, (usec1 - usec0) / max(1, calls1 - calls0)
 
 
 # -- fairness across processes -----------------------------------------------------------
@@ -447,14 +454,18 @@ def fairness_run(redis: Redis, mode: str, seed: int, waiters: int = 100,
 @contextmanager
 def stack(redis: Redis, slots: int, workers: bool) -> Iterator[tuple[int, list[Gateway]]]:
     """The upstream and the gateways: memory, redis (1 process) and, with ``workers``,
-    redis with ``--workers 2``; each ready, with its processes found."""
+    redis in 1 process with prometheus_client's multiprocess mode (to price it apart)
+    and redis with ``--workers 2``; each ready, with its processes found."""
     up_port = free_port()
     upstream = mp.Process(target=run_upstream, args=(up_port, slots), daemon=True)
     upstream.start()
     wait_http(f"http://127.0.0.1:{up_port}/props")
     gateways = [start_gateway("memory", up_port, None),
                 start_gateway("redis", up_port, redis, prefix="one")]
+    metrics_dir = tempfile.mkdtemp(prefix="bench-metrics-")
     if workers:
+        gateways.append(start_gateway("redis, mp metrics", up_port, redis, prefix="mp",
+                                      metrics_dir=metrics_dir))
         gateways.append(start_gateway("redis, 2 workers", up_port, redis, workers=2,
                                       prefix="two"))
     try:
@@ -470,6 +481,7 @@ def stack(redis: Redis, slots: int, workers: bool) -> Iterator[tuple[int, list[G
             gw.proc.terminate()
             gw.proc.wait(20)
         upstream.terminate()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 def part_cost(redis: Redis, seconds: float, slots: int) -> list[Cell]:
@@ -488,7 +500,8 @@ def part_cost(redis: Redis, seconds: float, slots: int) -> list[Cell]:
 def part_workers(redis: Redis, seconds: float, slots: int) -> list[Cell]:
     print(f"\n2. workers: redis state with 1 process and with --workers 2, "  # noqa: T201
           f"{slots} slots, {seconds:g} s per cell; the load generator, the upstream and "
-          "Redis share the cores with them")
+          "Redis share the cores with them. 'mp metrics': 1 process with "
+          "prometheus_client's multiprocess mode, which every worker of --workers has")
     cells = []
     with stack(redis, slots, workers=True) as (up_pid, gateways):
         for run, connections, stream in (("JSON 64", 64, False), ("SSE 64", 64, True)):
