@@ -330,9 +330,9 @@ def fair_process(index: int, url: str, prefix: str, plan: list[tuple[int, float]
     backend of 1 slot. Each request of ``plan`` (id, offset s) arrives at ``start +
     offset``, waits for its lease, holds it ``hold_s``, and gives it back. With
     ``block``, process 0 holds a lease from before the start until every request has
-    arrived (then all 100 wait at once). With ``keep_max`` (a what-if, not the
-    gateway's behaviour), the store keeps the largest clock offset it has learnt instead
-    of the last one."""
+    arrived (then all 100 wait at once). With ``keep_max`` (a what-if), the store keeps
+    the largest clock offset it has ever learnt (the gateway keeps the largest of its
+    last ``OFFSET_SAMPLES``)."""
     from gateway.admission.admission import Admission
     from gateway.admission.shared import SharedStore
     from gateway.clock import MonotonicClock
@@ -346,10 +346,10 @@ def fair_process(index: int, url: str, prefix: str, plan: list[tuple[int, float]
 
         async def call(self, op: str, make: Any) -> Any:
             reply = await super().call(op, make)
-            if self._offset_s is not None:
-                offsets.append(self._offset_s)
-                if keep_max:
-                    self._offset_s = max(offsets)
+            if self._offsets:
+                offsets.append(self._offsets[-1])  # the sample just learnt
+                if keep_max:  # every sample so far, not the gateway's last OFFSET_SAMPLES
+                    self._offsets.append(max(offsets))
             return reply
 
     async def main() -> list[tuple[int, float, float]]:
