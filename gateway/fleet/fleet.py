@@ -288,10 +288,9 @@ class Fleet:
 
         :returns: how long the backend is down, seconds.
         """
-        down = backend.request_failed(self.routing.down_initial_s, self.routing.down_max_s)
-        if queue is not None:
-            queue.wake_later(down)
-        return down
+        if queue is not None:  # the pool's own backoff, as the relay marks it
+            return queue.backend_failed(backend)
+        return backend.request_failed(self.routing.down_initial_s, self.routing.down_max_s)
 
     # -- drain -------------------------------------------------------------------------
 

@@ -122,6 +122,12 @@ class AdmitPath(Protocol):
         """
         ...
 
+    def backend_failed(self, backend: Target) -> float | None:
+        """A request failed on ``backend`` before answering: mark it down where another
+        backend could take its requests, and look at the queue again when it may be
+        used. Returns the seconds it is down, or ``None`` (not marked)."""
+        ...
+
     def position(self, candidates: Sequence[Candidate]) -> int | None:
         """1-based place in the queue of the request planned as ``candidates`` (``None``:
         it is not waiting)."""
@@ -174,6 +180,10 @@ class LoneBackend:
         lease = await self.backend.admit(candidate.charge, front=front, party=party,
                                          prefer=self.backend.slot_for(prefix))
         return candidate, lease
+
+    def backend_failed(self, backend: Target) -> float | None:
+        """Not marked: there is no other backend to route its requests to."""
+        return None
 
     def position(self, candidates: Sequence[Candidate]) -> int | None:
         """1-based place in the backend's queue (``None``: not waiting)."""
@@ -377,6 +387,17 @@ class ModelQueue:
     def _blocked(ahead: Iterable[Waiter[_Ask, _Grant]]) -> set[int]:
         """The backends (ids) the waiters ``ahead`` could use."""
         return {id(c.backend) for waiter in ahead for c in waiter.request.candidates}
+
+    def backend_failed(self, backend: Target) -> float:
+        """Mark ``backend`` down for the pool's backoff
+        (:meth:`gateway.backends.target.Target.request_failed`) and look at the queue again
+        once it has passed, when nothing else would wake its waiters.
+
+        :returns: how long it is down, seconds.
+        """
+        down = backend.request_failed(self.down_initial_s, self.down_max_s)
+        self.wake_later(down)
+        return down
 
     def wake_later(self, delay_s: float) -> None:
         """Look at the queue again in ``delay_s`` seconds (when a backend marked down

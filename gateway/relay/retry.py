@@ -35,11 +35,7 @@ def mark_down(x: Exchange) -> float | None:
     the pool's queue look again once it has passed, when nothing else would wake its
     waiters. Returns the seconds it is down, or ``None`` for a lone backend (not marked:
     there is no other to route to)."""
-    if x.queue is None:
-        return None
-    down = x.backend.request_failed(x.queue.down_initial_s, x.queue.down_max_s)
-    x.queue.wake_later(down)
-    return down
+    return x.admit_path.backend_failed(x.backend)
 
 
 def keep_for_failover(parts: RelayParts, exc: GatewayError) -> bool:
