@@ -590,6 +590,7 @@ def _describe(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        err["msg"] = err["msg"].removeprefix("Value error, ")  # our validators' own words
         if err["type"] == "extra_forbidden":
             lines.append(f"{key}: unknown key")
         elif (key.startswith("tenants") or "key" in key

@@ -313,3 +313,31 @@ async def test_a_process_taken_for_dead_says_so_when_it_renews(
         assert (0, "renewed_late") in seen
         assert "renewed its liveness later than lease_ttl_s" in caplog.text
         a.admission.release(held)
+
+
+def test_a_backend_is_shared_by_name_and_url_only(tmp_path: Any) -> None:
+    """Gateways in front of different servers that share a Redis, a prefix and a backend
+    name (the default "local") do not share a budget."""
+    store = SharedStore(state_settings("redis://127.0.0.1:1/0"), clock=MonotonicClock(),
+                        owner="P")
+    one = store.account("local", "http://10.0.0.1:8080")
+    assert store.account("local", "http://10.0.0.1:8080") is one
+    other = store.account("local", "http://10.0.0.2:8080")
+    assert other.keys[0] != one.keys[0] and other.channel != one.channel
+    assert one.keys[0].startswith("t:b:local@") and one.keys[0].endswith(":leases")
+
+
+def test_check_config_masks_the_redis_password(tmp_path: Any) -> None:
+    import json
+    import subprocess
+    import sys
+
+    config = tmp_path / "g.toml"
+    config.write_text('[state]\nbackend = "redis"\n'
+                      'redis_url = "redis://user:s3cret@127.0.0.1:6399/0"\n')
+    done = subprocess.run([sys.executable, "-m", "gateway", "check-config", str(config)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "s3cret" not in done.stdout + done.stderr
+    shown = json.loads(done.stdout)["state"]["redis_url"]
+    assert shown == "redis://user:**********@127.0.0.1:6399/0"

@@ -209,11 +209,12 @@ class Admission:
         """Return a snapshot of queue and budget."""
         layout = self._layout
         budget = self._budget
-        if self._shared is not None:  # what every process holds on the backend
-            budget = Budget(self._shared.reserved_tokens, self._shared.busy_slots)
+        shared = self._shared if self._shared is not None and self._shared.store.up else None
+        if shared is not None:  # what every process holds on the backend, as last seen
+            budget = Budget(shared.reserved_tokens, shared.busy_slots)
         queued = len(self._room)
-        if self._shared is not None:  # tickets of every process (as last seen)
-            queued = max(queued, self._shared.queued)
+        if shared is not None:  # tickets of every process (as last seen)
+            queued = max(queued, shared.queued)
         return AdmissionStats(
             queued=queued,
             inflight=self._inflight,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import secrets
@@ -363,12 +364,19 @@ class SharedStore:
         """A key or channel name under the prefix."""
         return ":".join((self.settings.key_prefix, *parts))
 
-    def account(self, backend: str) -> SharedAccount:
-        """The shared budget of ``backend`` (one per name, however many admissions use
-        it)."""
-        if backend not in self.accounts:
-            self.accounts[backend] = SharedAccount(self, backend)
-        return self.accounts[backend]
+    def account(self, backend: str, url: str | None = None) -> SharedAccount:
+        """The shared budget of ``backend`` (one per name and URL, however many
+        admissions use it). With ``url``, the keys name the server too
+        (``{name}@{8 hex digits of the URL's SHA-256}``), so that gateways sharing a Redis
+        and prefix in front of different servers that happen to share a backend name
+        never share a budget; processes in front of one server must give it the same
+        name and URL."""
+        key = backend
+        if url is not None:
+            key = f"{backend}@{hashlib.sha256(url.encode()).hexdigest()[:8]}"
+        if key not in self.accounts:
+            self.accounts[key] = SharedAccount(self, key)
+        return self.accounts[key]
 
     def tenant(self, name: str) -> TenantShare:
         """The shared quotas of tenant ``name`` (one per name)."""
@@ -494,7 +502,8 @@ class SharedStore:
                 "retry after the Retry-After delay.", retry_after_s=2.0) from exc
         self._count(op, "ok", start)
         if not self.up:
-            log.info("shared state: Redis at %s is reachable again; admitting",
+            log.info("shared state: Redis at %s is reachable again; admission resumes "
+                     "(after a resync of two renewals if Redis restarted empty)",
                      self._where())
         self.up = True
         return raw

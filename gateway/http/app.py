@@ -152,7 +152,7 @@ def _target_factory(http_client: httpx.AsyncClient | None, clock: Clock,
         side = http_client or build_client(max_connections=SIDE_CONNECTIONS,
                                            keepalive_expiry_s=entry.keepalive_expiry_s)
         target = Target(entry, admission, side, clock, client=gen,
-                        shared=None if store is None else store.account(entry.name))
+                        shared=None if store is None else store.account(entry.name, entry.url))
         if http_client is None:
             target.owned_clients = [gen, side]
         return target

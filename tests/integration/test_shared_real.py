@@ -118,6 +118,14 @@ def gateways(tmp_path: Path, count: int, backend_url: str, redis_url: str,
             gw.stop()
 
 
+def leases_key(client: redis.Redis) -> str:
+    """The leases hash of backend ``local`` (its key names the server's URL too:
+    ``it:b:local@{hash}:leases``), or "" before the first lease."""
+    keys = sorted(k.decode() for k in client.scan_iter("it:b:local@*:leases"))
+    assert len(keys) <= 1, keys
+    return keys[0] if keys else ""
+
+
 class Sampler:
     """Reads the shared reservation from Redis every 20 ms while requests run."""
 
@@ -130,7 +138,7 @@ class Sampler:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             tokens = slots = 0
-            for v in await asyncio.to_thread(self.client.hvals, "it:b:local:leases"):
+            for v in await asyncio.to_thread(self.client.hvals, leases_key(self.client)):
                 _, tok, sl, _ = v.decode().split("|")
                 tokens, slots = tokens + int(tok), slots + int(sl)
             self.peak_tokens = max(self.peak_tokens, tokens)
@@ -183,9 +191,10 @@ async def test_a_killed_process_gives_its_capacity_back(
                 client.post(a.url + "/v1/chat/completions", json=overflow_chat(700)))
             store = redis.Redis.from_url(redis_server.url)
             deadline = time.monotonic() + 60
-            while not store.hlen("it:b:local:leases") and time.monotonic() < deadline:
+            while (not (key := leases_key(store)) or not store.hlen(key)) and (
+                    time.monotonic() < deadline):
                 await asyncio.sleep(0.05)
-            assert store.hlen("it:b:local:leases") == 1
+            assert store.hlen(leases_key(store)) == 1
             os.kill(a.proc.pid, signal.SIGKILL)  # its lease is never released
             started = time.monotonic()
             # Another chat of 1,483 tokens does not fit beside the dead one's; it is served once
