@@ -73,7 +73,7 @@ async def test_either_path_grants_queues_reports_the_place_and_refuses_when_full
     with pytest.raises(QueueFull):
         await path.admit(plans[3])
     clock.advance(2.0)
-    target.release(got[1], served=True)
+    target.admission.release(got[1], served=True)
     await settle()
     candidate, lease = await waiting[0]
     assert candidate is plans[1][0] and lease.waited_s == pytest.approx(2.0)
@@ -83,7 +83,7 @@ async def test_either_path_grants_queues_reports_the_place_and_refuses_when_full
     await settle()
     with pytest.raises(QueueTimeout):
         await waiting[1]
-    target.release(lease, served=True)
+    target.admission.release(lease, served=True)
 
 
 async def test_a_lone_backend_takes_only_a_plan_on_itself() -> None:

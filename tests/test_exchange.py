@@ -50,7 +50,7 @@ async def settle() -> None:
 async def test_a_lone_backends_exchange_waits_reports_its_place_and_binds() -> None:
     clock = ManualClock()
     target = _target(clock)
-    hog = target.try_admit(Charge(700, 300))  # the pool is full
+    hog = target.admission.try_admit(Charge(700, 300))  # the pool is full
     assert hog is not None
     x = _exchange(LoneBackend(target), [Candidate(target, Charge(700, 300), {"n": 1})])
     assert x.try_admit() is None and not x.may_fail_over
@@ -58,7 +58,7 @@ async def test_a_lone_backends_exchange_waits_reports_its_place_and_binds() -> N
     await settle()
     place = x.queue_progress()
     assert place is not None and place[0] == 1
-    target.release(hog, served=True)
+    target.admission.release(hog, served=True)
     lease = await waiting
     assert x.backend is target and x.body == {"n": 1} and x.queue_progress() is None
     # A continuation comes back with a charge of its own: its place is the new charge's.
@@ -67,15 +67,15 @@ async def test_a_lone_backends_exchange_waits_reports_its_place_and_binds() -> N
     await settle()
     place = x.queue_progress()
     assert place is not None and place[0] == 1
-    target.release(lease, served=True)
-    target.release(await again, served=True)
+    target.admission.release(lease, served=True)
+    target.admission.release(await again, served=True)
 
 
 async def test_a_pools_exchange_binds_the_candidate_granted_and_may_fail_over() -> None:
     clock = ManualClock()
     a, b = _target(clock, "a"), _target(clock, "b")
     queue = ModelQueue([a, b], max_queue=4, max_wait_s=10.0, clock=clock)
-    hog = a.try_admit(Charge(700, 300))  # a is full: b is the one that fits
+    hog = a.admission.try_admit(Charge(700, 300))  # a is full: b is the one that fits
     assert hog is not None
     candidates = [Candidate(a, Charge(700, 300), {"on": "a"}),
                   Candidate(b, Charge(700, 300), {"on": "b"}, tracked=True)]
@@ -88,9 +88,9 @@ async def test_a_pools_exchange_binds_the_candidate_granted_and_may_fail_over() 
     waiting = asyncio.ensure_future(x.admit(front=True))
     await settle()
     assert x.queue_progress() == (1, None)
-    a.release(hog, served=True)
-    b.release(lease, served=True)
-    a.release(await waiting, served=True)
+    a.admission.release(hog, served=True)
+    b.admission.release(lease, served=True)
+    a.admission.release(await waiting, served=True)
     assert x.backend is a
 
 

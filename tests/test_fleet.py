@@ -256,7 +256,7 @@ def test_the_model_queue_never_overcommits_and_never_lets_a_later_request_pass(
 
         async def request(i: int, prompt: int, cap: int) -> None:
             candidates = [Candidate(t, Charge(prompt, cap), {}) for t in members
-                          if prompt + cap < t.layout.ctx_per_slot]
+                          if prompt + cap < t.admission.layout.ctx_per_slot]
             if not candidates:
                 return
             usable_by[i] = {c.backend.name for c in candidates}
@@ -270,7 +270,7 @@ def test_the_model_queue_never_overcommits_and_never_lets_a_later_request_pass(
             await asyncio.sleep(0)
             if release and leases:
                 backend, lease = leases.pop(0)
-                backend.release(lease, served=True)
+                backend.admission.release(lease, served=True)
                 await asyncio.sleep(0)
             for t in members:
                 stats = t.admission.stats()
@@ -279,7 +279,7 @@ def test_the_model_queue_never_overcommits_and_never_lets_a_later_request_pass(
         while leases or not all(task.done() for task in tasks):
             if leases:
                 backend, lease = leases.pop(0)
-                backend.release(lease, served=True)
+                backend.admission.release(lease, served=True)
             await asyncio.sleep(0)
         fitting = [i for i, (p, c, _) in enumerate(ops)
                    if any(p + c < layout.ctx_per_slot for layout in LAYOUTS)]
@@ -346,7 +346,7 @@ async def test_a_5xx_before_any_byte_fails_over(make_fleet: Any, mode: str) -> N
     fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}])
     fakes["a"].mode = mode
     for stream in (False, True):
-        fleet.state.fleet.backends["a"].request_served()  # up again
+        fleet.state.fleet.backends["a"].health.request_served()  # up again
         r = await fleet.chat(model="m", max_tokens=3, stream=stream)
         assert r.status_code == 200, r.text
         if stream:

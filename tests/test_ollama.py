@@ -86,7 +86,7 @@ async def test_unloaded_model_uses_the_configured_context(make: Any, ollama: Fak
                                                           ) -> None:
     ollama.loaded = False
     h = await make(ctx_per_slot=2048)
-    assert h.state.fleet.backends["ollama"].layout.ctx_per_slot == 2048
+    assert h.state.fleet.backends["ollama"].admission.layout.ctx_per_slot == 2048
 
 
 async def test_native_chat_streams_ndjson_with_the_cap_and_truncate_false(

@@ -411,12 +411,12 @@ async def test_one_overflow_burst_shrinks_the_pool_once_to_what_was_in_use(
     fake.n_ctx = 1000
     h = await harness_factory(pool_tokens=4000)
     h.backend.upstream_failed("context_overflow", live_tokens=2500)
-    assert h.backend.layout.pool_tokens == 2500  # more than the 10 % cut
+    assert h.backend.admission.layout.pool_tokens == 2500  # more than the 10 % cut
     for _ in range(3):  # the other requests of the same overflow report it too
         h.backend.upstream_failed("context_overflow", live_tokens=2500)
-    assert h.backend.layout.pool_tokens == 2500
+    assert h.backend.admission.layout.pool_tokens == 2500
     h.backend.upstream_failed("context_overflow")
-    assert h.backend.layout.pool_tokens == 2500  # still the same burst
+    assert h.backend.admission.layout.pool_tokens == 2500  # still the same burst
 
 
 # -- found by an adversarial pass ----------------------------------------------------------

@@ -38,7 +38,7 @@ async def test_config_disagreement_is_a_warning(
 
 async def test_config_narrows_what_the_backend_reports(harness_factory: Any) -> None:
     h = await harness_factory(slots=2, ctx_per_slot=1024)
-    assert (h.backend.layout.slots, h.backend.layout.ctx_per_slot) == (2, 1024)
+    assert (h.backend.admission.layout.slots, h.backend.admission.layout.ctx_per_slot) == (2, 1024)
 
 
 async def test_upstream_error_triggers_rediscovery(harness: Any, fake: Any) -> None:
@@ -91,12 +91,12 @@ async def test_a_pool_penalty_easing_off_keeps_what_the_slot_watch_holds() -> No
                     httpx.AsyncClient(), clock, dialect=Quiet())  # type: ignore[arg-type]
     await target.discover()
     target.upstream_failed("context_overflow")
-    assert target.layout.pool_tokens == 9_000
-    lease = target.try_admit(Charge(100, 2000))
-    target.release_abandoned(lease, Ticket(slot=lease.slot_ids[0], tasks=1, tag=None,
+    assert target.admission.layout.pool_tokens == 9_000
+    lease = target.admission.try_admit(Charge(100, 2000))
+    target.slot_watch.hold(lease, Ticket(slot=lease.slot_ids[0], tasks=1, tag=None,
                                            n_predict=2000, since=clock.now()), served=False)
     clock.advance(PENALTY_RECOVERY_S + 1)
     await target.discover()
-    assert target.layout.pool_tokens == 9_500
+    assert target.admission.layout.pool_tokens == 9_500
     assert target.stats().reserved_tokens == 2100 and target.stats().abandoned_held == 1
     await target.close()

@@ -200,7 +200,7 @@ async def test_states_not_ready_down_and_draining(harness_factory: Any,
     h.backend.request_failed(30.0, 30.0)
     down = await row()
     assert down["state"] == "down" and 29 < down["down_for_s"] <= 30 and down["up"] is False
-    h.backend.request_served()
+    h.backend.health.request_served()
     h.backend.set_draining(True)
     assert (await row())["state"] == "draining"
     h.backend.set_draining(False)

@@ -48,8 +48,8 @@ async def test_a_served_followed_request_counts_as_200_and_served(
     fake.pool, fake.n_ctx, fake.tokens = 2048, 2048, 3
     h = await harness_factory({"policy": "predictive"}, kv_unified=True, pool_tokens=2048)
     seen: list[float] = []
-    orig = h.backend.record_duration
-    h.backend.record_duration = lambda s, c: (seen.append(s), orig(s, c))
+    orig = h.backend.admission.record_duration
+    h.backend.admission.record_duration = lambda s, c: (seen.append(s), orig(s, c))
     r = await h.chat("hi", max_tokens=20, stream=True)
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
     got = {c: h.sample("gateway_requests_total", backend="local", route="chat", code=c)

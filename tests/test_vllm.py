@@ -73,21 +73,21 @@ async def test_discovery_reads_max_model_len_and_the_block_pool(make: Any, vllm:
     ready = (await h.client.get("/ready")).json()["backends"]["vllm"]
     assert (ready["kind"], ready["slots"], ready["ctx_per_slot"]) == ("vllm", 16, 8192)
     assert ready["capacity_tokens"] == 20_000 and ready["kv_unified"] is True
-    layout = target(h).layout
+    layout = target(h).admission.layout
     assert (layout.block_size, layout.stop_margin) == (16, 0)
 
 
 async def test_older_vllm_pool_is_blocks_times_block_size(make: Any, vllm: FakeVllm) -> None:
     vllm.show_pool_tokens, vllm.num_gpu_blocks, vllm.block_size = False, 600, 32
     h = await make()
-    assert (target(h).layout.pool_tokens, target(h).layout.block_size) == (19_200, 32)
+    assert (target(h).admission.layout.pool_tokens, target(h).admission.layout.block_size) == (19_200, 32)
     assert parse_metrics(vllm.metrics_text()) == {
         "block_size": 32, "num_gpu_blocks": 600, "preemptions": 0}
 
 
 async def test_max_num_seqs_defaults_to_vllms_own(make: Any) -> None:
     h = await make(slots=None)
-    assert target(h).layout.slots == 256
+    assert target(h).admission.layout.slots == 256
 
 
 async def test_chat_is_counted_by_tokenize_and_capped(make: Any, vllm: FakeVllm) -> None:
@@ -215,17 +215,17 @@ async def test_preemptions_while_admitting_shrink_the_pool_model(make: Any, vllm
     replies = await p10_requests("/v1/completions", h.client)
     assert [r.status_code for r in replies] == [200] * 6 and vllm.preemptions > 0
     await target(h).discover()
-    assert target(h).layout.pool_tokens == 18_000
+    assert target(h).admission.layout.pool_tokens == 18_000
     assert sample(h, "gateway_backend_preemptions_total") == vllm.preemptions
     await target(h).discover()  # no new preemptions, no further shrink
-    assert target(h).layout.pool_tokens == 18_000
+    assert target(h).admission.layout.pool_tokens == 18_000
 
 
 async def test_a_configured_pool_never_exceeds_the_reported_one(make: Any) -> None:
     h = await make(pool_tokens=40_000, ctx_per_slot=16_384)
-    assert (target(h).layout.pool_tokens, target(h).layout.ctx_per_slot) == (20_000, 8192)
+    assert (target(h).admission.layout.pool_tokens, target(h).admission.layout.ctx_per_slot) == (20_000, 8192)
     h = await make(pool_tokens=12_000)
-    assert target(h).layout.pool_tokens == 12_000  # config may narrow it
+    assert target(h).admission.layout.pool_tokens == 12_000  # config may narrow it
 
 
 async def test_preemptions_without_gateway_traffic_are_not_blamed(make: Any, vllm: FakeVllm
@@ -233,7 +233,7 @@ async def test_preemptions_without_gateway_traffic_are_not_blamed(make: Any, vll
     h = await make()
     vllm.preemptions += 5  # someone else's traffic, with nothing admitted here
     await target(h).discover()
-    assert target(h).layout.pool_tokens == 20_000
+    assert target(h).admission.layout.pool_tokens == 20_000
     assert sample(h, "gateway_backend_preemptions_total") == 0
 
 
@@ -311,7 +311,7 @@ async def test_a_failed_metrics_read_keeps_the_last_pool(make: Any, vllm: FakeVl
     h = await make()
     vllm.metrics_status = 500
     await target(h).discover()
-    assert target(h).layout.pool_tokens == 20_000
+    assert target(h).admission.layout.pool_tokens == 20_000
     r = await h.client.post("/v1/completions", json={
         "model": MODEL, "prompt": ids(3000), "max_tokens": 3000, "n": 3})
     assert r.status_code == 200
@@ -377,13 +377,13 @@ async def test_the_pool_penalty_recovers_and_a_restart_clears_it(make: Any, vllm
     vllm.blocks_used_elsewhere = 500
     await p10_requests("/v1/completions", h.client)
     await target(h).discover()
-    assert target(h).layout.pool_tokens == 18_000
+    assert target(h).admission.layout.pool_tokens == 18_000
     target(h).pool.penalized_at -= 301  # five quiet minutes later: half the penalty back
     await target(h).discover()
-    assert target(h).layout.pool_tokens == 19_000
+    assert target(h).admission.layout.pool_tokens == 19_000
     vllm.num_gpu_blocks = 2500  # restarted with a larger cache: the penalty is moot
     await target(h).discover()
-    assert target(h).layout.pool_tokens == 40_000
+    assert target(h).admission.layout.pool_tokens == 40_000
 
 
 async def test_routes_vllm_does_not_serve_here_are_404(make: Any, vllm: FakeVllm) -> None:

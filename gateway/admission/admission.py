@@ -19,14 +19,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
+from gateway.admission.forecast import WaitForecast
 from gateway.admission.lease import AdmissionStats, Lease
 from gateway.admission.live import GROWTH_HORIZON_S, LiveAccounting
-from gateway.admission.shared import Ask as SharedAsk
+from gateway.admission.pump import QueuedAsk, SharedPump
 from gateway.admission.shared import SharedAccount
-from gateway.admission.waitroom import Waiter, Waitroom, shed_error
-from gateway.clock import Clock, MonotonicClock, wait
+from gateway.admission.waitroom import Waitroom, shed_error
+from gateway.clock import Clock, MonotonicClock
 from gateway.core import capacity
 from gateway.core.capacity import Budget, Charge, Layout
 from gateway.core.fairness import Party
@@ -38,21 +38,9 @@ from gateway.errors import (
     QueueFull,
     QueueTimeout,
     QueueWaitPredicted,
-    StateUnavailable,
 )
 
 __all__ = ["GROWTH_HORIZON_S", "MIN_HISTORY", "Admission"]
-
-
-@dataclass(eq=False)
-class _Ask:
-    """What a waiter of a backend's queue asks for."""
-
-    charge: Charge
-    predicted: float | None = None  # the wait predicted when it queued
-    prefer: int | None = None  # the slot to take if it is free
-    ticket: str | None = None  # its id in the shared queue (shared state only)
-    front: bool = False
 
 
 def _never_fits(layout: Layout, charge: Charge) -> ContextLengthExceeded:
@@ -96,14 +84,19 @@ class Admission:
         (:class:`~gateway.admission.shared.SharedAccount`), or ``None``: this process
         alone reserves on the backend. When shared, every request queues and is granted
         by the shared queue's script, in arrival order over all processes
-        (:meth:`_pump`); the local budget is this process's part of it.
+        (:class:`~gateway.admission.pump.SharedPump`); the local budget is this process's
+        part of it.
 
-    Its size (about 350 lines, under 200 statements) is its public surface: the one
-    admission API of a backend that the target, the relay and the slot watch call (queue
-    and grant, Retry-After and wait forecasts, live accounting), each a few lines over its
-    part: :class:`~gateway.admission.waitroom.Waitroom`,
-    :class:`~gateway.core.slots.SlotMap`, :class:`~gateway.core.waits.WaitPredictor` and
-    :class:`~gateway.admission.live.LiveAccounting`.
+    It is the one admission API of a backend that the target, the relay and the slot
+    watch call (queue and grant, Retry-After and wait forecasts, live accounting), each a
+    few lines over its part: :class:`~gateway.admission.waitroom.Waitroom`,
+    :class:`~gateway.core.slots.SlotMap`,
+    :class:`~gateway.admission.forecast.WaitForecast`,
+    :class:`~gateway.admission.live.LiveAccounting` and, when shared,
+    :class:`~gateway.admission.pump.SharedPump`. It stays over the size the layering issue
+    aims at (about 400 lines, 205 statements; ``tests/test_relay_layout.py`` holds it
+    there) because that API is public and kept whole; what is left of its own is the
+    queue-and-grant logic (``try_admit``, ``admit``, ``release``, ``set_layout``).
     """
 
     def __init__(
@@ -130,11 +123,15 @@ class Admission:
         self._layout_changes = 0
         self._inflight = 0
         self._admitted = 0
-        self._room: Waitroom[_Ask, Lease] = Waitroom(
+        self._room: Waitroom[QueuedAsk, Lease] = Waitroom(
             self._clock, age_s=age_s, max_queue=max_queue, full=self._queue_full,
             give_back=self.release, on_leave=self._wake)
         self._active: dict[int, Lease] = {}  # leases in flight, by id
-        self._waits = WaitPredictor()
+        self._forecast = WaitForecast(
+            self._room, WaitPredictor(),
+            lambda: (self._layout, self._budget, self._active.values()),
+            lambda: self._max_wait_s,
+            self._clock)
         self._delayed: set[asyncio.Task[None]] = set()
         #: Which slot each pinned lease holds, least recently used free first.
         self.slots = SlotMap(layout.slots if layout else 0)
@@ -142,10 +139,10 @@ class Admission:
         # waiter leaving): the model queue of a fleet (gateway.fleet.pool) listens.
         self._listeners: list[Callable[[], None]] = []
         self._shared = shared
-        self._pump_task: asyncio.Task[None] | None = None
-        self._stirred = asyncio.Event()
-        if shared is not None:
-            shared.bind(self._shared_tickets, self._stir)
+        self._pump = None if shared is None else SharedPump(
+            shared, self._room, self.slots, lambda: self._layout,
+            lambda charge, waited_s, ids: self._grant(charge, waited_s=waited_s,
+                                                      shared_ids=ids), self._clock)
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` whenever room may have been made on this backend, after
@@ -238,51 +235,29 @@ class Admission:
     # -- waits and Retry-After (gateway.core.waits) ---------------------------------------
 
     def retry_after_s(self) -> float:
-        """Estimate when a request sent now could start, in seconds (1–60)
-        (:meth:`gateway.core.waits.WaitPredictor.retry_after_s` over this queue)."""
-        return self._waits.retry_after_s(len(self._room),
-                                         self._layout.slots if self._layout else 1)
+        """When a request sent now could start, seconds (1–60)
+        (:meth:`WaitForecast.retry_after_s`)."""
+        return self._forecast.retry_after_s()
 
     def record_duration(self, seconds: float, charge: Charge | None = None) -> None:
         """Record how long a served lease was held (feeds :meth:`retry_after_s`) and, with
         its charge, the seconds per token of output cap (feeds :meth:`predict_wait_s`)."""
-        self._waits.record_duration(seconds, charge)
+        self._forecast.waits.record_duration(seconds, charge)
 
     def predict_wait_s(self, charge: Charge, party: Party | None = None) -> float | None:
-        """How long ``charge`` would wait if it queued now, seconds; ``None`` until
-        :data:`MIN_HISTORY` served leases have been timed (or when it can never fit).
-
-        A replay of the queue on the capacity model
-        (:meth:`gateway.core.waits.WaitPredictor.replay`): the requests ahead, then this
-        one, each start at the first end of a lease after which they fit. The requests
-        ahead are those :class:`FairQueue` would admit before one of ``party`` (every
-        waiter, when all share one tenant and class).
-        """
-        ahead = self._room.ahead_of(party or Party(), charge.tokens)
-        return self._replay([*self._deadlines(ahead), (charge, None)])
+        """How long ``charge`` would wait if it queued now, seconds, or ``None``
+        (:meth:`WaitForecast.predict_wait_s`)."""
+        return self._forecast.predict_wait_s(charge, party)
 
     def queue_position(self, charge: Charge) -> int | None:
         """1 for the head of the queue; ``None`` when ``charge`` (this very object) is
         not waiting."""
-        return self._room.position(lambda ask: ask.charge is charge)
+        return self._forecast.queue_position(charge)
 
     def eta_s(self, charge: Charge) -> float | None:
-        """Seconds until the waiting ``charge`` is predicted to start (as
-        :meth:`predict_wait_s`, with only the requests ahead of it)."""
-        position = self.queue_position(charge)
-        if position is None:
-            return None
-        ahead = self._room.order()[:position - 1]
-        return self._replay([*self._deadlines(ahead), (charge, None)])
-
-    def _deadlines(self, waiters: list[Waiter[_Ask, Lease]]
-                   ) -> list[tuple[Charge, float | None]]:
-        return [(w.request.charge, w.deadline(self._max_wait_s)) for w in waiters]
-
-    def _replay(self, charges: list[tuple[Charge, float | None]]) -> float | None:
-        in_flight = [(lease.granted_at, lease.charge) for lease in self._active.values()]
-        return self._waits.replay(self._layout, self._budget, self._clock.now(), in_flight,
-                                  charges)
+        """Seconds until the waiting ``charge`` is predicted to start
+        (:meth:`WaitForecast.eta_s`)."""
+        return self._forecast.eta_s(charge)
 
     # -- the queue (gateway.admission.waitroom) -------------------------------------------
 
@@ -316,7 +291,7 @@ class Admission:
         if not capacity.fits_alone(layout, charge):
             raise _never_fits(layout, charge)
         if self._shared is not None:
-            return None  # the shared queue decides (:meth:`_pump`)
+            return None  # the shared queue decides (SharedPump)
         if (self._room and not front) or not self._fits(layout, charge):
             return None
         self._room.charge(party or Party(), charge.tokens)
@@ -354,7 +329,7 @@ class Admission:
                 f"The queue for this backend is full ({self._max_queue} waiting).",
                 self.retry_after_s()))
         ticket = None if self._shared is None else self._shared.store.new_id()
-        waiter = self._room.join(_Ask(charge, predicted, prefer, ticket, front), party,
+        waiter = self._room.join(QueuedAsk(charge, predicted, prefer, ticket, front), party,
                                  charge.tokens, front=front)
         if self._shared is not None or (self._room.head() is waiter and self._layout
                                         is not None and self._fits(self._layout, charge)):
@@ -389,7 +364,7 @@ class Admission:
         self._active.pop(id(lease), None)
         self._live.released(lease, now)
         if served:
-            self._waits.record_release(now)
+            self._forecast.waits.record_release(now)
         if self._shared is not None and lease.shared_id is not None:
             self._shared.release([lease.shared_id])
         self._wake()
@@ -437,8 +412,8 @@ class Admission:
 
     def _wake(self) -> None:
         layout = self._layout
-        if self._shared is not None:
-            self._stir()
+        if self._pump is not None:
+            self._pump.stir()
             for listener in self._listeners:
                 listener()
             return
@@ -453,82 +428,6 @@ class Admission:
             self._room.grant(waiter, lease)
         for listener in self._listeners:
             listener()
-
-    # -- the shared queue (gateway.admission.shared) ---------------------------------
-
-    def _shared_tickets(self) -> list[tuple[str, int]]:
-        """This admission's waiting tickets and their queue scores (the heartbeat
-        republishes them)."""
-        assert self._shared is not None
-        store = self._shared.store
-        return [(w.request.ticket, 0 if w.request.front else store.score_ms(w.since))
-                for w in self._room.order() if w.request.ticket is not None]
-
-    def _stir(self) -> None:
-        """Something may have changed in the shared queue: run :meth:`_pump` (or let the
-        one running look again at once)."""
-        self._stirred.set()
-        if self._pump_task is None or self._pump_task.done():
-            try:
-                self._pump_task = asyncio.get_running_loop().create_task(self._pump())
-            except RuntimeError:  # no loop running: nothing can be waiting
-                self._pump_task = None
-
-    async def _pump(self) -> None:
-        """Serve this admission's waiters from the shared queue: send their tickets to
-        :meth:`SharedAccount.grant <gateway.admission.shared.SharedAccount.grant>`, grant
-        those it granted, and wait for a notification (or ``poll_interval_s``) while the
-        others wait. Runs while any waits here (and once more after, to withdraw the
-        tickets of those who left). When Redis cannot be reached, every waiter here gets
-        :class:`~gateway.errors.StateUnavailable`."""
-        shared = self._shared
-        assert shared is not None
-        poll_s = shared.store.settings.poll_interval_s
-        sent = True
-        while self._room or sent:
-            self._stirred.clear()
-            layout = self._layout
-            waiters = list(self._room.order()) if layout is not None else []
-            asks = [SharedAsk(w.request.ticket, 0 if w.request.front
-                              else shared.store.score_ms(w.since), w.request.charge,
-                              w.request.prefer)
-                    for w in waiters if w.request.ticket is not None]
-            if layout is None:  # set_layout wakes it
-                return
-            try:
-                reply = await shared.grant(layout, asks, order=self.slots.free)
-            except StateUnavailable as exc:
-                for waiter in list(self._room):  # those who came during the call too
-                    self._room.fail(waiter, exc)
-                return
-            sent = bool(asks)
-            now = self._clock.now()
-            for waiter in waiters:
-                ask = waiter.request
-                ids = reply.granted.get(ask.ticket or "")
-                if ids is None:
-                    continue
-                if waiter.future.done():  # it left while the call ran
-                    shared.release([ask.ticket or ""])
-                    continue
-                lease = self._grant(ask.charge, waited_s=now - waiter.since,
-                                    shared_ids=(ask.ticket or "", ids))
-                lease.predicted_wait_s = ask.predicted
-                self._room.grant(waiter, lease)
-            if self._room and not reply.granted and not self._stirred.is_set():
-                # While Redis resyncs after a restart, look again each renewal.
-                await self._nap(shared.store.settings.renew_interval_s if reply.resyncing
-                                else poll_s)
-
-    async def _nap(self, seconds: float) -> None:
-        """Wait until stirred, or ``seconds`` at most."""
-        stirred = asyncio.ensure_future(self._stirred.wait())
-        try:
-            await wait(self._clock, stirred, seconds)
-        except TimeoutError:
-            pass
-        finally:
-            stirred.cancel()
 
     # -- live accounting (the predictive policy, gateway.admission.live) --------------
 

@@ -176,6 +176,28 @@ class Budget:
     busy_slots: int = 0
 
 
+def _room_per_slot(layout: Layout, prompt_tokens: int, n: int) -> int:
+    """Output tokens one slot leaves after the prompt (at least 1).
+
+    :raises ContextLengthExceeded: the prompt alone fills the slot.
+    :raises InvalidRequest: ``n`` is larger than the backend's slot count.
+    """
+    room = layout.usable_per_slot - prompt_tokens
+    if room < 1:
+        raise ContextLengthExceeded(
+            f"This request's prompt is {prompt_tokens} tokens, which leaves no room for output "
+            f"in a context of {layout.ctx_per_slot} tokens (at most {layout.usable_per_slot} "
+            f"usable, prompt + max_tokens). Shorten the prompt.",
+            param="messages",
+        )
+    if n > layout.slots:
+        raise InvalidRequest(
+            f"This request asks for {n} completions (n × prompts), each of which needs its "
+            f"own slot, but the backend has {layout.slots} slots.", param="n"
+        )
+    return room
+
+
 def plan_charge(
     layout: Layout,
     prompt_tokens: int,
@@ -199,19 +221,7 @@ def plan_charge(
         exceeds it under the ``reject`` policy; or the n reservations exceed the pool.
     :raises InvalidRequest: ``n`` is larger than the backend's slot count.
     """
-    room = layout.usable_per_slot - prompt_tokens
-    if room < 1:
-        raise ContextLengthExceeded(
-            f"This request's prompt is {prompt_tokens} tokens, which leaves no room for output "
-            f"in a context of {layout.ctx_per_slot} tokens (at most {layout.usable_per_slot} "
-            f"usable, prompt + max_tokens). Shorten the prompt.",
-            param="messages",
-        )
-    if n > layout.slots:
-        raise InvalidRequest(
-            f"This request asks for {n} completions (n × prompts), each of which needs its "
-            f"own slot, but the backend has {layout.slots} slots.", param="n"
-        )
+    room = _room_per_slot(layout, prompt_tokens, n)
     clamped = defaulted = False
     if requested_max_tokens is None:
         cap, defaulted = min(default_max_tokens, room), True

@@ -78,7 +78,7 @@ class Fleet:
     def start_discovery(self, backend: Target) -> None:
         """Run ``backend``'s discovery loop in the background (when discovering)."""
         if self.discovering:
-            self._discovery[id(backend)] = self.tasks.spawn(backend.run_discovery())
+            self._discovery[id(backend)] = self.tasks.spawn(backend.discovery.run())
 
     def build(self, entry: BackendSettings) -> Target:
         """A new backend for ``entry`` (not yet part of the fleet)."""
@@ -243,7 +243,7 @@ class Fleet:
             return found
         for backend in members:
             if not backend.ready:
-                backend.request_rediscovery()
+                backend.discovery.request()
         first = members[0]
         if len(members) == 1 and not first.ready:
             why = first.problem or "unreachable, loading, or its capacity is not known yet"

@@ -158,15 +158,15 @@ class LoneBackend:
     def check_room(self, party: Party | None = None) -> None:
         """Raise ``QueueFull`` at once when a new request could only queue
         (:meth:`gateway.admission.admission.Admission.check_queue_room`)."""
-        self.backend.check_queue_room(party)
+        self.backend.admission.check_queue_room(party)
 
     def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
                   party: Party | None = None, prefix: Prefix | None = None
                   ) -> tuple[Candidate, Lease] | None:
         """A lease now on the backend, or ``None`` (refused while others wait there)."""
         candidate = self._one(candidates)
-        lease = self.backend.try_admit(candidate.charge, party,
-                                       self.backend.slot_for(prefix))
+        lease = self.backend.admission.try_admit(
+            candidate.charge, party=party, prefer=self.backend.slot_for(prefix))
         return None if lease is None else (candidate, lease)
 
     async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
@@ -177,8 +177,8 @@ class LoneBackend:
         :raises GatewayError: as :meth:`gateway.admission.admission.Admission.admit`.
         """
         candidate = self._one(candidates)
-        lease = await self.backend.admit(candidate.charge, front=front, party=party,
-                                         prefer=self.backend.slot_for(prefix))
+        lease = await self.backend.admission.admit(
+            candidate.charge, front=front, party=party, prefer=self.backend.slot_for(prefix))
         return candidate, lease
 
     def backend_failed(self, backend: Target) -> float | None:
@@ -191,7 +191,9 @@ class LoneBackend:
 
     def progress(self, candidates: Sequence[Candidate]) -> tuple[int, float | None] | None:
         """Its place in the backend's queue and its predicted wait, seconds."""
-        return self.backend.queue_progress(self._one(candidates).charge)
+        charge, admission = self._one(candidates).charge, self.backend.admission
+        position = admission.queue_position(charge)
+        return None if position is None else (position, admission.eta_s(charge))
 
     def remember(self, key: str | None, backend: str) -> None:
         """Nothing to remember: there is no other backend to prefer."""
@@ -438,7 +440,7 @@ class ModelQueue:
     def _give_back(got: _Grant) -> None:
         """Release a lease granted to a waiter as it was leaving."""
         candidate, lease = got
-        candidate.backend.release(lease, served=False)
+        candidate.backend.admission.release(lease, served=False)
 
     def _full(self) -> QueueFull:
         return QueueFull(

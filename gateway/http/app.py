@@ -102,8 +102,27 @@ def create_app(
     :param redis_client: with ``[state] backend = "redis"``, the Redis client of the
         shared state (a ``redis.asyncio.Redis``); by default one on ``state.redis_url``.
     """
-    clock = clock or MonotonicClock()
-    registry = registry or CollectorRegistry()
+    state = _build_state(settings, http_client, registry or CollectorRegistry(),
+                         clock or MonotonicClock(), discover, redis_client)
+    app = FastAPI(
+        title="LLM admission gateway", lifespan=_lifespan, docs_url=None, redoc_url=None,
+        openapi_url=None, redirect_slashes=False,
+    )
+    app.state.gateway = state
+    direct = register_routes(app)
+    register_status(app, state)
+    app.add_middleware(RequestAccounting, metrics=state.metrics,
+                       keepalive_timeout_s=settings.server.keepalive_timeout_s,
+                       authenticate=authenticate, routes=direct,
+                       max_in_flight=settings.server.max_connections)
+    app.add_exception_handler(GatewayError, _render)  # type: ignore[arg-type]
+    return app
+
+
+def _build_state(settings: Settings, http_client: httpx.AsyncClient | None,
+                 registry: CollectorRegistry, clock: Clock, discover: bool,
+                 redis_client: Any) -> GatewayState:
+    """The gateway's state, each part built whole, in order (see :func:`create_app`)."""
     store: SharedStore | None = None
     metrics: GatewayMetrics | None = None
     if settings.state.backend is StateBackend.redis:
@@ -125,20 +144,7 @@ def create_app(
     state = GatewayState(settings, client, clock, fleet, Tenants(settings, shared=store),
                          metrics, tasks, shared=store)
     state.prime_metrics()
-
-    app = FastAPI(
-        title="LLM admission gateway", lifespan=_lifespan, docs_url=None, redoc_url=None,
-        openapi_url=None, redirect_slashes=False,
-    )
-    app.state.gateway = state
-    direct = register_routes(app)
-    register_status(app, state)
-    app.add_middleware(RequestAccounting, metrics=state.metrics,
-                       keepalive_timeout_s=settings.server.keepalive_timeout_s,
-                       authenticate=authenticate, routes=direct,
-                       max_in_flight=settings.server.max_connections)
-    app.add_exception_handler(GatewayError, _render)  # type: ignore[arg-type]
-    return app
+    return state
 
 
 def _target_factory(http_client: httpx.AsyncClient | None, clock: Clock,

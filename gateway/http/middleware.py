@@ -83,6 +83,21 @@ class _InternalError(GatewayError):
     code = "internal_error"
 
 
+def _check_headers(headers: list[tuple[bytes, bytes]]) -> None:
+    """Refuse a request with too many headers, or too many bytes of them.
+
+    :raises HeadersTooLarge: more than :data:`MAX_HEADERS` headers, or more than
+        :data:`MAX_HEADER_BYTES` bytes of names and values in all.
+    """
+    size = sum(len(k) + len(v) for k, v in headers)
+    if len(headers) > MAX_HEADERS or size > MAX_HEADER_BYTES:
+        raise HeadersTooLarge(
+            f"The request has {len(headers)} headers of {size} bytes in all; the "
+            f"gateway accepts at most {MAX_HEADERS} headers and {MAX_HEADER_BYTES} "
+            "bytes. Drop cookies and other headers the API does not need."
+        )
+
+
 class RequestAccounting:
     """ASGI middleware; see the module docstring.
 
@@ -135,14 +150,7 @@ class RequestAccounting:
 
         counted = False
         try:
-            headers = scope["headers"]
-            size = sum(len(k) + len(v) for k, v in headers)
-            if len(headers) > MAX_HEADERS or size > MAX_HEADER_BYTES:
-                raise HeadersTooLarge(
-                    f"The request has {len(headers)} headers of {size} bytes in all; the "
-                    f"gateway accepts at most {MAX_HEADERS} headers and {MAX_HEADER_BYTES} "
-                    "bytes. Drop cookies and other headers the API does not need."
-                )
+            _check_headers(scope["headers"])
             if self.authenticate is not None:
                 self.authenticate(scope)
             if self.max_in_flight is not None and scope["path"] not in _UNLIMITED:

@@ -27,7 +27,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
@@ -162,11 +162,7 @@ def serve_workers(settings: Settings, workers: int, *, host: str, port: int,
         raise ValueError("serve_workers needs at least 2 workers")
     if settings.state.backend.value != "redis":
         raise ValueError('--workers needs [state] backend = "redis"')
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(settings.server.max_connections)
-    sock.set_inheritable(True)
+    sock = _listening_socket(host, port, settings.server.max_connections)
     metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     ctx = multiprocessing.get_context("spawn")
@@ -183,22 +179,8 @@ def serve_workers(settings: Settings, workers: int, *, host: str, port: int,
     procs = [start(i) for i in range(workers)]
     log.info("serving on %s:%d with %d workers (pids %s)", host, port, workers,
              ", ".join(str(p.pid) for p in procs))
-    stopping = False
     try:
-        while any(p.is_alive() for p in procs) or not stopping:
-            while signals:
-                sig = signals.pop(0)
-                stopping = stopping or sig != signal.SIGHUP
-                for proc in procs:
-                    if proc.is_alive() and proc.pid is not None:
-                        os.kill(proc.pid, sig)
-            for i, proc in enumerate(procs):
-                if not stopping and not proc.is_alive():
-                    log.error("worker %d (pid %s) exited with status %s; starting it again",
-                              i, proc.pid, proc.exitcode)
-                    time.sleep(1.0)
-                    procs[i] = start(i)
-            time.sleep(0.2)
+        _supervise(procs, start, signals)
     finally:
         sock.close()
         for name in os.listdir(metrics_dir):
@@ -207,6 +189,39 @@ def serve_workers(settings: Settings, workers: int, *, host: str, port: int,
         with contextlib.suppress(OSError):
             os.rmdir(metrics_dir)
     return 0
+
+
+def _listening_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """A socket bound to ``host:port`` and listening, that the workers inherit."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _supervise(procs: list[multiprocessing.process.BaseProcess],
+               start: Callable[[int], multiprocessing.process.BaseProcess],
+               signals: list[int]) -> None:
+    """Pass each signal received (``signals``, appended by the handlers) on to every
+    worker; start again a worker that died while no stopping signal came. Returns once a
+    signal other than SIGHUP came and every worker has stopped."""
+    stopping = False
+    while any(p.is_alive() for p in procs) or not stopping:
+        while signals:
+            sig = signals.pop(0)
+            stopping = stopping or sig != signal.SIGHUP
+            for proc in procs:
+                if proc.is_alive() and proc.pid is not None:
+                    os.kill(proc.pid, sig)
+        for i, proc in enumerate(procs):
+            if not stopping and not proc.is_alive():
+                log.error("worker %d (pid %s) exited with status %s; starting it again",
+                          i, proc.pid, proc.exitcode)
+                time.sleep(1.0)
+                procs[i] = start(i)
+        time.sleep(0.2)
 
 
 def _worker_main(config_path: str | None, host: str, port: int, sock: socket.socket,

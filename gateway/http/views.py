@@ -48,7 +48,7 @@ def backend_facts(backend: Target, now: float, *, gateway_draining: bool = False
     ``/metrics`` gauges of the same backend; ``oldest_wait_s`` is how long the longest
     waiter of its own queue has waited.
     """
-    stats, layout = backend.stats(), backend.layout
+    stats, layout = backend.stats(), backend.admission.layout
     if retiring:  # whatever else it is: it takes no new requests and leaves soon
         state = "retiring"
     elif not backend.ready:

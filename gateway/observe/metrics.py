@@ -34,46 +34,50 @@ StatsSource = Callable[[], Iterable[tuple[str, AdmissionStats, bool]]]
 PoolSource = Callable[[], Iterable[tuple[str, int, int, float]]]
 
 
+#: The gauges read from each backend's AdmissionStats at scrape time, labelled
+#: ``backend``: name suffix -> (help, value).
+_BACKEND_GAUGES: dict[str, tuple[str, Callable[[AdmissionStats], float]]] = {
+    "queue_depth": ("Requests waiting in the admission queue.", lambda s: s.queued),
+    "queue_capacity": ("Requests the admission queue holds at most "
+                       "(admission.max_queue).", lambda s: s.queue_capacity),
+    "queue_oldest_wait_seconds": ("How long the request waiting longest in the "
+                                  "admission queue has waited so far.",
+                                  lambda s: s.oldest_wait_s),
+    "inflight_requests": ("Requests holding a lease (forwarded).", lambda s: s.inflight),
+    "kv_reserved_tokens": (
+        "KV tokens reserved by requests in flight (prompt + output cap, or under "
+        "the predictive policy prompt + predicted output).",
+        lambda s: s.reserved_tokens,
+    ),
+    "kv_live_tokens": (
+        "KV tokens the requests in flight hold now: prompt + tokens generated so "
+        "far for those followed live (predictive policy), the reservation for "
+        "the others.",
+        lambda s: s.live_tokens,
+    ),
+    "kv_capacity_tokens": (
+        "KV tokens the backend can hold: the unified pool, or slots x ctx_per_slot.",
+        lambda s: s.capacity_tokens,
+    ),
+    "slots": ("Slots of the backend (was gateway_slots_total, a gauge with a "
+              "counter's suffix).", lambda s: s.slots),
+    "slots_busy": ("Slots held by requests in flight.", lambda s: s.busy_slots),
+    "backend_ctx_per_slot": ("Context of one slot, tokens.", lambda s: s.ctx_per_slot),
+    "abandoned_reservations": (
+        "Reservations of abandoned requests held until /slots shows them ended.",
+        lambda s: s.abandoned_held,
+    ),
+}
+
+
 class _AdmissionCollector(Collector):
     def __init__(self, source: StatsSource, pools: PoolSource | None = None) -> None:
         self._source = source
         self._pools = pools
 
     def collect(self) -> Iterator[Metric]:
-        families = {
-            "queue_depth": ("Requests waiting in the admission queue.", lambda s: s.queued),
-            "queue_capacity": ("Requests the admission queue holds at most "
-                               "(admission.max_queue).", lambda s: s.queue_capacity),
-            "queue_oldest_wait_seconds": ("How long the request waiting longest in the "
-                                          "admission queue has waited so far.",
-                                          lambda s: s.oldest_wait_s),
-            "inflight_requests": ("Requests holding a lease (forwarded).", lambda s: s.inflight),
-            "kv_reserved_tokens": (
-                "KV tokens reserved by requests in flight (prompt + output cap, or under "
-                "the predictive policy prompt + predicted output).",
-                lambda s: s.reserved_tokens,
-            ),
-            "kv_live_tokens": (
-                "KV tokens the requests in flight hold now: prompt + tokens generated so "
-                "far for those followed live (predictive policy), the reservation for "
-                "the others.",
-                lambda s: s.live_tokens,
-            ),
-            "kv_capacity_tokens": (
-                "KV tokens the backend can hold: the unified pool, or slots x ctx_per_slot.",
-                lambda s: s.capacity_tokens,
-            ),
-            "slots": ("Slots of the backend (was gateway_slots_total, a gauge with a "
-                      "counter's suffix).", lambda s: s.slots),
-            "slots_busy": ("Slots held by requests in flight.", lambda s: s.busy_slots),
-            "backend_ctx_per_slot": ("Context of one slot, tokens.", lambda s: s.ctx_per_slot),
-            "abandoned_reservations": (
-                "Reservations of abandoned requests held until /slots shows them ended.",
-                lambda s: s.abandoned_held,
-            ),
-        }
         rows = list(self._source())
-        for suffix, (doc, get) in families.items():
+        for suffix, (doc, get) in _BACKEND_GAUGES.items():
             fam = GaugeMetricFamily(f"gateway_{suffix}", doc, labels=["backend"])
             for name, stats, _ready in rows:
                 fam.add_metric([name], float(get(stats)))
@@ -186,29 +190,46 @@ class GatewayMetrics:
         # Read at scrape time from this process (gauges of the admission state).
         self._live: list[Collector] = [_AdmissionCollector(stats_source, pool_source)]
         self._scrape: CollectorRegistry | None = None
+        self._register_state(registry, state_up)
+        self._register_answers(registry)
+        self._register_timings(registry)
+        self._register_tokens(registry)
+        self._register_scheduling(registry)
+        for collector in self._live:
+            registry.register(collector)
+
+    def _register_state(self, registry: CollectorRegistry,
+                        state_up: Callable[[], bool] | None) -> None:
+        """The shared state's calls, latency and expiries, and its ``gateway_state_up``
+        collector (only with ``state_up``; else the attributes are ``None``)."""
         self.state_ops: Counter | None = None
         self.state_latency: Histogram | None = None
         self.state_expiries: Counter | None = None
-        if state_up is not None:
-            self.state_ops = Counter(
-                "gateway_state_ops", "Calls to the shared admission state (Redis), by op "
-                "(grant, renew, release, close) and outcome (ok, error).",
-                ["op", "outcome"], registry=registry)
-            self.state_latency = Histogram(
-                "gateway_state_latency_seconds", "Time of one call to the shared admission "
-                "state, seconds.", ["op"], registry=registry,
-                buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
-            self.state_expiries = Counter(
-                "gateway_state_lease_expiries", "Leases and queued requests of other "
-                "gateway processes dropped because their owner stopped renewing (died): "
-                "reason owner_lost; renewed_late when this process renewed too late and "
-                "found its own leases taken for dead.", ["reason"], registry=registry)
-            self.state_expiries.labels("owner_lost")
-            self.state_expiries.labels("renewed_late")
-            for op in ("grant", "renew", "release"):
-                for outcome in ("ok", "error"):
-                    self.state_ops.labels(op, outcome)
-            self._live.append(_StateCollector(state_up))
+        if state_up is None:
+            return
+        self.state_ops = Counter(
+            "gateway_state_ops", "Calls to the shared admission state (Redis), by op "
+            "(grant, renew, release, close) and outcome (ok, error).",
+            ["op", "outcome"], registry=registry)
+        self.state_latency = Histogram(
+            "gateway_state_latency_seconds", "Time of one call to the shared admission "
+            "state, seconds.", ["op"], registry=registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+        self.state_expiries = Counter(
+            "gateway_state_lease_expiries", "Leases and queued requests of other "
+            "gateway processes dropped because their owner stopped renewing (died): "
+            "reason owner_lost; renewed_late when this process renewed too late and "
+            "found its own leases taken for dead.", ["reason"], registry=registry)
+        self.state_expiries.labels("owner_lost")
+        self.state_expiries.labels("renewed_late")
+        for op in ("grant", "renew", "release"):
+            for outcome in ("ok", "error"):
+                self.state_ops.labels(op, outcome)
+        self._live.append(_StateCollector(state_up))
+
+    def _register_answers(self, registry: CollectorRegistry) -> None:
+        """What became of requests: statuses, the gateway's own answers, backend
+        failures, where counts came from, max_tokens defaults and clamps."""
         self.requests = Counter(
             "gateway_requests", "Requests answered, by final HTTP status (tenant and "
             "priority \"none\" before they are known, as for a 401).",
@@ -242,6 +263,9 @@ class GatewayMetrics:
             "Requests that clients marked as retries (x-stainless-retry-count > 0).",
             ["attempt"], registry=registry,
         )
+
+    def _register_timings(self, registry: CollectorRegistry) -> None:
+        """Waits and latencies, seconds."""
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds", "Time from arrival to admission (a tenant's "
             "gate included).",
@@ -265,6 +289,9 @@ class GatewayMetrics:
             "gateway_request_duration_seconds", "Time from arrival to the end of the response.",
             ["backend"], buckets=_LATENCY_BUCKETS, registry=registry,
         )
+
+    def _register_tokens(self, registry: CollectorRegistry) -> None:
+        """Tokens per request and per tenant, and the quality of the prompt estimates."""
         self.prompt_tokens = Histogram(
             "gateway_prompt_tokens", "Prompt tokens per request (backend usage when given).",
             ["backend", "tenant", "priority"], buckets=_TOKEN_BUCKETS, registry=registry,
@@ -290,6 +317,15 @@ class GatewayMetrics:
             "(the backend probably dropped part of the prompt).",
             ["backend"], registry=registry,
         )
+        self.tenant_tokens = Counter(
+            "gateway_tenant_tokens",
+            "Tokens served per tenant, as its tokens_per_minute counts them: kind=prompt "
+            "(the gateway's count) or completion (the backend's usage).",
+            ["tenant", "kind"], registry=registry,
+        )
+
+    def _register_scheduling(self, registry: CollectorRegistry) -> None:
+        """Preemptions, resumes, routing decisions and failovers."""
         self.preemptions = Counter(
             "gateway_preemptions",
             "Requests the gateway cut short to resume later (predictive policy): "
@@ -318,14 +354,6 @@ class GatewayMetrics:
             "byte reached the client.",
             ["model"], registry=registry,
         )
-        self.tenant_tokens = Counter(
-            "gateway_tenant_tokens",
-            "Tokens served per tenant, as its tokens_per_minute counts them: kind=prompt "
-            "(the gateway's count) or completion (the backend's usage).",
-            ["tenant", "kind"], registry=registry,
-        )
-        for collector in self._live:
-            registry.register(collector)
 
     def scrape_registry(self) -> CollectorRegistry:
         """The registry ``/metrics`` renders: :attr:`registry`, or, under

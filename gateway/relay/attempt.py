@@ -157,7 +157,7 @@ def upstream_request_for(x: Exchange, lease: Lease | None) -> httpx.Request:
         # The server closes the connection after a chunked answer despite announcing
         # keep-alive; reusing that pooled connection would fail the next request.
         headers.append((b"connection", b"close"))
-    body = x.body if lease is None else x.backend.pin(x.body, lease)
+    body = x.body if lease is None else x.backend.dialect.pin(x.body, lease)
     return upstream_request("POST", x.backend.route_url(x.route), headers=headers,
                             content=json_bytes(body), timeout=x.backend.timeout)
 

@@ -144,7 +144,7 @@ class Follower:
         headers.append((b"connection", b"close"))  # see attempt.upstream_request_for
         request = upstream_request(
             "POST", x.backend.route_url(x.route), headers=headers,
-            content=json_bytes(x.backend.pin(self._upstream_body(), self.lease)),
+            content=json_bytes(x.backend.dialect.pin(self._upstream_body(), self.lease)),
             timeout=x.backend.timeout)
         try:
             with map_upstream_errors(name):
@@ -168,7 +168,7 @@ class Follower:
             return None
         tries.now.began(stream=True)
         if resp.status_code < 500:
-            x.backend.request_served()  # a probe that succeeds brings the backend back
+            x.backend.health.request_served()  # a probe that succeeds brings the backend back
         try:
             if resp.status_code >= 400 or not resp.headers.get(
                     "content-type", "").startswith("text/event-stream"):
@@ -286,7 +286,7 @@ class Follower:
         """An error event: an overflow is resumed from; anything else ends the answer."""
         x = self.parts.x
         name = x.backend.name
-        if x.backend.is_overflow_event(obj):
+        if x.backend.dialect.is_overflow_event(obj):
             self._overflowed()
             x.backend.upstream_failed("context_overflow", live_tokens=self._live())
             return OVERFLOW

@@ -129,7 +129,7 @@ class PlainRelay:
             streaming = x.stream and resp.status_code < 400 and (
                 ctype.startswith("text/event-stream") or ndjson)
             if resp.status_code < 500 and not streaming:
-                x.backend.request_served()  # a stream: once its first event comes
+                x.backend.health.request_served()  # a stream: once its first event comes
             if streaming:
                 stream = self.stream = StreamRelay(parts, send, resp, ndjson=ndjson)
                 await watcher.race(stream.run())

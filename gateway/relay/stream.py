@@ -100,7 +100,7 @@ class StreamRelay:
         x.status = self.resp.status_code
         splitter = EventSplitter(lines=self.ndjson)
         state = StreamInspector(x.spec, x.api, x.charge.n, x.client_wants_usage,
-                                x.backend.is_overflow_event, ndjson=self.ndjson)
+                                x.backend.dialect.is_overflow_event, ndjson=self.ndjson)
         times = TokenTimes()
         chunks = self.resp.aiter_raw()
         try:
@@ -148,7 +148,7 @@ class StreamRelay:
     async def _emit(self, data: bytes) -> None:
         if not self.opened:
             self.opened = True
-            self.parts.x.backend.request_served()
+            self.parts.x.backend.health.request_served()
             self.emitted = True
             await self.send(self.start)
         await self.send(body_message(data))

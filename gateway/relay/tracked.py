@@ -159,8 +159,8 @@ class TrackedRelay:
                 lease = await self.parts.admitter.wait(watcher, progress, front=True,
                                                        prefer=slot)
             else:
-                lease = await watcher.race(x.backend.admit(charge, front=True, prefer=slot,
-                                                           party=x.party))
+                lease = await watcher.race(x.backend.admission.admit(
+                    charge, front=True, prefer=slot, party=x.party))
         except ClientDisconnected:
             m.resumes.labels(name, "client_gone").inc()
             x.status = 499
@@ -193,7 +193,7 @@ class TrackedRelay:
         :raises GatewayError: the backend could not be reached to count it.
         """
         x = self.parts.x
-        layout = x.backend.layout
+        layout = x.backend.admission.layout
         counted = None
         try:
             counted = await x.backend.count_prompt(x.route, body)
@@ -211,4 +211,4 @@ class TrackedRelay:
             if name in body:
                 body[name] = left
         return replace(x.charge, prompt_tokens=counted, max_tokens=left,
-                       predicted=x.backend.predicted_output(left), clamped=False)
+                       predicted=x.backend.lengths.predict(left), clamped=False)

@@ -98,7 +98,7 @@ class Tries:
         """
         x = self.x
         if served:
-            x.backend.record_duration(self.clock.now() - held_since, x.charge)
+            x.backend.admission.record_duration(self.clock.now() - held_since, x.charge)
         attempt = self.current
         if attempt is not None and attempt.abandoned:
             # The gateway left before the backend finished (client gone, timeout,
@@ -106,10 +106,10 @@ class Tries:
             # keep the reservation until it is seen to end (gateway.admission.slotwatch).
             # An upstream request still waiting for its answer is handed on open, so
             # that the backend cannot drop it unseen and start it later.
-            x.backend.release_abandoned(
+            x.backend.slot_watch.hold(
                 lease, ticket_for(x, lease, self.clock.now()), served=served,
                 pending=attempt.pending, stream=stream, launched=attempt.launched,
                 quick=quick,
             )
         else:
-            x.backend.release(lease, served=served)
+            x.backend.admission.release(lease, served=served)

@@ -111,7 +111,7 @@ class UsageBook:
                 self.completion = (self.completion or 0) + completion
                 self.metrics.completion_tokens.labels(name, *who).observe(completion)
                 if self.x.spec.predicts_output:
-                    self.x.backend.record_completion(completion // max(1, self.x.charge.n))
+                    self.x.backend.lengths.record(completion // max(1, self.x.charge.n))
             reported = usage.get("prompt_tokens")
             if isinstance(reported, int):
                 if reported > prompt and not self.x.spec.sums_usage:

@@ -131,8 +131,8 @@ class Exchange:
         coming back to be continued, or an overflowed one restarted. Not through the
         admit path, which would pick a backend; raises as
         :meth:`gateway.admission.admission.Admission.admit`."""
-        return await self.backend.admit(self.charge, front=front, prefer=prefer,
-                                        party=self.party)
+        return await self.backend.admission.admit(self.charge, front=front, prefer=prefer,
+                                                  party=self.party)
 
     def queue_progress(self) -> tuple[int, float | None] | None:
         """While waiting: the place in the queue (1 = next) and predicted seconds

@@ -256,8 +256,8 @@ def _count_sdk_retry(state: Planning, request: Request) -> None:
 
 def require_ready(backend: Target) -> None:
     """Raise ``BackendNotReady`` (503) while the backend's capacity is not known."""
-    if backend.layout is None or not backend.ready:
-        backend.request_rediscovery()
+    if backend.admission.layout is None or not backend.ready:
+        backend.discovery.request()
         why = backend.problem or "unreachable, loading, or its capacity is not known yet"
         raise BackendNotReady(
             f"Backend {backend.name!r} is not ready ({why}); retry after the Retry-After "
@@ -351,7 +351,7 @@ def _route(state: Planning, record: AccessRecord, req: ParsedRequest, route: str
     backends = state.fleet.usable(members)
     counter = backends[0]
     record.backend = counter.name
-    counter.check_request(req)
+    counter.dialect.check_request(req)
     queue = state.fleet.queue_for(members, state.count_route)
     path: AdmitPath = queue if queue is not None else LoneBackend(counter)
     path.check_room(party)
@@ -496,7 +496,7 @@ async def _count_on_one(state: Planning, record: AccessRecord, req: ParsedReques
 
 
 def _slot_of(backend: Target) -> int:
-    layout = backend.layout
+    layout = backend.admission.layout
     return layout.usable_per_slot if layout is not None else 0
 
 
@@ -506,7 +506,7 @@ def _check_shape(backend: Target, req: ParsedRequest, route: str, batch: int) ->
     :raises InvalidRequest: more completions than the backend has slots.
     :raises ContextLengthExceeded: the prompt is surely longer than a slot.
     """
-    layout = backend.layout
+    layout = backend.admission.layout
     assert layout is not None
     if req.queued_batch:  # the backend queues the items beyond its slots itself
         batch = min(batch, layout.slots)
@@ -539,7 +539,7 @@ def _plan(state: Planning, backend: Target, req: ParsedRequest, route: str,
 
     :raises ContextLengthExceeded: it can never fit one of the backend's slots.
     """
-    layout = backend.layout
+    layout = backend.admission.layout
     assert layout is not None
     if req.queued_batch:
         batch = min(batch, layout.slots)
@@ -559,7 +559,7 @@ def _plan(state: Planning, backend: Target, req: ParsedRequest, route: str,
     ), pinnable=batch == 1 and not req.queued_batch
         and route not in backend.dialect.unpinned_routes)
     if tracked:
-        charge = replace(charge, predicted=backend.predicted_output(charge.max_tokens))
+        charge = replace(charge, predicted=backend.lengths.predict(charge.max_tokens))
     body, tag = backend.prepare(req, charge)
     return Candidate(backend, charge, _upstream_model(backend, body), tag, tracked)
 

@@ -1,0 +1,143 @@
+"""The shared queue's side of one backend's admission (``[state] backend = "redis"``).
+
+When several gateway processes share a backend, every request of this process queues in
+its :class:`~gateway.admission.waitroom.Waitroom` with a ticket in the shared queue
+(:mod:`gateway.admission.shared`), and :class:`SharedPump` grants them: it sends the
+tickets to the shared queue's script, grants locally those it granted, and waits for a
+notification (or ``poll_interval_s``) while the others wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.admission.lease import Lease
+from gateway.admission.shared import Ask as SharedAsk
+from gateway.admission.shared import SharedAccount
+from gateway.admission.waitroom import Waiter, Waitroom
+from gateway.clock import Clock, wait
+from gateway.core.capacity import Charge, Layout
+from gateway.core.slots import SlotMap
+from gateway.errors import StateUnavailable
+
+__all__ = ["QueuedAsk", "SharedPump"]
+
+
+@dataclass(eq=False)
+class QueuedAsk:
+    """What a waiter of a backend's queue asks for."""
+
+    charge: Charge
+    predicted: float | None = None  # the wait predicted when it queued
+    prefer: int | None = None  # the slot to take if it is free
+    ticket: str | None = None  # its id in the shared queue (shared state only)
+    front: bool = False
+
+
+#: Grants a lease locally on slots the shared script chose:
+#: ``grant(charge, waited_s, (lease id, slot ids))``.
+Grant = Callable[[Charge, float, tuple[str, tuple[int, ...]]], Lease]
+
+
+class SharedPump:
+    """Serves one backend's waiters from the shared queue, in arrival order over every
+    process.
+
+    :param shared: the backend's budget shared with the other processes.
+    :param room: the admission's waiting room (the waiters with a ticket are served).
+    :param slots: the admission's slot map (its free order is sent to the script).
+    :param layout: the admission's current layout (``None``: unknown, nothing granted).
+    :param grant: reserves locally what the script granted.
+    :param clock: the injected time source (its naps between polls).
+    """
+
+    def __init__(self, shared: SharedAccount, room: Waitroom[QueuedAsk, Lease],
+                 slots: SlotMap, layout: Callable[[], Layout | None], grant: Grant,
+                 clock: Clock) -> None:
+        self.shared = shared
+        self._room = room
+        self._slots = slots
+        self._layout = layout
+        self._grant = grant
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+        self._stirred = asyncio.Event()
+        shared.bind(self.tickets, self.stir)
+
+    def tickets(self) -> list[tuple[str, int]]:
+        """The waiting tickets here and their queue scores (the heartbeat republishes
+        them)."""
+        return [(w.request.ticket, self._score(w)) for w in self._room.order()
+                if w.request.ticket is not None]
+
+    def stir(self) -> None:
+        """Something may have changed in the shared queue: run the pump (or let the one
+        running look again at once)."""
+        self._stirred.set()
+        if self._task is None or self._task.done():
+            try:
+                self._task = asyncio.get_running_loop().create_task(self._run())
+            except RuntimeError:  # no loop running: nothing can be waiting
+                self._task = None
+
+    def _score(self, waiter: Waiter[QueuedAsk, Lease]) -> int:
+        return 0 if waiter.request.front else self.shared.store.score_ms(waiter.since)
+
+    async def _run(self) -> None:
+        """Send the tickets to :meth:`SharedAccount.grant
+        <gateway.admission.shared.SharedAccount.grant>`, grant those it granted, and nap
+        while the others wait. Runs while any waits here (and once more after, to
+        withdraw the tickets of those who left). When Redis cannot be reached, every
+        waiter here gets :class:`~gateway.errors.StateUnavailable`."""
+        settings = self.shared.store.settings
+        sent = True
+        while self._room or sent:
+            self._stirred.clear()
+            layout = self._layout()
+            if layout is None:  # set_layout stirs it
+                return
+            waiters = list(self._room.order())
+            asks = [SharedAsk(w.request.ticket, self._score(w), w.request.charge,
+                              w.request.prefer)
+                    for w in waiters if w.request.ticket is not None]
+            try:
+                reply = await self.shared.grant(layout, asks, order=self._slots.free)
+            except StateUnavailable as exc:
+                for waiter in list(self._room):  # those who came during the call too
+                    self._room.fail(waiter, exc)
+                return
+            sent = bool(asks)
+            self._hand_out(waiters, reply.granted)
+            if self._room and not reply.granted and not self._stirred.is_set():
+                # While Redis resyncs after a restart, look again each renewal.
+                await self._nap(settings.renew_interval_s if reply.resyncing
+                                else settings.poll_interval_s)
+
+    def _hand_out(self, waiters: list[Waiter[QueuedAsk, Lease]],
+                  granted: dict[str, tuple[int, ...]]) -> None:
+        """Grant the waiters whose tickets the script granted (slot ids by ticket); give
+        back at once the grants of those who left while the call ran."""
+        now = self._clock.now()
+        for waiter in waiters:
+            ask = waiter.request
+            ids = granted.get(ask.ticket or "")
+            if ids is None:
+                continue
+            if waiter.future.done():  # it left while the call ran
+                self.shared.release([ask.ticket or ""])
+                continue
+            lease = self._grant(ask.charge, now - waiter.since, (ask.ticket or "", ids))
+            lease.predicted_wait_s = ask.predicted
+            self._room.grant(waiter, lease)
+
+    async def _nap(self, seconds: float) -> None:
+        """Wait until stirred, or ``seconds`` at most."""
+        stirred = asyncio.ensure_future(self._stirred.wait())
+        try:
+            await wait(self._clock, stirred, seconds)
+        except TimeoutError:
+            pass
+        finally:
+            stirred.cancel()
