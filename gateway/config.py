@@ -440,6 +440,12 @@ class StateSettings(_Strict):
     # Longest wait for one Redis call, seconds; past it the request gets 503
     # state_unavailable.
     op_timeout_s: float = Field(1.0, gt=0)
+    # With Redis unreachable: "refuse" answers 503 state_unavailable; "local" admits
+    # against 1/N of each backend, N the most processes seen alive (or `replicas`, when
+    # larger). The risk of "local": more processes than N (one started during the
+    # outage) overflow the backend.
+    on_unavailable: Literal["refuse", "local"] = "refuse"
+    replicas: int = Field(0, ge=0)
     # A waiting request looks at the shared queue again at least this often, seconds,
     # even when no notification came (notifications are pub/sub, which may drop one).
     poll_interval_s: float = Field(0.5, gt=0)

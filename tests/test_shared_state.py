@@ -341,3 +341,25 @@ def test_check_config_masks_the_redis_password(tmp_path: Any) -> None:
     assert "s3cret" not in done.stdout + done.stderr
     shown = json.loads(done.stdout)["state"]["redis_url"]
     assert shown == "redis://user:**********@127.0.0.1:6399/0"
+
+
+async def test_redis_lost_with_a_local_fallback_admits_a_share(redis_server: Any) -> None:
+    async with Proc(redis_server.url, "A", on_unavailable="local", replicas=2) as a:
+        await asyncio.wait_for(a.admission.admit(Charge(1, 1)), 3)  # learns the layout
+        for lease in list(a.admission._active.values()):
+            a.admission.release(lease)
+        redis_server.stop()
+        # Half the pool (1,024 tokens) and two of the four slots are this process's.
+        first = await asyncio.wait_for(a.admission.admit(Charge(100, 800)), 3)
+        assert a.store.up is False
+        with pytest.raises(TimeoutError):  # 900 more would pass its half
+            await asyncio.wait_for(a.admission.admit(Charge(100, 800)), 1.0)
+        small = await asyncio.wait_for(a.admission.admit(Charge(10, 10)), 3)
+        redis_server.start()
+        # Once Redis answers, the heartbeat publishes what was granted alone.
+        deadline = asyncio.get_running_loop().time() + 5
+        while (await shared_sums(redis_server.url)) != (920, 2):
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.1)
+        a.admission.release(first)
+        a.admission.release(small)

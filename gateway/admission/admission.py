@@ -142,7 +142,8 @@ class Admission:
         self._pump = None if shared is None else SharedPump(
             shared, self._room, self.slots, lambda: self._layout,
             lambda charge, waited_s, ids: self._grant(charge, waited_s=waited_s,
-                                                      shared_ids=ids), self._clock)
+                                                      shared_ids=ids), self._clock,
+            budget=lambda: self._budget)
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` whenever room may have been made on this backend, after

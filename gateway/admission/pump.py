@@ -18,7 +18,7 @@ from gateway.admission.shared import Ask as SharedAsk
 from gateway.admission.shared import SharedAccount
 from gateway.admission.waitroom import Waiter, Waitroom
 from gateway.clock import Clock, wait
-from gateway.core.capacity import Charge, Layout
+from gateway.core.capacity import Budget, Charge, Layout
 from gateway.core.slots import SlotMap
 from gateway.errors import StateUnavailable
 
@@ -51,12 +51,16 @@ class SharedPump:
     :param layout: the admission's current layout (``None``: unknown, nothing granted).
     :param grant: reserves locally what the script granted.
     :param clock: the injected time source (its naps between polls).
+    :param budget: what this process holds on the backend: with ``[state] on_unavailable
+        = "local"``, while Redis cannot be reached, waiters are granted against
+        ``1/N`` of the backend (:meth:`_grant_alone`).
     """
 
     def __init__(self, shared: SharedAccount, room: Waitroom[QueuedAsk, Lease],
                  slots: SlotMap, layout: Callable[[], Layout | None], grant: Grant,
-                 clock: Clock) -> None:
+                 clock: Clock, budget: Callable[[], Budget] | None = None) -> None:
         self.shared = shared
+        self._budget = budget
         self._room = room
         self._slots = slots
         self._layout = layout
@@ -105,6 +109,12 @@ class SharedPump:
             try:
                 reply = await self.shared.grant(layout, asks, order=self._slots.free)
             except StateUnavailable as exc:
+                if settings.on_unavailable == "local" and self._budget is not None:
+                    sent = False  # nothing to withdraw now; the heartbeat heals later
+                    self._grant_alone(layout)
+                    if self._room:
+                        await self._nap(settings.poll_interval_s)
+                    continue
                 for waiter in list(self._room):  # those who came during the call too
                     self._room.fail(waiter, exc)
                 return
@@ -131,6 +141,40 @@ class SharedPump:
             lease = self._grant(ask.charge, now - waiter.since, (ask.ticket or "", ids))
             lease.predicted_wait_s = ask.predicted
             self._room.grant(waiter, lease)
+
+    def _grant_alone(self, layout: Layout) -> None:
+        """Redis cannot be reached and ``[state] on_unavailable = "local"``: grant the
+        waiters here, in order, while this process's own reservations fit its part of
+        the backend, ``1/N`` of its tokens and slots, N being the most processes seen
+        alive (or ``[state] replicas``, when larger). Each lease is recorded as this
+        process's, so the heartbeat publishes it when Redis is back. The risk, which the
+        operator accepts: a process started during the outage, or a split larger than
+        the one seen, overflows the backend."""
+        assert self._budget is not None
+        store = self.shared.store
+        parts = max(1, store.settings.replicas, len(store.processes))
+        tokens, slots = layout.capacity_tokens // parts, max(1, layout.slots // parts)
+        now = self._clock.now()
+        while (waiter := self._room.head()) is not None:
+            ask, budget = waiter.request, self._budget()
+            c = ask.charge
+            if (budget.reserved_tokens + c.tokens > tokens
+                    or budget.busy_slots + c.slots > slots):
+                return
+            ids = self._free_slots(c, ask.prefer)
+            lease = self._grant(c, now - waiter.since, (ask.ticket or "", ids))
+            lease.predicted_wait_s = ask.predicted
+            self.shared.hold_alone(ask.ticket or "", c, ids)
+            self._room.grant(waiter, lease)
+
+    def _free_slots(self, charge: Charge, prefer: int | None) -> tuple[int, ...]:
+        """Slots as :meth:`gateway.core.slots.SlotMap.pick` would choose them, without
+        taking them (the grant takes them)."""
+        free = list(self._slots.free)
+        if not charge.pinnable or self._slots.unpinned or not free:
+            return ()
+        first = prefer if prefer in free else free[0]
+        return (first, *sorted(i for i in free if i != first)[:charge.slots - 1])
 
     async def _nap(self, seconds: float) -> None:
         """Wait until stirred, or ``seconds`` at most."""

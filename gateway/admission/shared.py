@@ -679,6 +679,13 @@ class SharedAccount:
             self.leases[ticket] = f"{owner}|{c.tokens}|{c.slots}|{','.join(map(str, ids))}"
         return reply
 
+    def hold_alone(self, lease_id: str, charge: Charge, slot_ids: tuple[int, ...]) -> None:
+        """Record a lease granted without Redis (``on_unavailable = "local"``): the
+        heartbeat publishes it once Redis answers again."""
+        owner = self.store.owner
+        self.leases[lease_id] = (f"{owner}|{charge.tokens}|{charge.slots}|"
+                                 f"{','.join(map(str, slot_ids))}")
+
     def release(self, ids: Iterable[str]) -> None:
         """Give back leases of this process (in the background)."""
         gone = [i for i in ids if self.leases.pop(i, None) is not None]
