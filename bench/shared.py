@@ -40,7 +40,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from bench import (  # noqa: E402
     stream_answer,
     wait_http,
 )
+from gateway.dev.redisserver import RedisServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")
@@ -70,46 +70,13 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 # -- processes: Redis, the upstream, gateways, and their CPU time ------------------------
 
-@dataclass
-class Redis:
-    """A ``redis-server`` on a free loopback port, with no persistence."""
-
-    workdir: str
-    port: int = 0
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> Redis:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("redis-server is not installed (.ci/run installs it)")
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.workdir, "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(200):
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.02)
-        raise SystemExit(f"redis-server did not start on port {self.port}")
+class Redis(RedisServer):
+    """gateway.dev.redisserver's server, with a synchronous client for the bench."""
 
     def client(self) -> Any:
         import redis
 
         return redis.Redis(port=self.port)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
 
 
 def run_upstream(port: int, slots: int) -> None:

@@ -129,9 +129,9 @@ async def harness(harness_factory: Callable[..., Any]) -> Harness:
 @pytest.fixture
 def redis_server(tmp_path: Any) -> Any:
     """A real redis-server on loopback (tests/realredis.py), stopped afterwards."""
-    from tests.realredis import RedisServer
+    from tests.realredis import start_redis
 
-    server = RedisServer(tmp_path).start()
+    server = start_redis(tmp_path)
     try:
         yield server
     finally:
