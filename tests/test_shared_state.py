@@ -135,19 +135,22 @@ async def test_slots_are_never_held_twice(procs: tuple[Proc, Proc]) -> None:
 
 
 async def test_a_dead_process_gives_back_its_capacity(redis_server: Any) -> None:
-    async with Proc(redis_server.url, "B") as b:
-        a = Proc(redis_server.url, "A")
+    # (Under load a wake-up may come late: the poll, 1 s here, bounds the wait.)
+    async with Proc(redis_server.url, "B", poll_interval_s=1.0) as b:
+        a = Proc(redis_server.url, "A", poll_interval_s=1.0)
         await a.store.start()
         await asyncio.wait_for(a.admission.admit(Charge(100, 1500)), 2)
-        # A dies: its heartbeat stops, nothing is released (kill -9).
+        # A dies: its heartbeat stops, nothing is released (kill -9). (_running too: on
+        # Python 3.11 a cancellation that meets a finished wait_for may be swallowed.)
+        a.store._running = False
         for task in list(a.store._tasks):
             task.cancel()
         loop = asyncio.get_running_loop()
         started = loop.time()
-        lease = await asyncio.wait_for(b.admission.admit(Charge(100, 1500)), 5)
+        lease = await asyncio.wait_for(b.admission.admit(Charge(100, 1500)), 10)
         waited = loop.time() - started
         # Not before the TTL (0.8 s), and soon after (the next heartbeat of B sees it).
-        assert 0.5 < waited < 2.5, waited
+        assert 0.5 < waited < 4.0, waited
         assert await shared_sums(redis_server.url) == (1600, 1)
         b.admission.release(lease)
 

@@ -15,8 +15,10 @@ backend, held in Redis under ``[state] key_prefix``:
   process's next call drops its leases and tickets (a process killed with ``kill -9``
   gives back its capacity that way).
 * ``{prefix}:epoch``: created on the first call after Redis started empty (a restart
-  without persistence). Its value ends a resync window of two renewals, during which
-  nothing is granted, so that every live process republishes its leases first.
+  without persistence). Its value ends a resync window of three renewals and half a
+  second, during which nothing is granted, so that every live process republishes its
+  leases first; and a process whose calls failed republishes its own before its next
+  grant.
 * ``{prefix}:wake:{backend}``, a pub/sub channel: published when capacity may have been
   freed; the waiting processes look at the queue again at once (and every
   ``poll_interval_s`` anyway, since pub/sub may drop a message).
@@ -351,6 +353,9 @@ class SharedStore:
         self.tenants: dict[str, TenantShare] = {}
         #: The ids of the live gateway processes, as the last heartbeat saw them.
         self.processes: list[str] = []
+        #: A call failed since the last whole heartbeat: Redis may have lost this
+        #: process's leases, so the next grant republishes them first.
+        self.stale = False
         self._grant = self.client.register_script(_GRANT)
         self._sync = self.client.register_script(_SYNC)
         self._release = self.client.register_script(_RELEASE)
@@ -464,6 +469,7 @@ class SharedStore:
             await self.call("renew", share.sync_args)
         alive = await self.call("renew", lambda: self.client.zrangebyscore(
             self.key("procs"), f"({now_ms}", "+inf"))
+        self.stale = False
         self.processes = sorted(v.decode() if isinstance(v, bytes) else str(v)
                                 for v in alive)
 
@@ -496,6 +502,7 @@ class SharedStore:
                             "new requests with 503 state_unavailable until it is back",
                             self._where(), type(exc).__name__)
             self.up = False
+            self.stale = True
             raise StateUnavailable(
                 "The gateway's shared admission state (Redis) cannot be reached, so it "
                 "cannot know what the other gateway processes hold on this backend; "
@@ -620,8 +627,10 @@ class SharedAccount:
             listener()
 
     def _common(self) -> list[Any]:
+        # After Redis started empty, nothing is granted for three renewals and half a
+        # second: every live process republishes its leases meanwhile (each renewal does).
         s = self.store.settings
-        resync_ms = int(2 * s.renew_interval_s * 1000 + 500)
+        resync_ms = int(3 * s.renew_interval_s * 1000 + 500)
         return [self.store.owner, self.store.ttl_ms, resync_ms, self.channel]
 
     def sync_args(self) -> Any:
@@ -656,6 +665,8 @@ class SharedAccount:
         :returns: the reply; each granted lease is recorded in :attr:`leases`.
         :raises StateUnavailable: Redis could not be reached.
         """
+        if self.store.stale:  # after an outage: republish what this process holds first
+            await self.store.heartbeat()
         keep = list(keep)
         # The first few of the order are enough: the script takes the first free one.
         args = self._common() + [layout.pool_tokens or 0, layout.slots,
