@@ -393,10 +393,12 @@ class SharedStore:
             for account in self.accounts.values():
                 account.leases.clear()
                 account.providers.clear()
-                await self.call("close", lambda a=account: a.sync_args())  # type: ignore[misc]
+                async with account.lock:
+                    await self.call("close", account.sync_args)
             for share in self.tenants.values():
                 share.held.clear()
-                await self.call("close", lambda t=share: t.sync_args())  # type: ignore[misc]
+                async with share.lock:
+                    await self.call("close", share.sync_args)
             await self.client.zrem(self.key("procs"), self.owner)
         with contextlib.suppress(Exception):
             await self._sub_client.aclose()
@@ -415,7 +417,8 @@ class SharedStore:
         if not self.accounts:
             now_ms = await self.call("renew", self._renew_only)
         for account in list(self.accounts.values()):
-            raw = await self.call("renew", account.sync_args)
+            async with account.lock:  # after a grant's leases are recorded (see lock)
+                raw = await self.call("renew", account.sync_args)
             reply = self.reply(raw[:6])
             account.seen(reply)
             now_ms = reply.now_ms
@@ -429,11 +432,21 @@ class SharedStore:
                 if self._on_expired is not None:
                     self._on_expired(0, "renewed_late")
         for share in list(self.tenants.values()):
-            await self.call("renew", share.sync_args)
+            await self.renew_tenant(share)
         alive = await self.call("renew", lambda: self.client.zrangebyscore(
             self.key("procs"), f"({now_ms}", "+inf"))
         self.processes = sorted(v.decode() if isinstance(v, bytes) else str(v)
                                 for v in alive)
+
+    async def renew_tenant(self, share: TenantShare) -> None:
+        """The heartbeat's part for one tenant: its places in Redis become exactly
+        those this process holds (after any acquire on its way, see
+        :attr:`TenantShare.lock <gateway.admission.shared_tenants.TenantShare.lock>`).
+
+        :raises StateUnavailable: Redis could not be reached.
+        """
+        async with share.lock:
+            await self.call("renew", share.sync_args)
 
     async def _renew_only(self) -> int:
         t = await self.client.time()
@@ -508,8 +521,9 @@ class SharedStore:
 
         async def run() -> None:
             with contextlib.suppress(StateUnavailable):
-                await self.call("release", lambda: self._release(
-                    keys=[account.keys[0]], args=[account.channel, *ids]))
+                async with account.lock:
+                    await self.call("release", lambda: self._release(
+                        keys=[account.keys[0]], args=[account.channel, *ids]))
         try:
             self.spawn(run())
         except RuntimeError:  # no running loop (closing): the heartbeat's absence heals
@@ -560,6 +574,11 @@ class SharedAccount:
     :ivar reserved_tokens: KV tokens reserved by every process, as last seen.
     :ivar busy_slots: slots taken by every process, as last seen.
     :ivar queued: requests waiting on the backend in every process, as last seen.
+    :ivar lock: held by each call that reads or writes this process's leases in Redis
+        (grant, heartbeat, release), so that Redis runs them in the order their
+        arguments were built: a heartbeat sent while a grant is on its way would
+        otherwise republish the leases as they were before it, deleting the lease just
+        granted (which this process then holds while Redis counts it free).
     """
 
     def __init__(self, store: SharedStore, backend: str) -> None:
@@ -574,6 +593,7 @@ class SharedAccount:
         self.reserved_tokens = 0
         self.busy_slots = 0
         self.queued = 0
+        self.lock = asyncio.Lock()
 
     def bind(self, waiting: Provider, on_change: Callable[[], None]) -> None:
         """Add an admission of this backend: ``waiting()`` lists its waiting tickets and
@@ -635,14 +655,16 @@ class SharedAccount:
             args.extend((ask.ticket, ask.score_ms, c.tokens, c.slots,
                          c.prompt_tokens + c.max_tokens, 1 if c.pinnable else 0,
                          -1 if ask.prefer is None else ask.prefer))
-        reply = self.store.reply(await self.store.call(
-            "grant", lambda: self.store._grant(keys=self.keys, args=args)))
+        async with self.lock:
+            reply = self.store.reply(await self.store.call(
+                "grant", lambda: self.store._grant(keys=self.keys, args=args)))
+            owner = self.store.owner
+            by_id = {ask.ticket: ask.charge for ask in asks}
+            for ticket, ids in reply.granted.items():
+                c = by_id[ticket]
+                self.leases[ticket] = (f"{owner}|{c.tokens}|{c.slots}|"
+                                       f"{','.join(map(str, ids))}")
         self.seen(reply)
-        owner = self.store.owner
-        by_id = {ask.ticket: ask.charge for ask in asks}
-        for ticket, ids in reply.granted.items():
-            c = by_id[ticket]
-            self.leases[ticket] = f"{owner}|{c.tokens}|{c.slots}|{','.join(map(str, ids))}"
         return reply
 
     def release(self, ids: Iterable[str]) -> None:

@@ -1,0 +1,344 @@
+"""Adversarial tests of ``[state] backend = "redis"`` (gateway/admission/shared.py,
+shared_tenants.py): several apps ("processes") in one event loop, sharing one real
+``redis-server`` (tests/realredis.py), in front of the fake llama-server of
+tests/fakes.py. After each scenario, what Redis holds for the backend (its leases hash
+and queue) and each app's local admission figures must be back to nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
+
+from gateway.config import load_settings
+from gateway.http.app import create_app
+from tests.conftest import Harness
+from tests.fakes import FakeLlamaServer
+
+CHAT = "/v1/chat/completions"
+PREFIX = "atk"
+
+
+def chat_body(content: str = "hello there", **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], **extra}
+
+
+async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait (polling) until ``check()`` holds; fail after ``timeout`` seconds."""
+    async def poll() -> None:
+        while not check():
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(poll(), timeout)
+
+
+class RedisView:
+    """What Redis holds for backend ``local`` under :data:`PREFIX`."""
+
+    def __init__(self, url: str, prefix: str = PREFIX) -> None:
+        self.client = aioredis.Redis.from_url(url)
+        self.prefix = prefix
+
+    async def leases(self) -> dict[str, str]:
+        raw = await self.client.hgetall(f"{self.prefix}:b:local:leases")
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def queue(self) -> list[str]:
+        return [m.decode() for m in
+                await self.client.zrange(f"{self.prefix}:b:local:queue", 0, -1)]
+
+    async def settled(self, timeout: float = 5.0) -> None:
+        """Wait until the backend's leases and queue are empty in Redis."""
+        async def poll() -> None:
+            while await self.leases() or await self.queue():
+                await asyncio.sleep(0.02)
+        try:
+            await asyncio.wait_for(poll(), timeout)
+        except TimeoutError:
+            raise AssertionError(f"Redis still holds leases {await self.leases()} and "
+                                 f"tickets {await self.queue()}") from None
+
+
+def idle(h: Harness) -> bool:
+    """The app's own admission holds nothing and nobody waits."""
+    s = h.backend.admission
+    return s._inflight == 0 and not s._room and not s._shared.leases
+
+
+@pytest.fixture
+def redis_server(tmp_path: Any) -> Any:
+    """A real redis-server that takes DEBUG from loopback (DEBUG SLEEP stalls it)."""
+    from tests.realredis import RedisServer
+
+    server = RedisServer(tmp_path, extra=("--enable-debug-command", "local")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def view(redis_server: Any) -> AsyncIterator[RedisView]:
+    v = RedisView(redis_server.url)
+    yield v
+    await v.client.aclose()
+
+
+@pytest.fixture
+async def apps(fake: FakeLlamaServer, redis_server: Any
+               ) -> AsyncIterator[Callable[..., Any]]:
+    """``await apps(n, state={...}, admission={...}, tenants=[...])``: n apps sharing
+    the redis server, each started (store and discovery)."""
+    made: list[Harness] = []
+
+    async def build(n: int = 2, *, state: dict[str, Any] | None = None,
+                    admission: dict[str, Any] | None = None, clock: Any = None,
+                    **sections: Any) -> list[Harness]:
+        out = []
+        for _ in range(n):
+            settings = load_settings(
+                admission={"disconnect_grace_s": 0.0, **(admission or {})},
+                state={"backend": "redis", "redis_url": redis_server.url,
+                       "key_prefix": PREFIX, "renew_interval_s": 0.2,
+                       "lease_ttl_s": 1.0, "poll_interval_s": 0.5, "op_timeout_s": 0.5,
+                       **(state or {})},
+                backends=[{"name": "local", "url": "http://upstream:8080"}], **sections)
+            app = create_app(settings, http_client=fake.client(),
+                             registry=CollectorRegistry(), discover=False, clock=clock)
+            h = Harness(app, fake)
+            await h.state.shared.start()
+            await h.backend.discover()
+            made.append(h)
+            out.append(h)
+        return out
+
+    yield build
+    for h in made:
+        await h.client.aclose()
+        await h.state.shared.close()
+
+
+def scope_of(path: str, body: bytes, headers: list[tuple[bytes, bytes]] = ()
+             ) -> dict[str, Any]:
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+            "server": ("gateway", 80),
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()), *headers]}
+
+
+class RawCall:
+    """One request driven through the app's ASGI interface, whose client leaves (its
+    ``receive`` answers ``http.disconnect``) when :meth:`leave` is called."""
+
+    def __init__(self, h: Harness, body: dict[str, Any],
+                 headers: list[tuple[bytes, bytes]] = ()) -> None:
+        data = json.dumps(body).encode()
+        self.sent: list[dict[str, Any]] = []
+        self._gone = asyncio.Event()
+        self._body_sent = False
+
+        async def receive() -> dict[str, Any]:
+            if not self._body_sent:
+                self._body_sent = True
+                return {"type": "http.request", "body": data, "more_body": False}
+            await self._gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if self._gone.is_set():
+                raise OSError("client gone")
+            self.sent.append(message)
+
+        self.task = asyncio.ensure_future(h.app(scope_of(CHAT, data, list(headers)),
+                                                receive, send))
+
+    def leave(self) -> None:
+        self._gone.set()
+
+    @property
+    def status(self) -> int | None:
+        for m in self.sent:
+            if m["type"] == "http.response.start":
+                return int(m["status"])
+        return None
+
+
+# -- leases that are never given back ---------------------------------------------------
+
+async def test_client_leaving_while_queued_leaves_nothing(apps: Any, view: RedisView,
+                                                          fake: FakeLlamaServer) -> None:
+    a, b = await apps(2)
+    fake.hold = asyncio.Event()
+    running = [RawCall(h, chat_body(max_tokens=400)) for h in (a, b, a, b)]
+    await until(lambda: fake.active == 4)
+    waiting = [RawCall(h, chat_body(max_tokens=400)) for h in (a, b)]
+    await until(lambda: len(a.backend.admission._room) == 1
+                and len(b.backend.admission._room) == 1)
+    await asyncio.sleep(0.3)
+    assert len(await view.queue()) == 2
+    for call in waiting:
+        call.leave()
+    await asyncio.wait_for(asyncio.gather(*(c.task for c in waiting)), 5)
+    assert len(await view.queue()) == 0
+    fake.hold.set()
+    await asyncio.wait_for(asyncio.gather(*(c.task for c in running)), 5)
+    assert [c.status for c in running] == [200] * 4
+    await view.settled()
+    await until(lambda: idle(a) and idle(b))
+
+
+async def test_client_leaving_mid_stream_leaves_nothing(apps: Any, view: RedisView,
+                                                        fake: FakeLlamaServer) -> None:
+    a, b = await apps(2)
+    fake.tokens, fake.token_delay = 50, 0.02
+    calls = [RawCall(h, chat_body(stream=True, max_tokens=100)) for h in (a, b, a, b)]
+    await until(lambda: fake.active == 4)
+    assert len(await view.leases()) == 4
+    for call in calls:
+        call.leave()
+    await asyncio.wait_for(asyncio.gather(*(c.task for c in calls),
+                                          return_exceptions=True), 5)
+    await view.settled()
+    await until(lambda: idle(a) and idle(b))
+
+
+@pytest.mark.parametrize("mode", ["connect", "boom", "overflow", "midstream", "loading",
+                                  "truncated", "midstream_overflow", "bad_request"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_upstream_failures_give_back_every_lease(apps: Any, view: RedisView,
+                                                       fake: FakeLlamaServer, mode: str,
+                                                       stream: bool) -> None:
+    a, b = await apps(2)
+    fake.mode = mode
+    rs = await asyncio.wait_for(asyncio.gather(
+        *(h.client.post(CHAT, json=chat_body(stream=stream, max_tokens=50))
+          for h in (a, b, a, b, a, b))), 20)
+    assert all(r.status_code < 600 for r in rs)
+    await view.settled()
+    await until(lambda: idle(a) and idle(b))
+
+
+async def test_burst_over_three_apps_never_passes_the_slots(apps: Any, view: RedisView,
+                                                           fake: FakeLlamaServer) -> None:
+    fake.slots = 2
+    fake.tokens, fake.token_delay = 3, 0.005
+    hs = await apps(3, admission={"max_queue": 200, "max_queue_wait_s": 60})
+    peak_leases = 0
+    done = asyncio.Event()
+
+    async def sample() -> None:
+        nonlocal peak_leases
+        while not done.is_set():
+            peak_leases = max(peak_leases, len(await view.leases()))
+            await asyncio.sleep(0.005)
+
+    sampler = asyncio.ensure_future(sample())
+    rs = await asyncio.wait_for(asyncio.gather(
+        *(hs[i % 3].client.post(CHAT, json=chat_body(max_tokens=20, stream=i % 2 == 0))
+          for i in range(120))), 60)
+    done.set()
+    await sampler
+    assert sorted({r.status_code for r in rs}) == [200]
+    assert fake.peak <= 2
+    assert peak_leases <= 2
+    await view.settled()
+    await until(lambda: all(idle(h) for h in hs))
+
+
+# -- the heartbeat racing a grant -------------------------------------------------------
+
+def unit_settings(url: str, **kw: Any) -> Any:
+    from gateway.config import StateSettings
+    base: dict[str, Any] = {"backend": "redis", "redis_url": url, "key_prefix": PREFIX,
+                            "renew_interval_s": 30.0, "lease_ttl_s": 120.0,
+                            "poll_interval_s": 5.0, "op_timeout_s": 3.0}
+    return StateSettings(**{**base, **kw})
+
+
+async def stall_redis(url: str, seconds: float) -> asyncio.Future[Any]:
+    """Make Redis sleep ``seconds`` (DEBUG SLEEP from a client of its own); returns once
+    it sleeps, with the future of that client's call."""
+    other = aioredis.Redis.from_url(url)
+
+    async def run() -> None:
+        try:
+            await other.execute_command("DEBUG", "SLEEP", seconds)
+        finally:
+            await other.aclose()
+    blocker = asyncio.ensure_future(run())
+    await asyncio.sleep(0.05)
+    return blocker
+
+
+async def test_a_heartbeat_during_a_grant_keeps_the_lease(redis_server: Any,
+                                                          view: RedisView) -> None:
+    """The heartbeat's call, sent while a grant was on its way, republished this
+    process's leases as they were before the grant's reply: Redis ran the grant, then
+    the heartbeat, which deleted the lease just granted (and queued its ticket again).
+    The process went on with a lease Redis no longer counted, so others could be granted
+    its capacity: measured over three apps, 4 streams at once on a 2-slot backend."""
+    from gateway.admission.admission import Admission
+    from gateway.admission.shared import SharedStore
+    from gateway.clock import MonotonicClock
+    from gateway.core.capacity import Charge, Layout
+
+    store = SharedStore(unit_settings(redis_server.url), clock=MonotonicClock(),
+                        owner="A")
+    await view.client.set(f"{PREFIX}:epoch", 0)  # no resync window (Redis is not new)
+    await store.start()
+    try:
+        adm = Admission(Layout(slots=2, ctx_per_slot=2048, pool_tokens=4096),
+                        max_queue=10, max_wait_s=10.0, shared=store.account("local"))
+        blocker = await stall_redis(redis_server.url, 0.4)
+        admit = asyncio.ensure_future(adm.admit(Charge(10, 10)))
+        await asyncio.sleep(0.05)  # the grant is sent, and waits behind the sleep
+        beat = asyncio.ensure_future(store.heartbeat())
+        lease = await asyncio.wait_for(admit, 5)
+        await asyncio.wait_for(beat, 5)
+        await blocker
+        assert list(await view.leases()) == [lease.shared_id]
+        assert await view.queue() == []
+        adm.release(lease)
+        await view.settled()
+    finally:
+        await store.close()
+
+
+async def test_a_heartbeat_during_a_tenant_acquire_keeps_the_place(
+        redis_server: Any, view: RedisView) -> None:
+    """The same race on a tenant's max_inflight places: the heartbeat sent while an
+    acquire was on its way made this process's places those before it, dropping the one
+    just taken, so another process could pass the tenant's max_inflight."""
+    from gateway.admission.shared import SharedStore
+    from gateway.clock import MonotonicClock
+
+    store = SharedStore(unit_settings(redis_server.url), clock=MonotonicClock(),
+                        owner="A")
+    await store.start()
+    try:
+        share = store.tenant("web")
+        blocker = await stall_redis(redis_server.url, 0.4)
+        taken = asyncio.ensure_future(share.acquire(1))
+        await asyncio.sleep(0.05)
+        # The heartbeat's renewal of the tenant's places (the part of heartbeat() that
+        # raced; what comes before it in heartbeat() only delays it).
+        beat = asyncio.ensure_future(store.renew_tenant(share))
+        assert await asyncio.wait_for(taken, 5)
+        await asyncio.wait_for(beat, 5)
+        await blocker
+        places = await view.client.zrange(f"{PREFIX}:t:web:inflight", 0, -1)
+        assert [p.decode() for p in places] == share.held
+        share.release()
+        for _ in range(100):
+            if not await view.client.zcard(f"{PREFIX}:t:web:inflight"):
+                break
+            await asyncio.sleep(0.02)
+        assert not await view.client.zcard(f"{PREFIX}:t:web:inflight")
+    finally:
+        await store.close()
