@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.config import load_settings
 from gateway.http.app import create_app
@@ -40,7 +43,9 @@ class RedisView:
     """What Redis holds for backend ``local`` under :data:`PREFIX`."""
 
     def __init__(self, url: str, prefix: str = PREFIX) -> None:
-        self.client = aioredis.Redis.from_url(url)
+        # Reconnects once when Redis restarted under it.
+        self.client = aioredis.Redis.from_url(
+            url, retry=Retry(NoBackoff(), 2), retry_on_error=[RedisConnectionError])
         self.prefix = prefix
 
     async def leases(self) -> dict[str, str]:
@@ -342,3 +347,43 @@ async def test_a_heartbeat_during_a_tenant_acquire_keeps_the_place(
         assert not await view.client.zcard(f"{PREFIX}:t:web:inflight")
     finally:
         await store.close()
+
+
+# -- Redis restarted, stalled, unreachable ----------------------------------------------
+
+async def test_a_redis_restart_is_not_taken_for_a_late_renewal(
+        redis_server: Any, view: RedisView, caplog: pytest.LogCaptureFixture) -> None:
+    """After Redis restarted empty, the first process to call opened the resync window;
+    every other process then found itself absent from ``procs`` and took that for its own
+    late renewal: an ERROR ("renewed its liveness later than lease_ttl_s ... may
+    overflow") and a ``renewed_late`` expiry, though nobody had been taken for dead."""
+    from gateway.admission.admission import Admission
+    from gateway.admission.shared import SharedStore
+    from gateway.clock import MonotonicClock
+    from gateway.core.capacity import Charge, Layout
+
+    expiries: list[tuple[int, str]] = []
+    stores, leases = [], []
+    await view.client.set(f"{PREFIX}:epoch", 0)
+    for name in ("A", "B"):
+        store = SharedStore(unit_settings(redis_server.url, renew_interval_s=0.2,
+                                          lease_ttl_s=5.0, op_timeout_s=0.5),
+                            clock=MonotonicClock(), owner=name,
+                            on_expired=lambda n, why: expiries.append((n, why)))
+        await store.start()
+        adm = Admission(Layout(slots=4, ctx_per_slot=2048, pool_tokens=8192),
+                        max_queue=10, max_wait_s=10.0, shared=store.account("local"))
+        stores.append(store)
+        leases.append((adm, await asyncio.wait_for(adm.admit(Charge(10, 10)), 5)))
+    try:
+        redis_server.stop()
+        redis_server.start()  # the same port, every key lost
+        await asyncio.sleep(1.5)  # several renewals of both
+        assert len(await view.leases()) == 2  # both republished
+        assert expiries == []
+        assert "later than lease_ttl_s" not in caplog.text
+    finally:
+        for adm, lease in leases:
+            adm.release(lease)
+        for store in stores:
+            await store.close()

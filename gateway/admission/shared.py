@@ -70,6 +70,8 @@ if resync_until < 0 then
   resync_until = now + resync_ms
   redis.call('SET', epoch, resync_until)
   lapsed = false  -- Redis started empty: every process republishes, none lapsed
+elseif now < resync_until and not was then
+  lapsed = false  -- absent only because Redis restarted: this is its first call since
 end
 local alive = {}
 local function is_alive(o)
