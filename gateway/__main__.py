@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gateway.config import BackendSettings, ConfigError, load_settings
+from gateway.config import BackendSettings, ConfigError, load_settings, redact_url
 
 __all__ = ["main"]
 
@@ -43,6 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
     effective = settings.model_dump(mode="json")
+    effective["state"]["redis_url"] = redact_url(settings.state.redis_url)  # no password
     for shown, backend in zip(effective["backends"], settings.backends, strict=True):
         if backend.kind == "llama.cpp":
             shown["kv_unified"] = backend.unified  # unset means true

@@ -387,3 +387,132 @@ async def test_a_redis_restart_is_not_taken_for_a_late_renewal(
             adm.release(lease)
         for store in stores:
             await store.close()
+
+
+# -- passwords and the [state] section ---------------------------------------------------
+
+SECRET = "s3cret-Pw"
+
+
+def write_config(tmp_path: Any, url: str, extra: str = "") -> str:
+    path = tmp_path / "gateway.toml"
+    path.write_text(f'[state]\nbackend = "redis"\nredis_url = "{url}"\n{extra}\n'
+                    '[[backends]]\nname = "local"\nurl = "http://127.0.0.1:8080"\n')
+    return str(path)
+
+
+@pytest.mark.parametrize("url", [f"redis://:{SECRET}@127.0.0.1:6379/0",
+                                 f"rediss://user:{SECRET}@cache.internal:6380/1",
+                                 f"unix://:{SECRET}@/run/redis.sock",
+                                 f"redis://127.0.0.1:6379/0?password={SECRET}"])
+def test_check_config_never_prints_the_redis_password(tmp_path: Any, url: str,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    """check-config printed the effective settings with redis_url as written, password
+    and all (docs/replicas.md: "a password goes in the URL (it is never logged)")."""
+    from gateway.__main__ import main
+
+    assert main(["check-config", write_config(tmp_path, url)]) == 0
+    out = capsys.readouterr()
+    assert SECRET not in out.out + out.err
+    shown = json.loads(out.out)["state"]["redis_url"]
+    assert "***" in shown and shown.split("://")[0] == url.split("://")[0]
+
+
+@pytest.mark.parametrize("url", [f"http://:{SECRET}@127.0.0.1:6379/0",
+                                 f"redis://:{SECRET}@127.0.0.1:notaport/0",
+                                 f"redis://:{SECRET}@[::1/0",
+                                 f"redis://:{SECRET}@127.0.0.1:6379/0?socket_timeout=x"])
+def test_check_config_refuses_an_unreadable_redis_url_without_its_password(
+        tmp_path: Any, url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A URL of another scheme was refused with the password in the message; one the
+    Redis client cannot read (a port that is not a number) passed check-config and then
+    stopped ``gateway serve`` with a ValueError from inside create_app."""
+    from gateway.__main__ import main
+
+    assert main(["check-config", write_config(tmp_path, url)]) == 2
+    err = capsys.readouterr().err
+    assert "redis_url" in err
+    assert SECRET not in err
+
+
+def test_the_password_is_never_logged(tmp_path: Any, caplog: pytest.LogCaptureFixture
+                                      ) -> None:
+    from gateway.admission.shared import SharedStore
+    from gateway.clock import MonotonicClock
+
+    for url in (f"redis://:{SECRET}@127.0.0.1:1/0", f"redis://127.0.0.1:1/0?password={SECRET}"):
+        store = SharedStore(unit_settings(url), clock=MonotonicClock())
+        assert SECRET not in store._where()
+        assert "127.0.0.1:1" in store._where()
+
+
+async def build_one(fake: FakeLlamaServer, url: str, **state: Any) -> Harness:
+    settings = load_settings(
+        admission={"disconnect_grace_s": 0.0},
+        state={"backend": "redis", "redis_url": url, "key_prefix": PREFIX,
+               "renew_interval_s": 0.2, "lease_ttl_s": 1.0, "op_timeout_s": 0.3, **state},
+        backends=[{"name": "local", "url": "http://upstream:8080"}])
+    h = Harness(create_app(settings, http_client=fake.client(),
+                           registry=CollectorRegistry(), discover=False), fake)
+    await h.state.shared.start()
+    await h.backend.discover()
+    return h
+
+
+async def test_a_wrong_redis_url_refuses_requests_and_ready_says_why(
+        fake: FakeLlamaServer, caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing listens at the URL: the app starts, each request gets 503
+    state_unavailable with Retry-After and never reaches the backend, and /ready says
+    the shared state is down (its body had only the backends, all ready)."""
+    from tests.realredis import free_port
+
+    h = await build_one(fake, f"redis://:{SECRET}@127.0.0.1:{free_port()}/0")
+    try:
+        before = len(fake.generations)
+        r = await h.chat()
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "state_unavailable"
+        assert int(r.headers["retry-after"]) >= 1
+        assert len(fake.generations) == before
+        ready = (await h.client.get("/ready")).json()
+        assert ready["state"] == {"backend": "redis", "up": False}
+        assert h.sample("gateway_state_up") == 0
+        assert SECRET not in caplog.text
+        assert caplog.text.count("cannot be reached") == 1
+    finally:
+        await h.client.aclose()
+        await h.state.shared.close()
+
+
+@pytest.fixture
+def locked_redis(tmp_path: Any) -> Any:
+    from tests.realredis import RedisServer
+
+    server = RedisServer(tmp_path, extra=("--requirepass", SECRET), password=SECRET)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_a_password_protected_redis(locked_redis: Any, fake: FakeLlamaServer,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    port = locked_redis.port
+    without = await build_one(fake, f"redis://127.0.0.1:{port}/0")
+    wrong = await build_one(fake, f"redis://:nope-{SECRET}@127.0.0.1:{port}/0")
+    right = await build_one(fake, f"redis://:{SECRET}@127.0.0.1:{port}/0")
+    try:
+        for h in (without, wrong):
+            r = await h.chat()
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "state_unavailable"
+        r = await right.chat()
+        assert r.status_code == 200, r.text
+        assert (await right.client.get("/ready")).json()["state"]["up"] is True
+        assert SECRET not in caplog.text
+    finally:
+        for h in (without, wrong, right):
+            await h.client.aclose()
+            await h.state.shared.close()

@@ -47,7 +47,7 @@ from redis.exceptions import RedisError
 
 from gateway.admission.shared_tenants import TenantShare
 from gateway.clock import Clock
-from gateway.config import StateSettings
+from gateway.config import StateSettings, redact_url
 from gateway.core.capacity import Charge, Layout
 from gateway.errors import StateUnavailable
 
@@ -500,8 +500,7 @@ class SharedStore:
         return reply
 
     def _where(self) -> str:
-        url = self.settings.redis_url
-        return url.split("@")[-1]  # never log a password
+        return redact_url(self.settings.redis_url)  # never log a password
 
     def _count(self, op: str, outcome: str, start: float) -> None:
         if self._on_op is not None:
