@@ -516,3 +516,178 @@ async def test_a_password_protected_redis(locked_redis: Any, fake: FakeLlamaServ
         for h in (without, wrong, right):
             await h.client.aclose()
             await h.state.shared.close()
+
+
+async def test_a_stalled_redis_refuses_cleanly_and_leaves_nothing(
+        apps: Any, view: RedisView, fake: FakeLlamaServer, redis_server: Any) -> None:
+    """Redis stalls 2 s (longer than op_timeout_s) while requests arrive and others
+    stream: the new ones get 503 state_unavailable, the running ones finish, and once
+    Redis answers again the grants that ran late in Redis (after the caller gave up)
+    are dropped, nothing stays reserved, and new requests are served."""
+    a, b = await apps(2)
+    fake.hold = asyncio.Event()
+    running = [RawCall(h, chat_body(max_tokens=50)) for h in (a, b)]
+    await until(lambda: fake.active == 2)
+    blocker = await stall_redis(redis_server.url, 2)
+    arriving = await asyncio.wait_for(asyncio.gather(
+        *(h.client.post(CHAT, json=chat_body(max_tokens=50)) for h in (a, b, a, b))), 10)
+    assert [r.status_code for r in arriving] == [503] * 4
+    assert {r.json()["error"]["code"] for r in arriving} == {"state_unavailable"}
+    fake.hold.set()
+    await asyncio.wait_for(asyncio.gather(*(c.task for c in running)), 10)
+    assert [c.status for c in running] == [200, 200]
+    await blocker
+    await view.settled()
+    await until(lambda: idle(a) and idle(b))
+    rs = await asyncio.wait_for(asyncio.gather(
+        *(h.client.post(CHAT, json=chat_body(max_tokens=50)) for h in (a, b, a, b))), 10)
+    assert [r.status_code for r in rs] == [200] * 4
+    await view.settled()
+
+
+async def test_a_redis_restart_with_requests_in_flight(
+        apps: Any, view: RedisView, fake: FakeLlamaServer, redis_server: Any) -> None:
+    fake.slots = 2
+    a, b = await apps(2)
+    fake.hold = asyncio.Event()
+    running = [RawCall(h, chat_body(max_tokens=50)) for h in (a, b)]
+    await until(lambda: fake.active == 2)
+    redis_server.stop()
+    redis_server.start()
+    await asyncio.sleep(0.1)
+    # Both republish their leases; while they do, and after, nothing else fits.
+    late = [asyncio.ensure_future(h.client.post(CHAT, json=chat_body(max_tokens=50)))
+            for h in (a, b)]
+    await asyncio.sleep(1.0)
+    assert len(await view.leases()) == 2
+    assert fake.active == 2 and fake.peak == 2
+    fake.hold.set()
+    await asyncio.wait_for(asyncio.gather(*(c.task for c in running)), 10)
+    rs = await asyncio.wait_for(asyncio.gather(*late), 10)
+    assert [c.status for c in running] == [200, 200]
+    assert all(r.status_code in (200, 503) for r in rs), [r.text for r in rs]
+    assert fake.peak == 2
+    await view.settled()
+    await until(lambda: idle(a) and idle(b))
+
+
+# -- tenants over several processes -------------------------------------------------------
+
+def tenants_with(**web: Any) -> dict[str, Any]:
+    from tests.test_tenants import CLASSES, TENANTS
+    return {"classes": CLASSES, "tenants": [{**TENANTS[0], **web}, TENANTS[1]]}
+
+
+def web() -> list[tuple[bytes, bytes]]:
+    from tests.test_tenants import WEB_KEY
+    return [(b"authorization", f"Bearer {WEB_KEY}".encode())]
+
+
+async def tenant_keys(view: RedisView) -> tuple[list[str], list[str]]:
+    """(the web tenant's tokens window entries, its max_inflight places) in Redis."""
+    window = [m.decode() for m in await view.client.zrange(f"{PREFIX}:t:web:tpm", 0, -1)]
+    places = [m.decode() for m in
+              await view.client.zrange(f"{PREFIX}:t:web:inflight", 0, -1)]
+    return window, places
+
+
+async def test_requests_refused_after_the_hold_give_back_their_tokens(
+        apps: Any, view: RedisView, fake: FakeLlamaServer) -> None:
+    """Shared case P11: a request refused (here the queue is full) uses no quota."""
+    fake.slots = 1
+    a, b = await apps(2, admission={"max_queue": 0}, **tenants_with(tokens_per_minute=1000))
+    fake.hold = asyncio.Event()
+    running = RawCall(a, chat_body(max_tokens=20), web())
+    await until(lambda: fake.active == 1)
+    refused = await asyncio.gather(*(h.client.post(CHAT, json=chat_body(max_tokens=20),
+                                                   headers=dict(web()))
+                                     for h in (a, b, a, b)))
+    assert [r.status_code for r in refused] == [503] * 4
+    fake.hold.set()
+    await asyncio.wait_for(running.task, 5)
+    await asyncio.sleep(0.3)  # settles run in the background
+    window, _ = await tenant_keys(view)
+    # The served request's prompt and completion only.
+    assert len(window) == 2, window
+    await view.settled()
+
+
+async def test_max_inflight_places_survive_disconnects_and_refusals(
+        apps: Any, view: RedisView, fake: FakeLlamaServer) -> None:
+    a, b = await apps(2, admission={"max_queue": 1},
+                      **tenants_with(max_inflight=2, max_queued=10))
+    fake.hold = asyncio.Event()
+    first = [RawCall(h, chat_body(max_tokens=20), web()) for h in (a, b)]
+    await until(lambda: fake.active == 2)
+    assert len((await tenant_keys(view))[1]) == 2
+    # Two more wait at the gate (one per app), then leave.
+    gated = [RawCall(h, chat_body(max_tokens=20), web()) for h in (a, b)]
+    await until(lambda: all(h.state.tenants.by_name["web"].waiting == 1 for h in (a, b)))
+    for call in gated:
+        call.leave()
+    await asyncio.wait_for(asyncio.gather(*(c.task for c in gated)), 5)
+    # One running request's client leaves too.
+    first[0].leave()
+    await asyncio.wait_for(first[0].task, 5)
+    await until(lambda: fake.active == 1)
+    fake.hold.set()
+    await asyncio.wait_for(first[1].task, 5)
+    assert first[1].status == 200
+    for _ in range(50):
+        if not (await tenant_keys(view))[1]:
+            break
+        await asyncio.sleep(0.02)
+    assert (await tenant_keys(view))[1] == []
+    for h in (a, b):
+        t = h.state.tenants.by_name["web"]
+        assert (t.inflight, t.waiting, t.share.held) == (0, 0, [])
+    await view.settled()
+    await until(lambda: idle(a) and idle(b))
+    # And the quota still lets two through at once.
+    rs = await asyncio.gather(*(h.client.post(CHAT, json=chat_body(max_tokens=20),
+                                              headers=dict(web())) for h in (a, b)))
+    assert [r.status_code for r in rs] == [200, 200]
+
+
+# -- max_queue with a shared queue --------------------------------------------------------
+
+async def test_max_queue_zero_still_serves_what_fits(apps: Any, fake: FakeLlamaServer,
+                                                     view: RedisView) -> None:
+    """With shared state every request passes through the local queue on its way to the
+    grant script, and the queue bound counted it: with ``max_queue = 0`` ("never wait")
+    every request was refused with 503 queue_full "(0 waiting)", on an idle backend."""
+    a, b = await apps(2, admission={"max_queue": 0})
+    for h in (a, b):
+        r = await h.chat(max_tokens=20)
+        assert r.status_code == 200, r.text
+    fake.hold = asyncio.Event()
+    calls = [RawCall(h, chat_body(max_tokens=20)) for h in (a, b, a, b)]
+    await until(lambda: fake.active == 4)
+    r = await b.chat(max_tokens=20)  # the fifth cannot start now, and may not wait
+    assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+    fake.hold.set()
+    await asyncio.wait_for(asyncio.gather(*(c.task for c in calls)), 5)
+    await view.settled()
+    await until(lambda: idle(a) and idle(b))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_burst_is_bounded_as_with_memory_state(
+        apps: Any, fake: FakeLlamaServer, shared: bool, harness_factory: Any) -> None:
+    """A burst of 10 on an idle 4-slot backend with ``max_queue = 2``: 4 start, 2 wait,
+    4 are refused, whichever the state (shared, the bound counted the requests on their
+    way to their first grant too, and refused 8)."""
+    fake.hold = asyncio.Event()
+    if shared:
+        (h,) = await apps(1, admission={"max_queue": 2})
+    else:
+        h = await harness_factory({"max_queue": 2})
+    burst = [asyncio.ensure_future(h.chat(max_tokens=20)) for _ in range(10)]
+    await until(lambda: fake.active == 4)
+    await asyncio.sleep(0.2)
+    refused = [t for t in burst if t.done()]
+    assert len(refused) == 4
+    assert {t.result().json()["error"]["code"] for t in refused} == {"queue_full"}
+    fake.hold.set()
+    rs = await asyncio.wait_for(asyncio.gather(*burst), 10)
+    assert sorted(r.status_code for r in rs) == [200] * 6 + [503] * 4

@@ -53,6 +53,9 @@ class _Ask:
     prefer: int | None = None  # the slot to take if it is free
     ticket: str | None = None  # its id in the shared queue (shared state only)
     front: bool = False
+    # Shared state: a grant call saw it and did not grant it, so it waits (and counts
+    # against max_queue); before that it is only on its way to its first grant.
+    seen: bool = False
 
 
 def _never_fits(layout: Layout, charge: Charge) -> ContextLengthExceeded:
@@ -132,7 +135,8 @@ class Admission:
         self._admitted = 0
         self._room: Waitroom[_Ask, Lease] = Waitroom(
             self._clock, age_s=age_s, max_queue=max_queue, full=self._queue_full,
-            give_back=self.release, on_leave=self._wake)
+            give_back=self.release, on_leave=self._wake,
+            counted=None if shared is None else (lambda w: w.request.seen))
         self._active: dict[int, Lease] = {}  # leases in flight, by id
         self._waits = WaitPredictor()
         self._delayed: set[asyncio.Task[None]] = set()
@@ -344,7 +348,8 @@ class Admission:
         if lease is not None:
             return lease
         max_wait = self._max_wait_s if party.max_wait_s is None else party.max_wait_s
-        victim = None if front else self._room.victim_for(party)
+        # Shared: it may be granted by its first call; the bound is kept after (_bound).
+        victim = None if front or self._shared is not None else self._room.victim_for(party)
         predicted = None if front else self.predict_wait_s(charge, party)
         if self._reject_doomed and predicted is not None and predicted > max_wait:
             raise _doomed(predicted, max_wait)
@@ -514,10 +519,28 @@ class Admission:
                                     shared_ids=(ask.ticket or "", ids))
                 lease.predicted_wait_s = ask.predicted
                 self._room.grant(waiter, lease)
+            if not reply.resyncing:  # (while Redis resyncs, nothing was judged)
+                self._bound([w for w in waiters if not w.future.done()
+                             and not w.request.seen and w.request.ticket is not None])
             if self._room and not reply.granted and not self._stirred.is_set():
                 # While Redis resyncs after a restart, look again each renewal.
                 await self._nap(shared.store.settings.renew_interval_s if reply.resyncing
                                 else poll_s)
+
+    def _bound(self, fresh: list[Waiter[_Ask, Lease]]) -> None:
+        """Shared state: ``fresh`` waiters were just refused a grant, so they wait now.
+        Keep ``max_queue`` waiting, the first in serving order (lower classes and the
+        newest go first); a fresh one past it is refused (:class:`QueueFull`), as one
+        that found the queue full in one process, and an older one past it is shed.
+        Requests coming back to the front are never refused."""
+        for waiter in fresh:
+            waiter.request.seen = True
+        waiting = [w for w in self._room.order()
+                   if w.request.seen and not w.request.front]
+        for waiter in waiting[self._max_queue:]:
+            self._room.fail(waiter, self._queue_full() if waiter in fresh else shed_error(
+                f"The queue for this backend is full ({self._max_queue} waiting).",
+                self.retry_after_s()))
 
     async def _nap(self, seconds: float) -> None:
         """Wait until stirred, or ``seconds`` at most."""
