@@ -691,3 +691,79 @@ async def test_a_burst_is_bounded_as_with_memory_state(
     fake.hold.set()
     rs = await asyncio.wait_for(asyncio.gather(*burst), 10)
     assert sorted(r.status_code for r in rs) == [200] * 6 + [503] * 4
+
+
+# -- bad input never reaches Redis --------------------------------------------------------
+
+BAD_BODIES: list[Any] = [
+    b"{not json",
+    b"[]",
+    json.dumps({"messages": "hi"}).encode(),
+    json.dumps({"messages": []}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 0}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": "w " * 3000}]}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}).encode(),
+]
+
+
+async def test_bad_input_gets_the_memory_answer_and_no_redis_call(
+        apps: Any, harness_factory: Any) -> None:
+    (shared,) = await apps(1)
+    memory = await harness_factory()
+
+    def admission_ops(h: Harness) -> float:
+        return sum(h.sample("gateway_state_ops_total", op=op) for op in ("grant", "tenant"))
+
+    before = admission_ops(shared)
+    for body in BAD_BODIES:
+        answers = [await h.client.post(CHAT, content=body,
+                                       headers={"content-type": "application/json"})
+                   for h in (memory, shared)]
+        assert 400 <= answers[0].status_code < 500, (body[:60], answers[0].text)
+        assert answers[1].status_code == answers[0].status_code, (body[:60], answers[1].text)
+        assert answers[1].json() == answers[0].json()
+    assert admission_ops(shared) == before
+
+
+# -- priority classes within one process ----------------------------------------------------
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_higher_class_goes_first_within_one_process(
+        apps: Any, harness_factory: Any, make_settings: Any, fake: FakeLlamaServer,
+        shared: bool) -> None:
+    """docs/replicas.md: "Within one process, the tenants' fair shares and priority
+    classes order that process's waiters". An interactive request that came after a
+    batch one, both waiting in one process, is served first, as with memory state."""
+    from tests.test_tenants import BATCH_KEY, CLASSES, TENANTS, WEB_KEY
+
+    fake.slots = 1
+    if shared:
+        (h,) = await apps(1, classes=CLASSES, tenants=TENANTS)
+    else:
+        settings = load_settings(admission={"disconnect_grace_s": 0.0},
+                                 backends=[{"name": "local", "url": "http://upstream:8080"}],
+                                 classes=CLASSES, tenants=TENANTS)
+        h = Harness(create_app(settings, http_client=fake.client(),
+                               registry=CollectorRegistry(), discover=False), fake)
+        await h.backend.discover()
+    fake.hold = asyncio.Event()
+
+    def send(key: str, tag: str) -> asyncio.Future[Any]:
+        return asyncio.ensure_future(h.client.post(
+            CHAT, json=chat_body(tag, max_tokens=20),
+            headers={"authorization": f"Bearer {key}"}))
+
+    first = send(WEB_KEY, "filler")
+    await until(lambda: fake.active == 1)
+    batch = send(BATCH_KEY, "batch")
+    await until(lambda: len(h.backend.admission._room) == 1)
+    await asyncio.sleep(0.05)
+    web = send(WEB_KEY, "interactive")
+    await until(lambda: len(h.backend.admission._room) == 2)
+    await asyncio.sleep(0.3)
+    fake.hold.set()
+    rs = await asyncio.wait_for(asyncio.gather(first, batch, web), 10)
+    assert [r.status_code for r in rs] == [200] * 3
+    served = [g["messages"][0]["content"] for g in fake.generations]
+    assert served == ["filler", "interactive", "batch"]

@@ -123,13 +123,14 @@ end
 
 # ARGV 5..: pool tokens (0: per-slot layout), slots, usable per slot, capacity tokens,
 # preferred slot order (comma-separated), tickets kept waiting (k), then k x (id, score),
-# then asks (a), then a x (id, score, tokens, slots, span, pinnable, prefer).
+# then asks (a), then a x (id, score, tokens, slots, span, pinnable, prefer), in this
+# process's serving order.
 # Returns {now, reserved, busy, resyncing, purged, queued, id1, slots1, id2, ...}.
 _GRANT = _PRELUDE + r"""
 local pool, slots, usable, capacity = tonumber(ARGV[5]), tonumber(ARGV[6]),
   tonumber(ARGV[7]), tonumber(ARGV[8])
 local order = ARGV[9]
-local mine, asks = {}, {}
+local mine, asks, seq = {}, {}, {}
 local k = tonumber(ARGV[10])
 local b = 11
 for _ = 1, k do mine[ARGV[b]] = ARGV[b + 1]; b = b + 2 end
@@ -138,16 +139,21 @@ for _ = 1, a do
   mine[ARGV[b]] = ARGV[b + 1]
   asks[ARGV[b]] = {tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]),
                    ARGV[b + 5] == '1', tonumber(ARGV[b + 6])}
+  table.insert(seq, ARGV[b])
   b = b + 7
 end
 scan_leases()
 set_tickets(mine)
 local out = {}
 if now >= resync_until then
+  local nexti = 1
   while true do
     local head = redis.call('ZRANGE', queue, 0, 0)[1]
-    local ask = head and asks[head]
-    if not ask then break end
+    if not (head and asks[head]) then break end
+    -- This process's turn: its first waiter in its own serving order (classes, fair
+    -- shares) takes it; the granted are out of the queue, so seq[nexti] is ungranted.
+    head = seq[nexti]
+    local ask = asks[head]
     local tokens, n, span, pinnable, prefer = ask[1], ask[2], ask[3], ask[4], ask[5]
     -- gateway.core.capacity.fits (fits_alone, a free slot each, the unified pool)
     if busy + n > slots or n > slots or span > usable or tokens > capacity
@@ -183,6 +189,7 @@ if now >= resync_until then
     redis.call('ZREM', queue, head)
     table.insert(out, head)
     table.insert(out, csv)
+    nexti = nexti + 1
   end
 end
 finish()
@@ -633,9 +640,11 @@ class SharedAccount:
                     keep: Iterable[tuple[str, int]] = (),
                     order: Sequence[int] = ()) -> GrantReply:
         """Queue ``asks`` in the shared queue (and withdraw this process's tickets not in
-        ``asks`` or ``keep``), then grant, atomically and in the queue's order, each head
-        that is one of ``asks`` while it fits (:func:`gateway.core.capacity.fits` on the
-        shared sums).
+        ``asks`` or ``keep``), then grant, atomically, while the queue's head is one of
+        ``asks``: the turn goes to the first ungranted of ``asks`` in the order given
+        (this process's serving order: its classes and fair shares), if it fits
+        (:func:`gateway.core.capacity.fits` on the shared sums). Across processes the
+        order is arrival time; within one, the order of ``asks``.
 
         :param layout: the backend's layout, as this process discovered it.
         :param keep: other tickets of this process still waiting, (id, score).
