@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gateway.config import BackendSettings, ConfigError, load_settings
+from gateway.config import BackendSettings, ConfigError, load_settings, redact_url
 
 __all__ = ["main"]
 
@@ -43,7 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
     effective = settings.model_dump(mode="json")
-    effective["state"]["redis_url"] = _masked(settings.state.redis_url)
+    effective["state"]["redis_url"] = redact_url(settings.state.redis_url)  # no password
     for shown, backend in zip(effective["backends"], settings.backends, strict=True):
         if backend.kind == "llama.cpp":
             shown["kv_unified"] = backend.unified  # unset means true
@@ -70,16 +70,6 @@ def _check(args: argparse.Namespace) -> int:
             print(f"backend {backend.name}: an API key ({source}) is sent as "  # noqa: T201
                   "Authorization: Bearer on every upstream call", file=sys.stderr)
     return 0
-
-
-def _masked(url: str) -> str:
-    """``url`` with its password (``redis://user:PASSWORD@host``) shown as ``**********``."""
-    head, sep, tail = url.rpartition("@")
-    if not sep:
-        return url
-    scheme, _, auth = head.partition("://")
-    user, colon, _password = auth.partition(":")
-    return f"{scheme}://{user}{colon}{'*' * 10 if colon else ''}@{tail}"
 
 
 def _unified_note(b: BackendSettings) -> str:

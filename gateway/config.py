@@ -15,6 +15,7 @@ import resource
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -49,6 +50,7 @@ __all__ = [
     "StateSettings",
     "load_settings",
     "open_files_needed",
+    "redact_url",
 ]
 
 
@@ -457,11 +459,38 @@ class StateSettings(_Strict):
                 f"lease_ttl_s ({self.lease_ttl_s:g}) must be at least 3 x "
                 f"renew_interval_s ({self.renew_interval_s:g}): a live process that "
                 "misses one renewal must not lose its leases")
-        if self.backend is StateBackend.redis and not self.redis_url.startswith(
-                ("redis://", "rediss://", "unix://")):
+        if self.backend is not StateBackend.redis:
+            return self
+        shown = redact_url(self.redis_url)
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix:// "
-                             f"(got {self.redis_url!r})")
+                             f"(got {shown!r})")
+        from redis.connection import parse_url  # the reading the client will make
+
+        try:
+            parse_url(self.redis_url)
+        except ValueError as exc:  # its messages name the part, never the password
+            raise ValueError(f"redis_url {shown!r} cannot be read: {exc}") from None
         return self
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password shown as ``***``: the userinfo's (``redis://user:PW@``,
+    ``redis://:PW@``) and a ``password=`` query argument (which redis-py also reads), so a
+    URL can be printed or logged. Anything that cannot be split is shown as ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "***"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}:***@{host}" if colon else f"***@{host}"
+    query = "&".join(
+        f"{k}=***" if k.lower() == "password" else f"{k}={v}" if sep else k
+        for k, sep, v in (pair.partition("=") for pair in parts.query.split("&") if pair))
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def _require_unique(what: str, names: list[str]) -> None:

@@ -8,14 +8,23 @@ from pathlib import Path
 
 import pytest
 
-from gateway.dev.redisserver import RedisMissing, RedisServer
+from gateway.dev import redisserver
 
 __all__ = ["RedisServer", "start_redis"]
 
 
+class RedisServer(redisserver.RedisServer):
+    """:class:`gateway.dev.redisserver.RedisServer`, skipping the test when the binary is
+    missing."""
+
+    def start(self) -> RedisServer:
+        try:
+            super().start()
+        except redisserver.RedisMissing as exc:
+            pytest.skip(str(exc))
+        return self
+
+
 def start_redis(workdir: Path) -> RedisServer:
-    """A started server in ``workdir``; skips the test when redis-server is missing."""
-    try:
-        return RedisServer(workdir).start()
-    except RedisMissing as exc:
-        pytest.skip(str(exc))
+    """A started server in ``workdir``."""
+    return RedisServer(workdir).start()

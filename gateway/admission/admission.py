@@ -125,7 +125,8 @@ class Admission:
         self._admitted = 0
         self._room: Waitroom[QueuedAsk, Lease] = Waitroom(
             self._clock, age_s=age_s, max_queue=max_queue, full=self._queue_full,
-            give_back=self.release, on_leave=self._wake)
+            give_back=self.release, on_leave=self._wake,
+            counted=None if shared is None else (lambda w: w.request.seen))
         self._active: dict[int, Lease] = {}  # leases in flight, by id
         self._forecast = WaitForecast(
             self._room, WaitPredictor(),
@@ -141,9 +142,11 @@ class Admission:
         self._shared = shared
         self._pump = None if shared is None else SharedPump(
             shared, self._room, self.slots, lambda: self._layout,
-            lambda charge, waited_s, ids: self._grant(charge, waited_s=waited_s,
-                                                      shared_ids=ids), self._clock,
-            budget=lambda: self._budget)
+            lambda c, waited_s, ids: self._grant(c, waited_s=waited_s, shared_ids=ids),
+            self._clock, budget=lambda: self._budget, max_queue=max_queue,
+            refusal=lambda fresh: self._queue_full() if fresh else shed_error(
+                f"The queue for this backend is full ({max_queue} waiting).",
+                self.retry_after_s()))
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` whenever room may have been made on this backend, after
@@ -321,7 +324,8 @@ class Admission:
         if lease is not None:
             return lease
         max_wait = self._max_wait_s if party.max_wait_s is None else party.max_wait_s
-        victim = None if front else self._room.victim_for(party)
+        victim = (None if front or self._shared is not None  # shared: the pump's bound
+                  else self._room.victim_for(party))
         predicted = None if front else self.predict_wait_s(charge, party)
         if self._reject_doomed and predicted is not None and predicted > max_wait:
             raise _doomed(predicted, max_wait)

@@ -34,6 +34,9 @@ class QueuedAsk:
     prefer: int | None = None  # the slot to take if it is free
     ticket: str | None = None  # its id in the shared queue (shared state only)
     front: bool = False
+    # A grant call saw it and did not grant it, so it waits (and counts against
+    # max_queue); before that it is only on its way to its first grant.
+    seen: bool = False
 
 
 #: Grants a lease locally on slots the shared script chose:
@@ -51,6 +54,9 @@ class SharedPump:
     :param layout: the admission's current layout (``None``: unknown, nothing granted).
     :param grant: reserves locally what the script granted.
     :param clock: the injected time source (its naps between polls).
+    :param max_queue: the admission's bound on waiting requests, kept by :meth:`_bound`.
+    :param refusal: the error of a waiter past ``max_queue``: ``refusal(True)`` for one
+        just refused its first grant (queue full), ``refusal(False)`` for one shed.
     :param budget: what this process holds on the backend: with ``[state] on_unavailable
         = "local"``, while Redis cannot be reached, waiters are granted against
         ``1/N`` of the backend (:meth:`_grant_alone`).
@@ -58,9 +64,13 @@ class SharedPump:
 
     def __init__(self, shared: SharedAccount, room: Waitroom[QueuedAsk, Lease],
                  slots: SlotMap, layout: Callable[[], Layout | None], grant: Grant,
-                 clock: Clock, budget: Callable[[], Budget] | None = None) -> None:
+                 clock: Clock, budget: Callable[[], Budget] | None = None,
+                 max_queue: int | None = None,
+                 refusal: Callable[[bool], Exception] | None = None) -> None:
         self.shared = shared
         self._budget = budget
+        self._max_queue = max_queue
+        self._refusal = refusal
         self._room = room
         self._slots = slots
         self._layout = layout
@@ -120,6 +130,9 @@ class SharedPump:
                 return
             sent = bool(asks)
             self._hand_out(waiters, reply.granted)
+            if not reply.resyncing:  # (while Redis resyncs, nothing was judged)
+                self._bound([w for w in waiters if not w.future.done()
+                             and not w.request.seen and w.request.ticket is not None])
             if self._room and not reply.granted and not self._stirred.is_set():
                 # While Redis resyncs after a restart, look again each renewal.
                 await self._nap(settings.renew_interval_s if reply.resyncing
@@ -141,6 +154,21 @@ class SharedPump:
             lease = self._grant(ask.charge, now - waiter.since, (ask.ticket or "", ids))
             lease.predicted_wait_s = ask.predicted
             self._room.grant(waiter, lease)
+
+    def _bound(self, fresh: list[Waiter[QueuedAsk, Lease]]) -> None:
+        """``fresh`` waiters were just refused a grant, so they wait now. Keep
+        ``max_queue`` waiting, the first in serving order (lower classes and the newest
+        go first); a fresh one past it is refused (queue full), as one that found the
+        queue full in one process, and an older one past it is shed. Requests coming
+        back to the front are never refused."""
+        for waiter in fresh:
+            waiter.request.seen = True
+        if self._max_queue is None or self._refusal is None:
+            return
+        waiting = [w for w in self._room.order()
+                   if w.request.seen and not w.request.front]
+        for waiter in waiting[self._max_queue:]:
+            self._room.fail(waiter, self._refusal(waiter in fresh))
 
     def _grant_alone(self, layout: Layout) -> None:
         """Redis cannot be reached and ``[state] on_unavailable = "local"``: grant the

@@ -51,7 +51,7 @@ from redis.exceptions import RedisError
 
 from gateway.admission.shared_tenants import TenantShare
 from gateway.clock import Clock
-from gateway.config import StateSettings
+from gateway.config import StateSettings, redact_url
 from gateway.core.capacity import Charge, Layout
 from gateway.errors import StateUnavailable
 
@@ -82,6 +82,8 @@ if resync_until < 0 then
   resync_until = now + resync_ms
   redis.call('SET', epoch, resync_until)
   lapsed = false  -- Redis started empty: every process republishes, none lapsed
+elseif now < resync_until and not was then
+  lapsed = false  -- absent only because Redis restarted: this is its first call since
 end
 local alive = {}
 local function is_alive(o)
@@ -133,13 +135,14 @@ end
 
 # ARGV 5..: pool tokens (0: per-slot layout), slots, usable per slot, capacity tokens,
 # preferred slot order (comma-separated), tickets kept waiting (k), then k x (id, score),
-# then asks (a), then a x (id, score, tokens, slots, span, pinnable, prefer).
+# then asks (a), then a x (id, score, tokens, slots, span, pinnable, prefer), in this
+# process's serving order.
 # Returns {now, reserved, busy, resyncing, purged, queued, id1, slots1, id2, ...}.
 _GRANT = _PRELUDE + r"""
 local pool, slots, usable, capacity = tonumber(ARGV[5]), tonumber(ARGV[6]),
   tonumber(ARGV[7]), tonumber(ARGV[8])
 local order = ARGV[9]
-local mine, asks = {}, {}
+local mine, asks, seq = {}, {}, {}
 local k = tonumber(ARGV[10])
 local b = 11
 for _ = 1, k do mine[ARGV[b]] = ARGV[b + 1]; b = b + 2 end
@@ -148,16 +151,21 @@ for _ = 1, a do
   mine[ARGV[b]] = ARGV[b + 1]
   asks[ARGV[b]] = {tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]),
                    ARGV[b + 5] == '1', tonumber(ARGV[b + 6])}
+  table.insert(seq, ARGV[b])
   b = b + 7
 end
 scan_leases()
 set_tickets(mine)
 local out = {}
 if now >= resync_until then
+  local nexti = 1
   while true do
     local head = redis.call('ZRANGE', queue, 0, 0)[1]
-    local ask = head and asks[head]
-    if not ask then break end
+    if not (head and asks[head]) then break end
+    -- This process's turn: its first waiter in its own serving order (classes, fair
+    -- shares) takes it; the granted are out of the queue, so seq[nexti] is ungranted.
+    head = seq[nexti]
+    local ask = asks[head]
     local tokens, n, span, pinnable, prefer = ask[1], ask[2], ask[3], ask[4], ask[5]
     -- gateway.core.capacity.fits (fits_alone, a free slot each, the unified pool)
     if busy + n > slots or n > slots or span > usable or tokens > capacity
@@ -198,6 +206,7 @@ if now >= resync_until then
     redis.call('ZREM', queue, head)
     table.insert(out, head)
     table.insert(out, csv)
+    nexti = nexti + 1
   end
 end
 finish()
@@ -430,10 +439,12 @@ class SharedStore:
             for account in self.accounts.values():
                 account.leases.clear()
                 account.providers.clear()
-                await self.call("close", lambda a=account: a.sync_args())  # type: ignore[misc]
+                async with account.lock:
+                    await self.call("close", account.sync_args)
             for share in self.tenants.values():
                 share.held.clear()
-                await self.call("close", lambda t=share: t.sync_args())  # type: ignore[misc]
+                async with share.lock:
+                    await self.call("close", share.sync_args)
             await self.client.zrem(self.key("procs"), self.owner)
         with contextlib.suppress(Exception):
             await self._sub_client.aclose()
@@ -452,7 +463,8 @@ class SharedStore:
         if not self.accounts:
             now_ms = await self.call("renew", self._renew_only)
         for account in list(self.accounts.values()):
-            raw = await self.call("renew", account.sync_args)
+            async with account.lock:  # after a grant's leases are recorded (see lock)
+                raw = await self.call("renew", account.sync_args)
             reply = self.reply(raw[:6])
             account.seen(reply)
             now_ms = reply.now_ms
@@ -466,12 +478,22 @@ class SharedStore:
                 if self._on_expired is not None:
                     self._on_expired(0, "renewed_late")
         for share in list(self.tenants.values()):
-            await self.call("renew", share.sync_args)
+            await self.renew_tenant(share)
         alive = await self.call("renew", lambda: self.client.zrangebyscore(
             self.key("procs"), f"({now_ms}", "+inf"))
         self.stale = False
         self.processes = sorted(v.decode() if isinstance(v, bytes) else str(v)
                                 for v in alive)
+
+    async def renew_tenant(self, share: TenantShare) -> None:
+        """The heartbeat's part for one tenant: its places in Redis become exactly
+        those this process holds (after any acquire on its way, see
+        :attr:`TenantShare.lock <gateway.admission.shared_tenants.TenantShare.lock>`).
+
+        :raises StateUnavailable: Redis could not be reached.
+        """
+        async with share.lock:
+            await self.call("renew", share.sync_args)
 
     async def _renew_only(self) -> int:
         t = await self.client.time()
@@ -525,8 +547,7 @@ class SharedStore:
         return reply
 
     def _where(self) -> str:
-        url = self.settings.redis_url
-        return url.split("@")[-1]  # never log a password
+        return redact_url(self.settings.redis_url)  # never log a password
 
     def _count(self, op: str, outcome: str, start: float) -> None:
         if self._on_op is not None:
@@ -548,8 +569,9 @@ class SharedStore:
 
         async def run() -> None:
             with contextlib.suppress(StateUnavailable):
-                await self.call("release", lambda: self._release(
-                    keys=[account.keys[0]], args=[account.channel, *ids]))
+                async with account.lock:
+                    await self.call("release", lambda: self._release(
+                        keys=[account.keys[0]], args=[account.channel, *ids]))
         try:
             self.spawn(run())
         except RuntimeError:  # no running loop (closing): the heartbeat's absence heals
@@ -600,6 +622,11 @@ class SharedAccount:
     :ivar reserved_tokens: KV tokens reserved by every process, as last seen.
     :ivar busy_slots: slots taken by every process, as last seen.
     :ivar queued: requests waiting on the backend in every process, as last seen.
+    :ivar lock: held by each call that reads or writes this process's leases in Redis
+        (grant, heartbeat, release), so that Redis runs them in the order their
+        arguments were built: a heartbeat sent while a grant is on its way would
+        otherwise republish the leases as they were before it, deleting the lease just
+        granted (which this process then holds while Redis counts it free).
     """
 
     def __init__(self, store: SharedStore, backend: str) -> None:
@@ -614,6 +641,7 @@ class SharedAccount:
         self.reserved_tokens = 0
         self.busy_slots = 0
         self.queued = 0
+        self.lock = asyncio.Lock()
 
     def bind(self, waiting: Provider, on_change: Callable[[], None]) -> None:
         """Add an admission of this backend: ``waiting()`` lists its waiting tickets and
@@ -654,9 +682,11 @@ class SharedAccount:
                     keep: Iterable[tuple[str, int]] = (),
                     order: Sequence[int] = ()) -> GrantReply:
         """Queue ``asks`` in the shared queue (and withdraw this process's tickets not in
-        ``asks`` or ``keep``), then grant, atomically and in the queue's order, each head
-        that is one of ``asks`` while it fits (:func:`gateway.core.capacity.fits` on the
-        shared sums).
+        ``asks`` or ``keep``), then grant, atomically, while the queue's head is one of
+        ``asks``: the turn goes to the first ungranted of ``asks`` in the order given
+        (this process's serving order: its classes and fair shares), if it fits
+        (:func:`gateway.core.capacity.fits` on the shared sums). Across processes the
+        order is arrival time; within one, the order of ``asks``.
 
         :param layout: the backend's layout, as this process discovered it.
         :param keep: other tickets of this process still waiting, (id, score).
@@ -680,14 +710,16 @@ class SharedAccount:
             args.extend((ask.ticket, ask.score_ms, c.tokens, c.slots,
                          c.prompt_tokens + c.max_tokens, 1 if c.pinnable else 0,
                          -1 if ask.prefer is None else ask.prefer))
-        reply = self.store.reply(await self.store.call(
-            "grant", lambda: self.store._grant(keys=self.keys, args=args)))
+        async with self.lock:
+            reply = self.store.reply(await self.store.call(
+                "grant", lambda: self.store._grant(keys=self.keys, args=args)))
+            owner = self.store.owner
+            by_id = {ask.ticket: ask.charge for ask in asks}
+            for ticket, ids in reply.granted.items():
+                c = by_id[ticket]
+                self.leases[ticket] = (f"{owner}|{c.tokens}|{c.slots}|"
+                                       f"{','.join(map(str, ids))}")
         self.seen(reply)
-        owner = self.store.owner
-        by_id = {ask.ticket: ask.charge for ask in asks}
-        for ticket, ids in reply.granted.items():
-            c = by_id[ticket]
-            self.leases[ticket] = f"{owner}|{c.tokens}|{c.slots}|{','.join(map(str, ids))}"
         return reply
 
     def hold_alone(self, lease_id: str, charge: Charge, slot_ids: tuple[int, ...]) -> None:

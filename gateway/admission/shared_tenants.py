@@ -156,6 +156,10 @@ class TenantShare:
         self._sync = store.client.register_script(_SYNC)
         self.changed = asyncio.Event()
         self.held: list[str] = []  # this process's places past the gate
+        # Held by each call on the places (acquire, heartbeat, release): a heartbeat sent
+        # while an acquire is on its way would drop the place just taken (as
+        # SharedAccount.lock).
+        self.lock = asyncio.Lock()
         self.last: WindowReply | None = None
 
     def stir(self) -> None:
@@ -189,12 +193,13 @@ class TenantShare:
         :raises StateUnavailable: Redis could not be reached.
         """
         place = self.store.new_id()
-        raw = await self.store.call("tenant", lambda: self._acquire(
-            keys=[self.inflight_key, self.store.key("procs")],
-            args=[cap, place, self.store.owner, self.store.ttl_ms]))
-        if int(raw[0]):
-            self.held.append(place)
-            return True
+        async with self.lock:
+            raw = await self.store.call("tenant", lambda: self._acquire(
+                keys=[self.inflight_key, self.store.key("procs")],
+                args=[cap, place, self.store.owner, self.store.ttl_ms]))
+            if int(raw[0]):
+                self.held.append(place)
+                return True
         return False
 
     def release(self) -> None:
@@ -203,16 +208,20 @@ class TenantShare:
         if self.held:
             place = self.held.pop()
             self._background("tenant", lambda: self._release(
-                keys=[self.inflight_key], args=[self.channel, place]))
+                keys=[self.inflight_key], args=[self.channel, place]), locked=True)
 
     def sync_args(self) -> Any:
         """The heartbeat's call: this process's places become exactly :attr:`held`."""
         return self._sync(keys=[self.inflight_key], args=[self.store.owner, *self.held])
 
-    def _background(self, op: str, make: Any) -> None:
+    def _background(self, op: str, make: Any, *, locked: bool = False) -> None:
         async def run() -> None:
             with contextlib.suppress(StateUnavailable):
-                await self.store.call(op, make)
+                if not locked:
+                    await self.store.call(op, make)
+                    return
+                async with self.lock:
+                    await self.store.call(op, make)
         with contextlib.suppress(RuntimeError):  # no running loop: nothing to do
             self.store.spawn(run())
 

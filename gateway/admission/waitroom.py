@@ -87,18 +87,22 @@ class Waitroom(Generic[R, G]):
         as it was granted).
     :param on_leave: called after a waiter left without a grant (the ones behind it may
         be served now).
+    :param counted: which waiters count against ``max_queue`` (default: all). A shared
+        queue counts only those its grant script has seen and not granted: the others
+        are on their way to their first grant, not waiting.
     """
 
     def __init__(self, clock: Clock, *, age_s: float = 30.0, max_queue: int | None = None,
                  full: Callable[[], Exception] | None = None,
-                 give_back: Callable[[G], None], on_leave: Callable[[], None] = _nothing
-                 ) -> None:
+                 give_back: Callable[[G], None], on_leave: Callable[[], None] = _nothing,
+                 counted: Callable[[Waiter[R, G]], bool] | None = None) -> None:
         self._clock = clock
         self._queue: FairQueue[Waiter[R, G]] = FairQueue(age_s)
         self.max_queue = max_queue
         self._full = full or self._default_full
         self._give_back = give_back
         self._on_leave = on_leave
+        self._counted = counted
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -153,7 +157,8 @@ class Waitroom(Generic[R, G]):
             waiters are here already (and at least one is), none of a class lower than
             ``party``'s (which it would shed).
         """
-        if self._queue and self._is_full() and self._queue.shed_for(party or Party()) is None:
+        if (self._waiting() and self._is_full()
+                and self._queue.shed_for(party or Party()) is None):
             raise self._full()
 
     def victim_for(self, party: Party) -> Waiter[R, G] | None:
@@ -170,8 +175,15 @@ class Waitroom(Generic[R, G]):
             raise self._full()
         return victim
 
+    def _waiting(self) -> int:
+        """The waiters that count against ``max_queue``."""
+        counted = self._counted
+        if counted is None:
+            return len(self._queue)
+        return sum(1 for waiter in self._queue if counted(waiter))
+
     def _is_full(self) -> bool:
-        return self.max_queue is not None and len(self._queue) >= self.max_queue
+        return self.max_queue is not None and self._waiting() >= self.max_queue
 
     def _default_full(self) -> Exception:
         return QueueFull(f"The queue is full ({self.max_queue} waiting); retry after the "

@@ -33,6 +33,9 @@ class RedisServer:
     workdir: Path | str
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
+    #: More ``redis-server`` options (``--requirepass``, ``--enable-debug-command``).
+    extra: tuple[str, ...] = ()
+    password: str | None = None  # what the readiness ping authenticates with
 
     @property
     def url(self) -> str:
@@ -47,14 +50,22 @@ class RedisServer:
         self.port = self.port or free_port()
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no"],
+             "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no",
+             *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    auth = f"AUTH {self.password}\r\n" if self.password else ""
+                    s.sendall(f"{auth}PING\r\n".encode())
+                    seen = b""
+                    while b"\r\n" not in seen.removeprefix(b"+OK\r\n") and len(seen) < 64:
+                        chunk = s.recv(64)
+                        if not chunk:
+                            break
+                        seen += chunk
+                    if seen.removeprefix(b"+OK\r\n").startswith(b"+PONG"):
                         return self
             except OSError:
                 time.sleep(0.02)

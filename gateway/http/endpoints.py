@@ -150,7 +150,11 @@ async def health(request: Request) -> Response:
 async def ready(request: Request) -> Response:
     """200 while every model has a backend that can take a request (ready, up and
     not draining) and the gateway is not draining; 503 otherwise. Load balancers
-    read the status; the body shows each backend (:func:`gateway.http.views.ready_row`)."""
+    read the status; the body shows each backend (:func:`gateway.http.views.ready_row`)
+    and, with shared state, whether Redis answered the last call (``state.up``). A Redis
+    that cannot be reached does not turn it 503: every replica shares that Redis, and a
+    balancer left with no ready replica answers with errors of its own, where the
+    gateway answers 503 ``state_unavailable`` with ``Retry-After``."""
     state = _state(request)
     fleet, now = state.fleet, state.clock.now()
     rows = {name: ready_row(b, now) for name, b in fleet.backends.items()}
@@ -162,6 +166,8 @@ async def ready(request: Request) -> Response:
         body["models"] = serving
     if state.draining:
         body["draining"] = True
+    if state.shared is not None:  # shown, not judged: see the docstring
+        body["state"] = {"backend": "redis", "up": state.shared.up}
     return JSONResponse(body, 200 if ok else 503)
 
 
