@@ -87,17 +87,23 @@ class GatewayThread:
     def metric(self, name: str, **labels: str) -> float:
         """The sum of the samples of ``name`` with ``labels`` among their labels, from
         the gateway's /metrics (0 when absent)."""
-        from prometheus_client.parser import text_string_to_metric_families
+        return scrape(self.url, name, headers=self.metrics_headers, **labels)
 
-        text = httpx.get(self.url + "/metrics", timeout=5,
-                         headers=self.metrics_headers).text
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v
-                                               for k, v in labels.items()):
-                    total += float(sample.value)
-        return total
+
+def scrape(url: str, name: str, headers: dict[str, str] | None = None,
+           **labels: str) -> float:
+    """The sum of the samples of ``name`` with ``labels`` among their labels, from the
+    /metrics of the gateway at ``url`` (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=5, headers=headers or {}).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v
+                                           for k, v in labels.items()):
+                total += float(sample.value)
+    return total
 
 
 def long_prompt(sentences: int) -> str:

@@ -28,6 +28,7 @@ import pytest
 import redis
 
 from gateway.dev.localbackend import LlamaServer, free_port
+from tests.integration.conftest import scrape
 from tests.integration.test_llama_server import overflow_chat
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(900)]
@@ -61,16 +62,8 @@ class Gateway:
         raise RuntimeError(f"gateway not ready: {self.log.read_text()[-2000:]}")
 
     def metric(self, name: str, **labels: str) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        total = 0.0
-        text = httpx.get(self.url + "/metrics", timeout=5).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v
-                                               for k, v in labels.items()):
-                    total += float(sample.value)
-        return total
+        """The sum of ``name``'s samples with ``labels``, from its /metrics."""
+        return scrape(self.url, name, **labels)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
