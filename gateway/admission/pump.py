@@ -189,20 +189,11 @@ class SharedPump:
             if (budget.reserved_tokens + c.tokens > tokens
                     or budget.busy_slots + c.slots > slots):
                 return
-            ids = self._free_slots(c, ask.prefer)
+            ids = self._slots.choose(c.pinnable, c.slots, ask.prefer)
             lease = self._grant(c, now - waiter.since, (ask.ticket or "", ids))
             lease.predicted_wait_s = ask.predicted
             self.shared.hold_alone(ask.ticket or "", c, ids)
             self._room.grant(waiter, lease)
-
-    def _free_slots(self, charge: Charge, prefer: int | None) -> tuple[int, ...]:
-        """Slots as :meth:`gateway.core.slots.SlotMap.pick` would choose them, without
-        taking them (the grant takes them)."""
-        free = list(self._slots.free)
-        if not charge.pinnable or self._slots.unpinned or not free:
-            return ()
-        first = prefer if prefer in free else free[0]
-        return (first, *sorted(i for i in free if i != first)[:charge.slots - 1])
 
     async def _nap(self, seconds: float) -> None:
         """Wait until stirred, or ``seconds`` at most."""

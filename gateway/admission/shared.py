@@ -560,22 +560,21 @@ class SharedStore:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def release_later(self, account: SharedAccount, ids: Iterable[str]) -> None:
-        """Give back leases in the background (a failure is healed by the heartbeat, which
-        republishes only the leases still held)."""
-        ids = list(ids)
-        if not ids:
-            return
-
+    def background(self, op: str, make: Callable[[], Any],
+                   lock: asyncio.Lock | None = None) -> None:
+        """Run the call ``make()`` as :meth:`call` does, in the background, under
+        ``lock`` when given. A failure is dropped: the heartbeat, which republishes what
+        this process holds, heals it. Nothing runs without an event loop (closing)."""
         async def run() -> None:
             with contextlib.suppress(StateUnavailable):
-                async with account.lock:
-                    await self.call("release", lambda: self._release(
-                        keys=[account.keys[0]], args=[account.channel, *ids]))
-        try:
+                if lock is None:
+                    await self.call(op, make)
+                    return
+                async with lock:
+                    await self.call(op, make)
+        with contextlib.suppress(RuntimeError):
             self.spawn(run())
-        except RuntimeError:  # no running loop (closing): the heartbeat's absence heals
-            pass
+
 
     async def _beat_forever(self) -> None:
         while self._running:
@@ -713,23 +712,26 @@ class SharedAccount:
         async with self.lock:
             reply = self.store.reply(await self.store.call(
                 "grant", lambda: self.store._grant(keys=self.keys, args=args)))
-            owner = self.store.owner
             by_id = {ask.ticket: ask.charge for ask in asks}
             for ticket, ids in reply.granted.items():
-                c = by_id[ticket]
-                self.leases[ticket] = (f"{owner}|{c.tokens}|{c.slots}|"
-                                       f"{','.join(map(str, ids))}")
+                self._record(ticket, by_id[ticket], ids)
         self.seen(reply)
         return reply
 
     def hold_alone(self, lease_id: str, charge: Charge, slot_ids: tuple[int, ...]) -> None:
         """Record a lease granted without Redis (``on_unavailable = "local"``): the
         heartbeat publishes it once Redis answers again."""
-        owner = self.store.owner
-        self.leases[lease_id] = (f"{owner}|{charge.tokens}|{charge.slots}|"
+        self._record(lease_id, charge, slot_ids)
+
+    def _record(self, lease_id: str, charge: Charge, slot_ids: tuple[int, ...]) -> None:
+        """Note a lease of this process as Redis holds it: ``owner|tokens|slots|ids``."""
+        self.leases[lease_id] = (f"{self.store.owner}|{charge.tokens}|{charge.slots}|"
                                  f"{','.join(map(str, slot_ids))}")
 
     def release(self, ids: Iterable[str]) -> None:
-        """Give back leases of this process (in the background)."""
+        """Give back leases of this process (in the background:
+        :meth:`SharedStore.background`)."""
         gone = [i for i in ids if self.leases.pop(i, None) is not None]
-        self.store.release_later(self, gone)
+        if gone:
+            self.store.background("release", lambda: self.store._release(
+                keys=[self.keys[0]], args=[self.channel, *gone]), self.lock)

@@ -16,12 +16,9 @@ Keys, under ``[state] key_prefix``, next to those of :mod:`gateway.admission.sha
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-from gateway.errors import StateUnavailable
 
 if TYPE_CHECKING:
     from gateway.admission.shared import SharedStore
@@ -185,7 +182,8 @@ class TenantShare:
         base = member.rsplit("|", 1)[0]
         args = [60_000, member, score_ms, f"{base}|{prompt}" if prompt > 0 else "",
                 f"{base}c|{completion}" if completion > 0 else ""]
-        self._background("tenant", lambda: self._settle(keys=[self.window_key], args=args))
+        self.store.background("tenant", lambda: self._settle(keys=[self.window_key],
+                                                             args=args))
 
     async def acquire(self, cap: int) -> bool:
         """Take a place past the gate when fewer than ``cap`` are taken in every process.
@@ -207,23 +205,13 @@ class TenantShare:
         are told."""
         if self.held:
             place = self.held.pop()
-            self._background("tenant", lambda: self._release(
-                keys=[self.inflight_key], args=[self.channel, place]), locked=True)
+            self.store.background("tenant", lambda: self._release(
+                keys=[self.inflight_key], args=[self.channel, place]), self.lock)
 
     def sync_args(self) -> Any:
         """The heartbeat's call: this process's places become exactly :attr:`held`."""
         return self._sync(keys=[self.inflight_key], args=[self.store.owner, *self.held])
 
-    def _background(self, op: str, make: Any, *, locked: bool = False) -> None:
-        async def run() -> None:
-            with contextlib.suppress(StateUnavailable):
-                if not locked:
-                    await self.store.call(op, make)
-                    return
-                async with self.lock:
-                    await self.store.call(op, make)
-        with contextlib.suppress(RuntimeError):  # no running loop: nothing to do
-            self.store.spawn(run())
 
 
 def _window_reply(raw: Sequence[Any], member: str) -> WindowReply:

@@ -101,6 +101,18 @@ def format_reset(seconds: float) -> str:
     return f"{minutes}m{rest}s"
 
 
+def _reset_s(entries: Iterable[tuple[float, int]], excess: int) -> float:
+    """Seconds until ``excess`` tokens have left a tokens-per-minute window whose entries
+    are ``entries``, (age seconds, tokens), oldest first."""
+    if excess <= 0:
+        return 0.0
+    for age, tokens in entries:
+        excess -= tokens
+        if excess <= 0:
+            return max(0.0, TOKENS_WINDOW_S - age)
+    return TOKENS_WINDOW_S
+
+
 @dataclass(eq=False)
 class TokenHold:
     """Tokens one request counts in its tenant's window, from ``at`` (clock seconds).
@@ -204,13 +216,8 @@ class Tenant:
             return self.hold_tokens(now, prompt_tokens)
         reply = await self.share.hold(prompt_tokens, limit, TOKENS_WINDOW_S)
         if not reply.admitted:
-            excess, wait = reply.used + prompt_tokens - limit, TOKENS_WINDOW_S
-            for age, tokens in reply.entries:  # oldest first
-                excess -= tokens
-                if excess <= 0:
-                    wait = max(0.0, TOKENS_WINDOW_S - age)
-                    break
-            self._refuse_tokens(now, reply.used, prompt_tokens, limit, wait)
+            self._refuse_tokens(now, reply.used, prompt_tokens, limit, _reset_s(
+                reply.entries, reply.used + prompt_tokens - limit))
         hold = TokenHold(now, prompt_tokens, shared=(reply.member, reply.now_ms))
         self._window.append(hold)
         return hold
@@ -267,15 +274,9 @@ class Tenant:
             self._gate.refuse_waiting(exc)
 
     def _reset_s(self, now: float, used: int, need: int, limit: int) -> float:
-        """Seconds until ``need`` more tokens fit the window (entries leaving it)."""
-        excess = used + need - limit
-        if excess <= 0:
-            return 0.0
-        for hold in self._window:
-            excess -= hold.tokens
-            if excess <= 0:
-                return max(0.0, hold.at + TOKENS_WINDOW_S - now)
-        return TOKENS_WINDOW_S
+        """Seconds until ``need`` more tokens fit this process's window."""
+        return _reset_s(((now - hold.at, hold.tokens) for hold in self._window),
+                        used + need - limit)
 
     # -- the gate (max_inflight, max_queued) ------------------------------------------
 

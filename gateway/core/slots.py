@@ -74,22 +74,18 @@ class SlotMap:
         is: llama-server places those tasks itself, so the map of which slot is free
         would be wrong. Nor is a lease pinned when no slot is free.
         """
+        return self.take(self.choose(pinnable, slots, prefer))
+
+    def choose(self, pinnable: bool, slots: int, prefer: int | None = None
+               ) -> tuple[int, ...]:
+        """What :meth:`pick` would hand out now, taking nothing (give the result to
+        :meth:`take`)."""
         if not pinnable or self._unpinned or not self._free:
-            self._unpinned += 1
             return ()
-        if prefer is not None and prefer in self._free:
-            self._free.remove(prefer)
-            first = prefer
-        else:
-            first = self._free.popleft()
-        rest: list[int] = []
-        if slots > 1:
-            rest = sorted(self._free)[:slots - 1]
-            for slot in rest:
-                self._free.remove(slot)
-        chosen = (first, *rest)
-        self._held.update(chosen)
-        return chosen
+        first = prefer if prefer is not None and prefer in self._free else self._free[0]
+        if slots <= 1:
+            return (first,)
+        return (first, *sorted(i for i in self._free if i != first)[:slots - 1])
 
     def take(self, slot_ids: tuple[int, ...]) -> tuple[int, ...]:
         """Hold ``slot_ids``, chosen elsewhere (by the shared state's script, which sees

@@ -159,8 +159,7 @@ class TrackedRelay:
                 lease = await self.parts.admitter.wait(watcher, progress, front=True,
                                                        prefer=slot)
             else:
-                lease = await watcher.race(x.backend.admission.admit(
-                    charge, front=True, prefer=slot, party=x.party))
+                lease = await watcher.race(x.readmit(front=True, prefer=slot))
         except ClientDisconnected:
             m.resumes.labels(name, "client_gone").inc()
             x.status = 499
