@@ -220,8 +220,17 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+#: Passed to every llama-server started here. Seen on this project's 2-core build machines
+#: (2026-12-02): a CPU that advertises AMX (``amx_tile``, ``amx_int8``) under a sandbox
+#: that does not grant the tile state, where the native build's AMX weight-repack buffer
+#: (ggml's extra CPU buffer types, on by default) segfaults right after the model loads.
+#: ``--no-repack`` keeps weights in the GGUF's own layout; a Q4_K model loses nothing on
+#: x86 without AMX. An operator's own server is started however they choose.
+NO_REPACK = ("--no-repack",)
+
+
 class LlamaServer:
-    """A llama-server child process on 127.0.0.1.
+    """A llama-server child process on 127.0.0.1, started with :data:`NO_REPACK`.
 
     :param args: extra llama-server arguments (e.g. ``["-c", "2048"]``).
     :param port: listen port; a free one when ``None``.
@@ -251,7 +260,7 @@ class LlamaServer:
         :raises BuildError: it exited, or was not healthy within ``timeout_s`` seconds.
         """
         cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
-               "--port", str(self.port), *self.args]
+               "--port", str(self.port), *NO_REPACK, *self.args]
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
