@@ -116,7 +116,7 @@ def test_an_alias_is_counted_as_its_twin(gateway: GatewayThread) -> None:
 async def test_a_chat_completions_overload_is_held_as_v1_chat_completions(
         server: LlamaServer, gateway: GatewayThread) -> None:
     # Two chats of about 790 + 700 tokens each: together past the 2,048-token unified
-    # pool (llama-server alone answers 500 Context size exceeded to one of them).
+    # pool, which straight to llama-server would end in a 500 "Context size exceeded".
     body = {"messages": [{"role": "user", "content": long_prompt(55)}], "max_tokens": 700,
             "ignore_eos": True}
     before = gateway.metric("gateway_upstream_errors_total")
