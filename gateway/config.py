@@ -171,6 +171,18 @@ class ServerSettings(_Strict):
     # With admin_key set, /metrics still answers without it (a Prometheus on a private
     # network scraping without credentials).
     metrics_public: bool = False
+    # CORS for browser clients, as llama-server answers it (gateway/http/middleware.py,
+    # CorsOnApi): the origins allowed ("*": any, each echoed back with credentials
+    # allowed, llama-server's default); empty, the default: no CORS headers, no preflight.
+    # Never on the status page or /admin.
+    cors_origins: list[str] = Field(default_factory=list)
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins_not_blank(cls, value: list[str]) -> list[str]:
+        if any(not o.strip() for o in value):
+            raise ValueError("an origin must not be empty (\"*\" allows any)")
+        return value
 
 
 class AdmissionSettings(_Strict):

@@ -54,6 +54,7 @@ __all__ = [
     "ReloadRefused",
     "Unauthorized",
     "Forbidden",
+    "NotRelayed",
     "RateLimited",
     "Shed",
     "Overloaded",
@@ -262,6 +263,17 @@ class Forbidden(ClientError):
     error_type = "permission_error"
     code = "priority_not_allowed"
     rejection_reason = RejectionReason.forbidden
+
+
+class NotRelayed(ClientError):
+    """Raised for a backend route the gateway refuses to relay on purpose (HTTP 403): one
+    that would change the backend behind the gateway's books (llama-server's slot
+    actions, ``POST /props``, ``POST /lora-adapters``) or is an open proxy
+    (``/cors-proxy``). The message says why and what to do instead."""
+
+    status_code = 403
+    error_type = "permission_error"
+    code = "not_relayed"
 
 
 class RateLimited(ClientError):

@@ -30,25 +30,29 @@ def test_the_vocabularies_equal_the_strings_they_replace() -> None:
 
 
 def test_every_path_is_in_the_table_once() -> None:
-    paths = [spec.path for spec in ROUTES]
+    paths = [path for spec in ROUTES for path in spec.paths]  # aliases too
     assert len(paths) == len(set(paths)) == len(BY_PATH)
     named = [spec.name for spec in ROUTES if spec.parser is not None]
     assert len(named) == len(set(named)) == len(BY_NAME)
 
 
 def test_the_path_sets_are_derived_from_the_table() -> None:
-    assert routes.QUIET_PATHS == {"/health", "/ready", "/metrics", "/status", "/status.json"}
-    assert routes.PROBE_PATHS == routes.OPEN_PATHS == {"/health", "/ready"}
+    assert routes.QUIET_PATHS == {"/health", "/v1/health", "/ready", "/metrics", "/status",
+                                  "/status.json"}
+    assert routes.PROBE_PATHS == routes.OPEN_PATHS == {"/health", "/v1/health", "/ready"}
     assert routes.STATUS_PATHS == {"/status", "/status.json"}
     assert list(routes.FORWARDED) == [
-        "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-        "/v1/embeddings", "/v1/rerank", "/infill", "/completion"]
+        "/v1/chat/completions", "/chat/completions", "/v1/completions", "/v1/responses",
+        "/responses", "/v1/messages", "/v1/embeddings", "/embedding", "/embeddings",
+        "/v1/rerank", "/rerank", "/reranking", "/v1/reranking", "/infill", "/completion",
+        "/completions"]
     assert routes.DIRECT == {**routes.FORWARDED, "/api/chat": "ollama_chat",
                              "/api/generate": "ollama_generate"}
     assert routes.LABELS["/status.json"] == "status"
     assert "/api/tags" not in routes.LABELS  # labelled "other"
     assert routes.SERVED.startswith("POST /v1/chat/completions, ")
-    assert routes.SERVED.endswith(", GET /api/tags, GET /api/version, GET /api/ps")
+    assert ", GET /api/tags, GET /api/version, GET /api/ps, " in routes.SERVED
+    assert routes.SERVED.endswith(", GET /slots, GET /backends/{name}/metrics")
 
 
 def test_the_other_modules_use_the_derived_sets() -> None:
@@ -65,6 +69,9 @@ def test_the_other_modules_use_the_derived_sets() -> None:
     ("/status", Access.status), ("/status.json", Access.status), ("/admin/reload", Access.admin),
     ("/admin/anything", Access.admin), ("/v1/chat/completions", Access.tenant),
     ("/api/tags", Access.tenant), ("/nope", Access.tenant),
+    ("/chat/completions", Access.tenant), ("/tokenize", Access.tenant),
+    ("/slots/0", Access.tenant), ("/v1/health", Access.open),
+    ("/backends/local/metrics", Access.scrape), ("/backends/a/b/metrics", Access.tenant),
 ])
 def test_who_may_call_a_path(path: str, access: Access) -> None:
     assert access_of(path) is access

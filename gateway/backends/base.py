@@ -131,11 +131,16 @@ class Dialect(Protocol):
     ``target.dialect``.)
 
     ``route_paths`` maps the gateway's route names (``chat``, ``completions``) to the
-    upstream paths the kind serves them on.
+    upstream paths the kind serves them on. ``side_paths`` are the side routes it serves
+    (:data:`gateway.wire.routes.SIDE`: ``/tokenize``, ``/props``, …), passed through on
+    the same path with no admission; ``metrics_path`` is its own Prometheus endpoint,
+    relayed at ``/backends/{name}/metrics`` (``None``: it has none).
     """
 
     kind: ClassVar[str]
     route_paths: ClassVar[Mapping[str, str]]
+    side_paths: ClassVar[frozenset[str]]
+    metrics_path: ClassVar[str | None]
     unified_pool: ClassVar[bool]  # its slots may share one KV pool (kv_unified applies)
     counts_exactly: ClassVar[bool]  # count_prompt is the server's own count
     stop_margin: ClassVar[int]  # tokens of the context a request cannot use (Layout)

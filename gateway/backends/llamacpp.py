@@ -43,7 +43,7 @@ from gateway.errors import (
 from gateway.wire.routes import Route
 from gateway.wire.validation import ParsedRequest
 
-__all__ = ["CONTEXT_OVERFLOW_TEXT", "LlamaCpp"]
+__all__ = ["CONTEXT_OVERFLOW_TEXT", "SIDE_PATHS", "LlamaCpp"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,15 @@ _COUNT_ROUTES = {Route.messages: "/v1/messages/count_tokens",
                  Route.responses: "/v1/responses/input_tokens"}
 RERANK_SEPARATORS = 3  # format_prompt_rerank adds EOS, SEP and EOS around query and doc
 INFILL_MARKERS = 3  # FIM prefix, suffix and middle tokens
+
+
+# llama-server's side routes, each under its alias too (tools/server/server.cpp),
+# passed through by gateway.http.side.
+SIDE_PATHS = frozenset({
+    "/tokenize", "/detokenize", "/apply-template", "/props", "/models", "/lora-adapters",
+    "/slots", "/v1/chat/completions/input_tokens", "/chat/completions/input_tokens",
+    "/v1/responses/input_tokens", "/responses/input_tokens",
+})
 
 
 class LlamaCpp(ExactCount):
@@ -80,7 +89,10 @@ class LlamaCpp(ExactCount):
         Route.responses: "/v1/responses", Route.messages: "/v1/messages",
         Route.count_tokens: "/v1/messages/count_tokens", Route.embeddings: "/v1/embeddings",
         Route.rerank: "/v1/rerank", Route.infill: "/infill", Route.completion: "/completion",
+        Route.embedding: "/embedding",
     }
+    side_paths: ClassVar[frozenset[str]] = SIDE_PATHS
+    metrics_path: ClassVar[str | None] = "/metrics"  # with --metrics; else its 501
     unified_pool: ClassVar[bool] = True  # -np unset, or --kv-unified
     default_slots: ClassVar[int | None] = None  # always discovered from /props
     counts_exactly: ClassVar[bool] = True

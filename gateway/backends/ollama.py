@@ -105,6 +105,10 @@ class Ollama(WithoutSlots):
         Route.chat: "/v1/chat/completions", Route.completions: "/v1/completions",
         Route.ollama_chat: "/api/chat", Route.ollama_generate: "/api/generate",
     }
+    # None of llama-server's side routes; its own listing routes (/api/tags, /api/show,
+    # ...) are relayed apart (gateway.http.endpoints.passthrough). No /metrics.
+    side_paths: ClassVar[frozenset[str]] = frozenset()
+    metrics_path: ClassVar[str | None] = None
     unified_pool: ClassVar[bool] = False
     default_slots: ClassVar[int] = 1
     counts_exactly: ClassVar[bool] = False

@@ -112,6 +112,10 @@ class Vllm(WithoutSlots, ExactCount):
     route_paths: ClassVar[dict[str, str]] = {
         Route.chat: "/v1/chat/completions", Route.completions: "/v1/completions",
     }
+    # vLLM's own /tokenize and /detokenize (vllm/entrypoints/openai/api_server.py; its
+    # bodies, not llama-server's), and its Prometheus /metrics.
+    side_paths: ClassVar[frozenset[str]] = frozenset({"/tokenize", "/detokenize"})
+    metrics_path: ClassVar[str | None] = "/metrics"
     unified_pool: ClassVar[bool] = True  # one block pool for every sequence
     default_slots: ClassVar[int] = DEFAULT_MAX_NUM_SEQS
     counts_exactly: ClassVar[bool] = True

@@ -30,7 +30,8 @@ from gateway.fleet.tasks import TaskSet
 from gateway.http.auth import authenticate
 from gateway.http.connection import guarded_protocol
 from gateway.http.endpoints import register_routes
-from gateway.http.middleware import RequestAccounting, count_rejection
+from gateway.http.middleware import CorsOnApi, RequestAccounting, count_rejection
+from gateway.http.side import SideRoutes
 from gateway.http.status import register_status
 from gateway.http.views import pool_gauge_rows
 from gateway.observe.metrics import GatewayMetrics
@@ -109,12 +110,15 @@ def create_app(
         openapi_url=None, redirect_slashes=False,
     )
     app.state.gateway = state
+    app.state.side_routes = SideRoutes.build(http_client)
     direct = register_routes(app)
     register_status(app, state)
     app.add_middleware(RequestAccounting, metrics=state.metrics,
                        keepalive_timeout_s=settings.server.keepalive_timeout_s,
                        authenticate=authenticate, routes=direct,
                        max_in_flight=settings.server.max_connections)
+    if settings.server.cors_origins:  # outside the accounting: see CorsOnApi
+        app.add_middleware(CorsOnApi, origins=settings.server.cors_origins)
     app.add_exception_handler(GatewayError, _render)  # type: ignore[arg-type]
     return app
 
@@ -168,7 +172,8 @@ def _target_factory(http_client: httpx.AsyncClient | None, clock: Clock,
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Start the backends' discovery loops; at shutdown, cancel the app's background
-    tasks and the streams' tails still being read, then close every backend."""
+    tasks and the streams' tails still being read, then close every backend and the
+    side routes' client."""
     state: GatewayState = app.state.gateway
     if state.shared is not None:
         await state.shared.start()
@@ -178,6 +183,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         await state.tasks.cancel_all()  # discovery, retirements, streams' tails
         await state.fleet.close()
+        await app.state.side_routes.aclose()
         if state.shared is not None:
             await state.shared.close()
 

@@ -1,4 +1,5 @@
-"""HTTP routes: the OpenAI-compatible endpoints, health, readiness, metrics and admin.
+"""HTTP routes: the OpenAI-compatible endpoints, health, readiness, metrics and admin
+(llama-server's side routes are in :mod:`gateway.http.side`).
 
 Each endpoint is a module-level function that reads the app's
 :class:`~gateway.fleet.state.GatewayState` from ``request.app.state.gateway``;
@@ -26,6 +27,7 @@ from gateway.errors import RouteNotFound
 from gateway.fleet.reload import reload_config
 from gateway.fleet.state import GatewayState
 from gateway.http.auth import Access, authorize
+from gateway.http.side import register_side_routes
 from gateway.http.views import admin_row, ready_row
 from gateway.observe.record import record_of
 from gateway.relay.response import ProxyResponse
@@ -246,5 +248,7 @@ def register_routes(app: FastAPI) -> dict[str, ASGIApp]:
     app.add_api_route("/admin/backends/{name}/undrain", undrain, methods=["POST"])
     app.add_api_route("/admin/reload", reload, methods=["POST"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/v1/health", health, methods=["GET"])
+    register_side_routes(app)
     app.add_exception_handler(StarletteHTTPException, not_served)  # type: ignore[arg-type]
     return dict.fromkeys(GENERATION_ROUTES, serve_direct)

@@ -33,6 +33,12 @@ OpenAI-shaped 500 for anything that escapes the handlers.
   without the web framework's routing, dependency and exception layers, which cost
   about a fifth of a forwarded request's CPU time (``py-spy`` over ``make bench``). A
   :class:`GatewayError` those raise before their response starts is rendered here.
+
+:class:`CorsOnApi` answers CORS as llama-server does (``server.cors_origins``), with
+starlette's ``CORSMiddleware``; it sits outside :class:`RequestAccounting`, so that its
+headers go on every answer of the API routes, the direct path's streams and the errors
+rendered here included, and a preflight is answered before any key is asked for (a
+browser sends none with it).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -48,11 +55,11 @@ from gateway.errors import GatewayError, HeadersTooLarge, TooManyConnections
 from gateway.observe.logs import access_level, log_access, request_id_of
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import SCOPE_KEY, AccessRecord
-from gateway.wire.routes import LABELS, PROBE_PATHS, ROUTES, Route
+from gateway.wire.routes import ADMIN_PREFIX, PROBE_PATHS, ROUTES, STATUS_PATHS, Route, label_of
 from gateway.wire.shapes import error_messages, shape_of
 
-__all__ = ["MAX_HEADERS", "MAX_HEADER_BYTES", "RequestAccounting", "count_rejection",
-           "route_of"]
+__all__ = ["CORS_METHODS", "CorsOnApi", "MAX_HEADERS", "MAX_HEADER_BYTES",
+           "RequestAccounting", "count_rejection", "route_of"]
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +71,9 @@ _UNLIMITED = PROBE_PATHS | {s.path for s in ROUTES if s.name is Route.metrics}
 
 
 def route_of(path: str) -> str:
-    """The ``route`` label of a request path (``other`` for unknown paths)."""
-    return LABELS.get(path, "other")
+    """The ``route`` label of a request path (``other`` for unknown paths; an alias's is
+    its twin's): :func:`gateway.wire.routes.label_of`."""
+    return label_of(path)
 
 
 def count_rejection(metrics: GatewayMetrics, record: AccessRecord, exc: GatewayError) -> None:
@@ -190,3 +198,37 @@ class RequestAccounting:
                 f"its limit (server.max_connections = {limit:,}); retry after the "
                 "Retry-After delay.")
         self.in_flight += 1
+
+
+#: The methods a preflight allows: llama-server's ``--cors-methods`` default.
+CORS_METHODS = ("GET", "POST", "DELETE", "OPTIONS")
+
+
+class CorsOnApi:
+    """CORS on every path but the status page and ``/admin``: starlette's
+    ``CORSMiddleware`` set as llama-server's defaults (``--cors-origins``,
+    ``--cors-methods``, ``--cors-headers``, ``--cors-credentials``,
+    ``tools/server/server-http.cpp``): the origins given (``"*"``: any, echoed back
+    because credentials are allowed), :data:`CORS_METHODS`, any request header (starlette
+    echoes the headers a preflight asks for, where llama-server answers ``*``; ``*`` is
+    no wildcard for a credentialed request and never covers ``Authorization``), and
+    credentials allowed.
+
+    The status page and ``/admin`` never get CORS headers: a browser may hold the status
+    page's HTTP Basic credentials, which any allowed origin could then use.
+
+    :param app: the wrapped ASGI app (:class:`RequestAccounting` and all inside it).
+    :param origins: ``server.cors_origins``, not empty.
+    """
+
+    def __init__(self, app: ASGIApp, origins: list[str]) -> None:
+        self.app = app
+        self.cors = CORSMiddleware(app, allow_origins=origins, allow_methods=CORS_METHODS,
+                                   allow_headers=["*"], allow_credentials=True)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in STATUS_PATHS or path.startswith(ADMIN_PREFIX):
+            await self.app(scope, receive, send)
+        else:
+            await self.cors(scope, receive, send)

@@ -6,13 +6,18 @@ carries path, endpoint and methods together): its name (the ``route`` label of
 use), its path and method, the API whose shape its answers and errors take (:class:`Api`),
 the parser of its body, who may call it (:class:`Access`), whether its access line is
 quiet, and what its body and answer are like (does it generate, does its usage sum its
-items, which fields cap its output, can its stream be resumed).
+items, which fields cap its output, can its stream be resumed). An entry's ``aliases`` are
+the other paths it answers on (llama-server serves each OpenAI route with and without
+``/v1``, ``tools/server/server.cpp``): an alias is its twin in every way, its ``route``
+label included. A ``side`` entry is passed through to a backend unchanged, with no
+admission (:mod:`gateway.http.side`).
 
 Everything else is derived from :data:`ROUTES`: :data:`FORWARDED` and :data:`LABELS`,
 the path sets of the access log (:data:`QUIET_PATHS`, :data:`PROBE_PATHS`), of the status
 page (:data:`STATUS_PATHS`) and of the tenant gate (:data:`OPEN_PATHS`), the routes served
-straight from the middleware (:data:`DIRECT`), the list a 404 names (:data:`SERVED`) and
-who may call a path (:func:`access_of`). A new route is one entry here plus a parser in
+straight from the middleware (:data:`DIRECT`), the side routes (:data:`SIDE`), the list
+a 404 names (:data:`SERVED`), a path's label (:func:`label_of`) and who may call a path
+(:func:`access_of`). A new route is one entry here plus a parser in
 :mod:`gateway.wire.validation`.
 
 A data module, pure: it imports only :mod:`gateway.wire.validation`.
@@ -27,9 +32,10 @@ from enum import StrEnum
 from gateway.wire import validation as v
 from gateway.wire.validation import ParsedRequest
 
-__all__ = ["ADMIN_PREFIX", "BY_NAME", "BY_PATH", "DIRECT", "FORWARDED", "LABELS",
-           "OPEN_PATHS", "PROBE_PATHS", "QUIET_PATHS", "ROUTES", "SERVED", "STATUS_PATHS",
-           "Access", "Api", "Route", "RouteSpec", "access_of", "api_of"]
+__all__ = ["ADMIN_PREFIX", "BACKENDS_PREFIX", "BY_NAME", "BY_PATH", "DIRECT", "FORWARDED",
+           "LABELS", "OPEN_PATHS", "PROBE_PATHS", "QUIET_PATHS", "ROUTES", "SERVED", "SIDE",
+           "SLOTS_PREFIX", "STATUS_PATHS", "Access", "Api", "Route", "RouteSpec",
+           "access_of", "api_of", "label_of"]
 
 
 class Api(StrEnum):
@@ -63,6 +69,7 @@ class Route(StrEnum):
     responses = "responses"
     messages = "messages"
     embeddings = "embeddings"
+    embedding = "embedding"  # llama-server's native /embedding (its answer has no usage)
     rerank = "rerank"
     infill = "infill"
     completion = "completion"  # llama-server's native /completion
@@ -74,6 +81,15 @@ class Route(StrEnum):
     ready = "ready"
     metrics = "metrics"
     status = "status"  # the status page and its JSON
+    # Side routes, passed through to a backend with no admission (gateway.http.side).
+    tokenize = "tokenize"
+    detokenize = "detokenize"
+    apply_template = "apply_template"
+    input_tokens = "input_tokens"  # llama-server's chat and Responses input-token counts
+    props = "props"
+    slots = "slots"  # GET /slots, and the slot actions (POST /slots/{id}: refused)
+    lora_adapters = "lora_adapters"
+    backend_metrics = "backend_metrics"  # GET /backends/{name}/metrics
     other = "other"  # a path with no label of its own (Ollama's listing routes, 404s)
 
 
@@ -130,6 +146,11 @@ class RouteSpec:
     :param backend_kind: only backends of this kind serve it (Ollama's native API).
     :param prompt_field: the field an error names when a prompt given otherwise than as
         ``prompt`` is surely too long for a slot.
+    :param aliases: the other paths the route answers on, each its twin in every way
+        (parsed, counted, charged, relayed and labelled as :attr:`path`).
+    :param side: passed through to the backend the request names, unchanged, with no
+        admission and no KV charged (:mod:`gateway.http.side`); the backend kinds that
+        serve it say so in their ``side_paths``.
     """
 
     name: Route
@@ -154,6 +175,13 @@ class RouteSpec:
     native_tasks: bool = False
     backend_kind: str | None = None
     prompt_field: str = "input"
+    aliases: tuple[str, ...] = ()
+    side: bool = False
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Every path the route answers on: :attr:`path`, then its :attr:`aliases`."""
+        return (self.path, *self.aliases)
 
     def parse(self, raw: bytes) -> ParsedRequest:
         """Read and validate a body of this route (``raw``: the bytes, size-checked).
@@ -181,28 +209,40 @@ def _forwarded(name: Route, path: str, parser: Parser, **flags: object) -> Route
     return RouteSpec(name, path, parser=parser, forwarded=True, **flags)  # type: ignore[arg-type]
 
 
+def _side(name: Route, path: str, method: str = "POST", **flags: object) -> RouteSpec:
+    return RouteSpec(name, path, method=method, generates=False, side=True,  # type: ignore[arg-type]
+                     **flags)
+
+
 ROUTES: tuple[RouteSpec, ...] = (
     # Generation routes forwarded under admission (FORWARDED), in the order the 404
     # names them.
+    # llama-server answers each under the aliases given (tools/server/server.cpp):
+    # /completions is its native /completion, not /v1/completions; /embeddings its native
+    # /embedding, not /v1/embeddings.
     _forwarded(Route.chat, "/v1/chat/completions", v.parse_chat, resumable=True, chat=True,
                openai_chunks=True, exact_usage=True, predicts_output=True,
-               prompt_field="messages"),
+               prompt_field="messages", aliases=("/chat/completions",)),
     _forwarded(Route.completions, "/v1/completions", v.parse_completions, resumable=True,
                openai_chunks=True, exact_usage=True, predicts_output=True),
     _forwarded(Route.responses, "/v1/responses", v.parse_responses,
                cap_field="max_output_tokens", cap_keys=("max_output_tokens", *_OPENAI_CAPS),
-               exact_usage=True, predicts_output=True),
+               exact_usage=True, predicts_output=True, aliases=("/responses",)),
     _forwarded(Route.messages, "/v1/messages", v.parse_messages, api=Api.anthropic,
                exact_usage=True, predicts_output=True, prompt_field="messages"),
     _forwarded(Route.embeddings, "/v1/embeddings", v.parse_embeddings, generates=False,
                sums_usage=True, cap_keys=()),
+    _forwarded(Route.embedding, "/embedding", v.parse_embeddings, generates=False,
+               sums_usage=True, cap_keys=(), count_as=Route.embeddings,
+               aliases=("/embeddings",)),
     _forwarded(Route.rerank, "/v1/rerank", v.parse_rerank, generates=False, sums_usage=True,
-               cap_keys=()),
+               cap_keys=(), aliases=("/rerank", "/reranking", "/v1/reranking")),
     _forwarded(Route.infill, "/infill", v.parse_infill, cap_field="n_predict",
                cap_keys=("n_predict", "max_tokens", "max_completion_tokens"),
                native_tasks=True),
     _forwarded(Route.completion, "/completion", v.parse_completions, cap_field="n_predict",
-               count_as=Route.completions, predicts_output=True, native_tasks=True),
+               count_as=Route.completions, predicts_output=True, native_tasks=True,
+               aliases=("/completions",)),
     RouteSpec(Route.count_tokens, "/v1/messages/count_tokens", api=Api.anthropic,
               parser=v.parse_messages, generates=False, prompt_field="messages"),
     # Ollama's native API (NDJSON streams; only Ollama backends serve it).
@@ -217,7 +257,8 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec(Route.other, "/api/show", api=Api.ollama, generates=False,
               backend_kind="ollama"),
     _get(Route.models, "/v1/models"),
-    _get(Route.health, "/health", access=Access.open, quiet=True, probe=True),
+    _get(Route.health, "/health", access=Access.open, quiet=True, probe=True,
+         aliases=("/v1/health",)),
     _get(Route.ready, "/ready", access=Access.open, quiet=True, probe=True),
     _get(Route.metrics, "/metrics", access=Access.scrape, quiet=True),
     _get(Route.status, "/status", access=Access.status, quiet=True),
@@ -226,33 +267,57 @@ ROUTES: tuple[RouteSpec, ...] = (
     _get(Route.other, "/api/tags", api=Api.ollama, backend_kind="ollama"),
     _get(Route.other, "/api/version", api=Api.ollama, backend_kind="ollama"),
     _get(Route.other, "/api/ps", api=Api.ollama, backend_kind="ollama"),
+    # llama-server's side routes (and vLLM's /tokenize, /detokenize), passed through to
+    # the backend the body's "model" (a GET's ?model=) names: gateway.http.side.
+    _side(Route.tokenize, "/tokenize"),
+    _side(Route.detokenize, "/detokenize"),
+    _side(Route.apply_template, "/apply-template"),
+    _side(Route.input_tokens, "/v1/chat/completions/input_tokens",
+          aliases=("/chat/completions/input_tokens",)),
+    _side(Route.input_tokens, "/v1/responses/input_tokens",
+          aliases=("/responses/input_tokens",)),
+    _side(Route.props, "/props", "GET"),
+    _side(Route.models, "/models", "GET"),  # the backend's own list (not /v1/models)
+    _side(Route.lora_adapters, "/lora-adapters", "GET"),
+    _side(Route.slots, "/slots", "GET"),
 )
 
 #: The admin routes' common prefix: each checks ``server.admin_key`` itself.
 ADMIN_PREFIX = "/admin/"
 
-#: Each path's entry.
-BY_PATH: dict[str, RouteSpec] = {spec.path: spec for spec in ROUTES}
+#: Each path's entry, its aliases' too.
+BY_PATH: dict[str, RouteSpec] = {path: spec for spec in ROUTES for path in spec.paths}
+
+#: ``GET /backends/{name}/metrics``: a backend's own /metrics, with scrape access.
+BACKENDS_PREFIX = "/backends/"
+#: ``POST /slots/{id}?action=...``: llama-server's slot actions (refused).
+SLOTS_PREFIX = "/slots/"
 
 #: The entries of the routes whose body the gateway reads, by name.
 BY_NAME: dict[str, RouteSpec] = {spec.name: spec for spec in ROUTES if spec.parser}
 
 #: Generation routes forwarded under admission (OpenAI's, Anthropic's and llama-server's
 #: paths; Ollama's native ones are served apart): path → route name.
-FORWARDED: dict[str, str] = {spec.path: spec.name for spec in ROUTES
+FORWARDED: dict[str, str] = {path: spec.name for spec in ROUTES for path in spec.paths
                              if spec.forwarded and spec.backend_kind is None}
 
-#: Every path's ``route`` label in gateway_requests_total (another path's is ``other``).
-LABELS: dict[str, str] = {spec.path: spec.name for spec in ROUTES
+#: Every path's ``route`` label in gateway_requests_total (another path's is ``other``;
+#: an alias has its twin's).
+LABELS: dict[str, str] = {path: spec.name for spec in ROUTES for path in spec.paths
                           if spec.name is not Route.other}
 
 #: The routes the middleware serves itself, past the framework's routing (``POST``
-#: path → route name): every forwarded one.
-DIRECT: dict[str, str] = {spec.path: spec.name for spec in ROUTES if spec.forwarded}
+#: path → route name): every forwarded one, under each of its paths.
+DIRECT: dict[str, str] = {path: spec.name for spec in ROUTES for path in spec.paths
+                          if spec.forwarded}
+
+#: The side routes (:mod:`gateway.http.side`): path → entry.
+SIDE: dict[str, RouteSpec] = {path: spec for spec in ROUTES for path in spec.paths
+                              if spec.side}
 
 
 def _paths(specs: Iterable[RouteSpec]) -> frozenset[str]:
-    return frozenset(spec.path for spec in specs)
+    return frozenset(path for spec in specs for path in spec.paths)
 
 
 #: Paths whose access lines are DEBUG when they succeed: probes, scrapes, the status page.
@@ -265,8 +330,9 @@ STATUS_PATHS = _paths(s for s in ROUTES if s.access is Access.status)
 OPEN_PATHS = _paths(s for s in ROUTES if s.access is Access.open)
 
 #: What the gateway serves, as a 404 names it: ``"POST /v1/chat/completions, …, GET …"``.
-SERVED = ", ".join([f"POST {s.path}" for s in ROUTES if s.method == "POST"]
-                   + [f"GET {s.path}" for s in ROUTES if s.method == "GET"])
+SERVED = ", ".join([f"POST {p}" for s in ROUTES if s.method == "POST" for p in s.paths]
+                   + [f"GET {p}" for s in ROUTES if s.method == "GET" for p in s.paths]
+                   + [f"GET {BACKENDS_PREFIX}{{name}}/metrics"])
 
 
 # The API of a path the table does not name, by its prefix (a 404 under /api/ is
@@ -285,11 +351,31 @@ def api_of(path: str) -> Api:
                 Api.openai)
 
 
+def _backend_metrics(path: str) -> bool:
+    return path.startswith(BACKENDS_PREFIX) and path.endswith("/metrics") \
+        and path.count("/") == 3
+
+
 def access_of(path: str) -> Access:
     """Who may call ``path``: its entry's :class:`Access`; :attr:`Access.admin` under
-    :data:`ADMIN_PREFIX`; a tenant's key for any other path (an unknown one too, so that
-    a client without a key learns nothing of what exists)."""
+    :data:`ADMIN_PREFIX`; :attr:`Access.scrape` for a backend's metrics
+    (``/backends/{name}/metrics``, as ``/metrics``); a tenant's key for any other path (an
+    unknown one too, so that a client without a key learns nothing of what exists)."""
     spec = BY_PATH.get(path)
     if spec is not None:
         return spec.access
-    return Access.admin if path.startswith(ADMIN_PREFIX) else Access.tenant
+    if path.startswith(ADMIN_PREFIX):
+        return Access.admin
+    return Access.scrape if _backend_metrics(path) else Access.tenant
+
+
+def label_of(path: str) -> str:
+    """The ``route`` label of a request on ``path``: its entry's name (an alias's twin's),
+    ``slots`` for a slot action, ``backend_metrics`` for a backend's metrics, else
+    ``other``."""
+    label = LABELS.get(path)
+    if label is not None:
+        return label
+    if path.startswith(SLOTS_PREFIX):
+        return Route.slots
+    return Route.backend_metrics if _backend_metrics(path) else Route.other

@@ -220,6 +220,32 @@ def _mixed(value: Any) -> tuple[int | str, ...] | None:
     return tuple(value)
 
 
+def _object_prompt(value: Any) -> str | None:
+    """The text of a prompt given as llama-server's multimodal object,
+    ``{"prompt_string": str, "multimodal_data": [base64 strings]}``
+    (``tools/server/README.md``, ``/completion``); ``None`` for any other value.
+
+    :raises InvalidRequest: an object with a ``prompt_string`` that is not a string, or
+        ``multimodal_data`` that is not an array of strings.
+    """
+    if not isinstance(value, dict) or "prompt_string" not in value:
+        return None
+    text, media = value["prompt_string"], value.get("multimodal_data", [])
+    if not isinstance(text, str) or not isinstance(media, list) or not all(
+            isinstance(m, str) for m in media):
+        raise InvalidRequest("A prompt object needs a string prompt_string and, if given, "
+                             "multimodal_data as an array of base64 strings.",
+                             param="prompt")
+    return text
+
+
+def _media_of(value: Any) -> int:
+    """How many media a prompt (or a batch of them) carries in multimodal objects."""
+    items = value if isinstance(value, list) else [value]
+    return sum(len(p.get("multimodal_data") or []) for p in items
+               if isinstance(p, dict) and "prompt_string" in p)
+
+
 def _prompts(body: dict[str, Any]) -> tuple[str | tuple[int | str, ...], ...]:
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
@@ -227,14 +253,20 @@ def _prompts(body: dict[str, Any]) -> tuple[str | tuple[int | str, ...], ...]:
     ids = _token_ids(prompt) or _mixed(prompt)
     if ids is not None:
         return (ids,)
-    if isinstance(prompt, list) and prompt:  # a batch: strings or token-id arrays
+    text = _object_prompt(prompt)
+    if text is not None:
+        return (text,)
+    if isinstance(prompt, list) and prompt:  # a batch: strings, token-id arrays, objects
         batch: list[str | tuple[int | str, ...]] = []
         for item in prompt:
             ids = _token_ids(item) or _mixed(item)
+            text = _object_prompt(item)
             if isinstance(item, str) and item:
                 batch.append(item)
             elif ids is not None:
                 batch.append(ids)
+            elif text is not None:
+                batch.append(text)
             else:
                 batch = []
                 break
@@ -242,7 +274,7 @@ def _prompts(body: dict[str, Any]) -> tuple[str | tuple[int | str, ...], ...]:
             return tuple(batch)
     raise InvalidRequest(
         "prompt must be a non-empty string, an array of token ids (which may mix in "
-        "strings), or an array of those.",
+        "strings), a {prompt_string, multimodal_data} object, or an array of those.",
         param="prompt",
     )
 
@@ -389,6 +421,7 @@ def _parse_openai(spec: RouteSpec, raw: bytes, *, chat: bool) -> ParsedRequest:
     return ParsedRequest(
         spec=spec, body=body, max_tokens=max_tokens, n=n or 1,
         stream=bool(body.get("stream")), cap_field=cap_field, prompts=prompts,
+        extra_prompt_tokens=0 if chat else _media_of(body.get("prompt")) * IMAGE_TOKENS,
     )
 
 
@@ -404,8 +437,10 @@ def parse_chat(spec: RouteSpec, raw: bytes) -> ParsedRequest:
 
 def parse_completions(spec: RouteSpec, raw: bytes) -> ParsedRequest:
     """An OpenAI Completions body (also llama-server's native ``/completion``): a
-    ``prompt`` that is a string, token ids (which may mix in strings) or a batch of
-    those; ``logprobs`` is a count of alternatives.
+    ``prompt`` that is a string, token ids (which may mix in strings), llama-server's
+    ``{prompt_string, multimodal_data}`` object, or a batch of those; ``logprobs`` is a
+    count of alternatives. Each media item of a prompt object is charged
+    :data:`IMAGE_TOKENS` besides its text (the backend refuses media it cannot read).
 
     :raises InvalidRequest: see :func:`_parse_openai`.
     """
@@ -578,10 +613,12 @@ def _object(raw: bytes) -> dict[str, Any]:
 
 def _anthropic_messages(body: dict[str, Any]) -> None:
     """Anthropic Messages: ``messages`` of ``{role, content}`` with content a string or
-    an array of typed blocks; ``system`` a string or an array of text blocks."""
+    an array of typed blocks; ``system`` a string or an array of text blocks. An empty
+    ``messages`` is let through, as llama-server answers it (its prompt is the chat
+    template's, and the system prompt if any), though Anthropic's API refuses it."""
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty array.", param="messages")
+    if not isinstance(messages, list):
+        raise InvalidRequest("messages must be an array.", param="messages")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise InvalidRequest(f"messages[{i}] must be an object with role 'user' or "
@@ -663,7 +700,8 @@ def parse_embeddings(spec: RouteSpec, raw: bytes) -> ParsedRequest:
         raise InvalidRequest("input must be a non-empty string, an array of token ids, "
                              "or an array of those.", param="input") from None
     return ParsedRequest(spec=spec, body=body, max_tokens=0, n=1, stream=False,
-                         prompts=items, queued_batch=True)
+                         prompts=items, queued_batch=True,
+                         extra_prompt_tokens=_media_of(given) * IMAGE_TOKENS)
 
 
 def parse_rerank(spec: RouteSpec, raw: bytes) -> ParsedRequest:
