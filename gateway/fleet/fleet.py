@@ -21,6 +21,7 @@ from gateway.clock import Clock
 from gateway.config import AdmissionSettings, BackendSettings, RoutingSettings
 from gateway.errors import BackendNotReady, ModelNotFound, RouteNotFound
 from gateway.fleet.pool import ModelQueue
+from gateway.fleet.shared_pool import SharedModelQueue
 from gateway.fleet.tasks import TaskSet
 
 __all__ = ["Fleet", "MakeTarget", "RouteCounter"]
@@ -44,11 +45,15 @@ class Fleet:
     :param make_target: builds the backend of a ``[[backends]]`` entry (reloads).
     :param tasks: the app's background tasks; discovery loops and retirements run there.
     :param discover: run each backend's discovery loop once :meth:`start` is called.
+    :param shared: the backends' budgets are shared with other gateway processes
+        (``[state] backend = "redis"``): each pool queues in its backends' shared queues
+        (:class:`~gateway.fleet.shared_pool.SharedModelQueue`).
     """
 
     def __init__(self, backends: dict[str, Target], *, clock: Clock,
                  admission: AdmissionSettings, routing: RoutingSettings,
-                 make_target: MakeTarget, tasks: TaskSet, discover: bool = True) -> None:
+                 make_target: MakeTarget, tasks: TaskSet, discover: bool = True,
+                 shared: bool = False) -> None:
         self.backends = backends
         self.clock = clock
         self.admission = admission
@@ -56,6 +61,7 @@ class Fleet:
         self.make_target = make_target
         self.tasks = tasks
         self.discover = discover
+        self.shared = shared
         self.retiring: list[Target] = []  # removed by a reload, finishing requests
         self._started = False  # the app's lifespan runs
         self._queues: dict[tuple[str, ...], ModelQueue] = {}
@@ -271,7 +277,8 @@ class Fleet:
         if queue is None:
             admission, routing = self.admission, self.routing
             model = members[0].model
-            queue = self._queues[key] = ModelQueue(
+            kind = SharedModelQueue if self.shared else ModelQueue
+            queue = self._queues[key] = kind(
                 members, max_queue=admission.max_queue,
                 max_wait_s=admission.max_queue_wait_s, clock=self.clock, model=model,
                 failover=routing.failover, down_initial_s=routing.down_initial_s,
