@@ -34,10 +34,11 @@ backend does); its wait is the pool's ``max_wait_s``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.admission.lease import Lease
+from gateway.admission.shared import SharedAccount
 from gateway.admission.waitroom import Waiter, shed_error
 from gateway.backends.target import Target
 from gateway.core import capacity
@@ -75,6 +76,15 @@ def fits_shared(candidate: Candidate) -> bool:
         layout, Budget(stats.reserved_tokens, stats.busy_slots), candidate.charge))
 
 
+def _fits_reserved(candidate: Candidate) -> bool:
+    """The request fits its backend on the shared reservations as last seen (whoever
+    waits there)."""
+    admission = candidate.backend.admission
+    layout, stats = admission.layout, admission.stats()
+    return layout is not None and capacity.fits(
+        layout, Budget(stats.reserved_tokens, stats.busy_slots), candidate.charge)
+
+
 @dataclass(eq=False)
 class SharedAsk(PoolAsk):
     """A waiter of a shared pool and its places.
@@ -87,10 +97,12 @@ class SharedAsk(PoolAsk):
     party: Party = field(default_factory=Party)
     front: bool = False
     max_wait_s: float = 0.0
-    fitted: bool = False  # some backend fitted it by the shared figures when it came
+    fitted: bool = False  # its best backend fitted it by the shared figures when it came
+    spread: bool = False  # placed on every usable backend (not its best alone)
     places: dict[int, tuple[Candidate, asyncio.Task[Lease]]] = field(default_factory=dict)
     refused: set[int] = field(default_factory=set)
     errors: list[Exception] = field(default_factory=list)
+    timer: asyncio.Task[None] | None = None  # spreads it after poll_s (see _place)
 
 
 @dataclass(eq=False)
@@ -99,7 +111,18 @@ class SharedModelQueue(ModelQueue):
     gateway processes (see the module's docstring). The same parameters and
     :class:`~gateway.fleet.pool.AdmitPath` as :class:`~gateway.fleet.pool.ModelQueue`;
     a request always waits here (there is no synchronous grant), and each backend it
-    waits on keeps its own ``max_queue``."""
+    waits on keeps its own ``max_queue``.
+
+    :param account: the shared budget of a member
+        (:meth:`gateway.admission.shared.SharedStore.account`), whose figures are read
+        anew before a request is placed; ``None``: scored on the figures last seen.
+    :param poll_s: how long a request sent to its best backend alone (it fitted there
+        by the shared figures) waits for that grant before it also queues on the
+        others, seconds (``[state] poll_interval_s``).
+    """
+
+    account: Callable[[Target], SharedAccount] | None = None
+    poll_s: float = 0.5
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -143,6 +166,8 @@ class SharedModelQueue(ModelQueue):
         """
         party = party or Party()
         max_wait = self.max_wait_s if party.max_wait_s is None else party.max_wait_s
+        if not front:  # (one coming back goes to the head of every queue at once)
+            await self._refresh(candidates)
         ask = SharedAsk(candidates, affinity, "failover" if front else "queued", prefix,
                         party=party, front=front, max_wait_s=max_wait)
         cost = candidates[0].charge.tokens if candidates else 0
@@ -155,6 +180,19 @@ class SharedModelQueue(ModelQueue):
             self._withdraw(ask)
         lease.waited_s = self.clock.now() - waiter.since
         return candidate, lease
+
+    async def _refresh(self, candidates: Sequence[Candidate]) -> None:
+        """Read anew the shared figures of the usable backends of ``candidates`` (one
+        call each, together), so that the request is scored and placed on what every
+        process holds now. A failure is left to the admissions (they refuse, or grant
+        alone under ``on_unavailable = "local"``)."""
+        if self.account is None:
+            return
+        now, account = self.clock.now(), self.account
+        calls = [account(c.backend).refresh(c.backend.admission.layout)
+                 for c in candidates
+                 if c.backend.usable(now) and c.backend.admission.layout is not None]
+        await asyncio.gather(*calls, return_exceptions=True)
 
     def wake(self) -> None:
         """Place every waiter on the backends of its that became usable, and withdraw
@@ -174,8 +212,10 @@ class SharedModelQueue(ModelQueue):
         return down
 
     def _place(self, waiter: Waiter[PoolAsk, _Grant]) -> None:
-        """Withdraw ``waiter`` from its backends no longer usable; place it, best score
-        first, on its usable ones it is not waiting on and that did not refuse it."""
+        """Withdraw ``waiter`` from its backends no longer usable; place it on its
+        usable ones it is not waiting on and that did not refuse it, best score first:
+        on its best alone while that one fits it by the shared figures (its grant
+        should come at once), else on every one."""
         ask = waiter.request
         assert isinstance(ask, SharedAsk)
         now = self.clock.now()
@@ -183,21 +223,46 @@ class SharedModelQueue(ModelQueue):
             if not candidate.backend.usable(now):
                 del ask.places[key]
                 task.cancel()
+        if ask.places and not ask.spread:
+            (candidate, _), = ask.places.values()
+            if _fits_reserved(candidate):
+                return  # its grant is on its way
+            ask.spread = True
         new = [c for c in ask.candidates if id(c.backend) not in ask.places
                and id(c.backend) not in ask.refused and c.backend.usable(now)]
         if not new:
             return
         new.sort(key=lambda c: shared_score(c, ask.affinity), reverse=True)  # stable
-        if not ask.places:
+        if not ask.places and not ask.spread:
             ask.fitted = fits_shared(new[0])
+            if ask.fitted:
+                self._start(waiter, new[0])
+                ask.timer = asyncio.ensure_future(self._spread_later(waiter))
+                return
+            ask.spread = True
         for candidate in new:
-            backend = candidate.backend
-            task = asyncio.ensure_future(backend.admission.admit(
-                candidate.charge, front=ask.front, party=ask.party,
-                prefer=backend.slot_for(ask.prefix)))
-            ask.places[id(backend)] = (candidate, task)
-            task.add_done_callback(
-                lambda t, c=candidate: self._settled(waiter, c, t))  # type: ignore[misc]
+            self._start(waiter, candidate)
+
+    def _start(self, waiter: Waiter[PoolAsk, _Grant], candidate: Candidate) -> None:
+        """Queue ``waiter`` in ``candidate``'s backend's admission (its shared queue)."""
+        ask = waiter.request
+        assert isinstance(ask, SharedAsk)
+        backend = candidate.backend
+        task = asyncio.ensure_future(backend.admission.admit(
+            candidate.charge, front=ask.front, party=ask.party,
+            prefer=backend.slot_for(ask.prefix)))
+        ask.places[id(backend)] = (candidate, task)
+        task.add_done_callback(lambda t: self._settled(waiter, candidate, t))
+
+    async def _spread_later(self, waiter: Waiter[PoolAsk, _Grant]) -> None:
+        """After :attr:`poll_s`, place a waiter still waiting on its best backend alone
+        on every usable one (another process took that room first)."""
+        await self.clock.sleep(self.poll_s)
+        ask = waiter.request
+        assert isinstance(ask, SharedAsk)
+        if not waiter.future.done() and not ask.spread:
+            ask.spread = True
+            self._place(waiter)
 
     def _settled(self, waiter: Waiter[PoolAsk, _Grant], candidate: Candidate,
                  task: asyncio.Task[Lease]) -> None:
@@ -215,6 +280,9 @@ class SharedModelQueue(ModelQueue):
         if exc is not None:
             ask.refused.add(key)
             ask.errors.append(exc)
+            if not ask.places and not waiter.future.done():
+                ask.spread = True  # refused by its best: the others may take it
+                self._place(waiter)
             if not ask.places and not waiter.future.done():
                 self._room.fail(waiter, self._refusal(ask))
             return
@@ -242,6 +310,8 @@ class SharedModelQueue(ModelQueue):
         """Leave every backend's queue (a lease granted meanwhile is given back)."""
         places = list(ask.places.values())
         ask.places.clear()
+        if ask.timer is not None:
+            ask.timer.cancel()
         for _, task in places:
             task.cancel()
 
