@@ -596,17 +596,6 @@ class Settings(BaseSettings):
                 'state.backend = "redis" needs admission.policy = "strict": the '
                 "predictive policy's live token counts are not shared between processes "
                 "yet, so each would judge the pool's pressure on its own requests only")
-        models: dict[str, list[str]] = {}
-        for backend in self.backends:
-            if backend.model is not None:
-                models.setdefault(backend.model, []).append(backend.name)
-        pools = {m: names for m, names in models.items() if len(names) > 1}
-        if pools:
-            model, names = next(iter(pools.items()))
-            raise ValueError(
-                f'state.backend = "redis" serves each model from one backend in this '
-                f"release; model {model!r} has {len(names)} ({', '.join(names)}). Give "
-                "each backend its own model name, or use state.backend = \"memory\"")
         return self
 
     @model_validator(mode="after")

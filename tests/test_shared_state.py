@@ -287,10 +287,6 @@ def test_state_settings_refuse_what_cannot_be_shared(tmp_path: Any) -> None:
     redis_state = {"backend": "redis"}
     with pytest.raises(ConfigError, match="policy"):
         load_settings(state=redis_state, admission={"policy": "predictive"})
-    with pytest.raises(ConfigError, match="one backend"):
-        load_settings(state=redis_state, backends=[
-            {"name": "a", "url": "http://a:1", "model": "m"},
-            {"name": "b", "url": "http://b:1", "model": "m"}])
     with pytest.raises(ConfigError, match="lease_ttl_s"):
         load_settings(state={**redis_state, "lease_ttl_s": 2, "renew_interval_s": 1})
     with pytest.raises(ConfigError, match="redis_url"):

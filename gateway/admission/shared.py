@@ -735,3 +735,15 @@ class SharedAccount:
         if gone:
             self.store.background("release", lambda: self.store._release(
                 keys=[self.keys[0]], args=[self.channel, *gone]), self.lock)
+
+    async def refresh(self, layout: Layout) -> GrantReply:
+        """Read the backend's shared figures anew (:attr:`reserved_tokens`,
+        :attr:`busy_slots`, :attr:`queued`): a :meth:`grant` that asks for nothing and
+        keeps every ticket of this process waiting (those its admissions list), so the
+        shared queue is left as it is. A pool scores its backends on them
+        (:mod:`gateway.fleet.shared_pool`).
+
+        :raises StateUnavailable: Redis could not be reached.
+        """
+        waiting = [t for provider in self.providers for t in provider()]
+        return await self.grant(layout, [], keep=waiting)

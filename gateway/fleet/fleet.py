@@ -16,11 +16,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gateway.admission.lease import AdmissionStats
+from gateway.admission.shared import SharedAccount, SharedStore
 from gateway.backends.target import Target
 from gateway.clock import Clock
 from gateway.config import AdmissionSettings, BackendSettings, RoutingSettings
 from gateway.errors import BackendNotReady, ModelNotFound, RouteNotFound
 from gateway.fleet.pool import ModelQueue
+from gateway.fleet.shared_pool import SharedModelQueue
 from gateway.fleet.tasks import TaskSet
 
 __all__ = ["Fleet", "MakeTarget", "RouteCounter"]
@@ -44,11 +46,15 @@ class Fleet:
     :param make_target: builds the backend of a ``[[backends]]`` entry (reloads).
     :param tasks: the app's background tasks; discovery loops and retirements run there.
     :param discover: run each backend's discovery loop once :meth:`start` is called.
+    :param shared: the link to the budgets shared with other gateway processes
+        (``[state] backend = "redis"``), or ``None``: each pool then queues in its
+        backends' shared queues (:class:`~gateway.fleet.shared_pool.SharedModelQueue`).
     """
 
     def __init__(self, backends: dict[str, Target], *, clock: Clock,
                  admission: AdmissionSettings, routing: RoutingSettings,
-                 make_target: MakeTarget, tasks: TaskSet, discover: bool = True) -> None:
+                 make_target: MakeTarget, tasks: TaskSet, discover: bool = True,
+                 shared: SharedStore | None = None) -> None:
         self.backends = backends
         self.clock = clock
         self.admission = admission
@@ -56,6 +62,7 @@ class Fleet:
         self.make_target = make_target
         self.tasks = tasks
         self.discover = discover
+        self.shared = shared
         self.retiring: list[Target] = []  # removed by a reload, finishing requests
         self._started = False  # the app's lifespan runs
         self._queues: dict[tuple[str, ...], ModelQueue] = {}
@@ -271,14 +278,22 @@ class Fleet:
         if queue is None:
             admission, routing = self.admission, self.routing
             model = members[0].model
-            queue = self._queues[key] = ModelQueue(
-                members, max_queue=admission.max_queue,
-                max_wait_s=admission.max_queue_wait_s, clock=self.clock, model=model,
-                failover=routing.failover, down_initial_s=routing.down_initial_s,
-                down_max_s=routing.down_max_s, age_s=admission.priority_age_s,
-                on_route=None if on_route is None else (
+            options: dict[str, Any] = dict(
+                max_queue=admission.max_queue, max_wait_s=admission.max_queue_wait_s,
+                clock=self.clock, model=model, failover=routing.failover,
+                down_initial_s=routing.down_initial_s, down_max_s=routing.down_max_s,
+                age_s=admission.priority_age_s, on_route=None if on_route is None else (
                     lambda backend, reason: on_route(model, backend, reason)))
+            queue = self._queues[key] = (
+                ModelQueue(members, **options) if self.shared is None else
+                SharedModelQueue(members, account=self._account,
+                                 poll_s=self.shared.settings.poll_interval_s, **options))
         return queue
+
+    def _account(self, backend: Target) -> SharedAccount:
+        """``backend``'s shared budget (the one its admission was given)."""
+        assert self.shared is not None
+        return self.shared.account(backend.name, backend.settings.url)
 
     def mark_failed(self, backend: Target, queue: ModelQueue | None = None) -> float:
         """A request failed on ``backend`` before any byte reached its client: mark it

@@ -206,7 +206,7 @@ class LoneBackend:
 
 
 @dataclass(eq=False)
-class _Ask:
+class PoolAsk:
     """What a waiter of a pool's queue asks for."""
 
     candidates: Sequence[Candidate]
@@ -245,7 +245,7 @@ class ModelQueue:
     on_route: Callable[[str, str], None] | None = None
     retired: bool = False  # replaced by a reload; serves only those waiting here
     age_s: float = 30.0
-    _room: Waitroom[_Ask, _Grant] = field(init=False)
+    _room: Waitroom[PoolAsk, _Grant] = field(init=False)
     _timers: set[asyncio.TimerHandle] = field(default_factory=set)
     # Conversation prefix key -> the backend that served it last, least recent first.
     _affinity: OrderedDict[str, str] = field(default_factory=OrderedDict)
@@ -353,13 +353,11 @@ class ModelQueue:
         max_wait = self.max_wait_s if party.max_wait_s is None else party.max_wait_s
         cost = candidates[0].charge.tokens if candidates else 0
         waiter = self._room.join(
-            _Ask(candidates, affinity, "failover" if front else "queued", prefix), party,
+            PoolAsk(candidates, affinity, "failover" if front else "queued", prefix), party,
             cost, front=front)
         self.wake()  # it may go before waiters that wait for room it does not need
-        candidate, lease = await self._room.wait(waiter, max_wait, lambda: QueueTimeout(
-            f"The request waited {max_wait:g} s in the queue without room on "
-            "any backend of its model; retry after the Retry-After delay.",
-            retry_after_s=self.retry_after_s()))
+        candidate, lease = await self._room.wait(waiter, max_wait,
+                                                 lambda: self.timed_out(max_wait))
         lease.waited_s = self.clock.now() - waiter.since
         return candidate, lease
 
@@ -386,7 +384,7 @@ class ModelQueue:
             self._room.grant(waiter, got)
 
     @staticmethod
-    def _blocked(ahead: Iterable[Waiter[_Ask, _Grant]]) -> set[int]:
+    def _blocked(ahead: Iterable[Waiter[PoolAsk, _Grant]]) -> set[int]:
         """The backends (ids) the waiters ``ahead`` could use."""
         return {id(c.backend) for waiter in ahead for c in waiter.request.candidates}
 
@@ -441,6 +439,13 @@ class ModelQueue:
         """Release a lease granted to a waiter as it was leaving."""
         candidate, lease = got
         candidate.backend.admission.release(lease, served=False)
+
+    def timed_out(self, max_wait_s: float) -> QueueTimeout:
+        """The 503 of a request that waited ``max_wait_s`` seconds here in vain."""
+        return QueueTimeout(
+            f"The request waited {max_wait_s:g} s in the queue without room on "
+            "any backend of its model; retry after the Retry-After delay.",
+            retry_after_s=self.retry_after_s())
 
     def _full(self) -> QueueFull:
         return QueueFull(

@@ -140,7 +140,7 @@ def _build_state(settings: Settings, http_client: httpx.AsyncClient | None,
     tasks = TaskSet()
     fleet = Fleet(backends, clock=clock, admission=settings.admission,
                   routing=settings.routing, make_target=make_target, tasks=tasks,
-                  discover=discover)
+                  discover=discover, shared=store)
     metrics = GatewayMetrics(registry, fleet.stats,
                              lambda: pool_gauge_rows(fleet.pool_queues()),
                              state_up=None if store is None else (lambda: store.up))
