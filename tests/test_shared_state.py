@@ -285,8 +285,10 @@ def test_state_settings_refuse_what_cannot_be_shared(tmp_path: Any) -> None:
     from gateway.config import ConfigError, load_settings
 
     redis_state = {"backend": "redis"}
-    with pytest.raises(ConfigError, match="policy"):
-        load_settings(state=redis_state, admission={"policy": "predictive"})
+    # The predictive policy is shared too (tests/test_shared_live.py).
+    assert load_settings(state=redis_state, admission={"policy": "predictive"})
+    with pytest.raises(ConfigError, match="live_interval_s"):
+        load_settings(state={**redis_state, "live_interval_s": 2.0})
     with pytest.raises(ConfigError, match="one backend"):
         load_settings(state=redis_state, backends=[
             {"name": "a", "url": "http://a:1", "model": "m"},
