@@ -354,16 +354,25 @@ class SharedLive:
             mine.update(figures())
         return mine
 
+    async def step(self) -> bool:
+        """One round of the loop: publish if due (:meth:`_due`), then let the bound
+        accountings judge the pressure on what was read.
+
+        :returns: False once this process has nothing left on the backend to publish or
+            withdraw (the loop then ends; :meth:`kick` starts it again).
+        """
+        mine = self.collect()
+        if not mine and not self.sent:
+            return False
+        if self._due(mine):
+            with contextlib.suppress(StateUnavailable):  # the others' figures age
+                await self.publish(mine)
+            for _, on_read, *_ in list(self._bound):
+                on_read()
+        return True
+
     async def _run(self) -> None:
-        while True:
-            mine = self.collect()
-            if not mine and not self.sent:
-                return
-            if self._due(mine):
-                with contextlib.suppress(StateUnavailable):
-                    await self.publish(mine)
-                for _, on_read, *_ in list(self._bound):
-                    on_read()
+        while await self.step():
             await self.store.clock.sleep(self.interval_s)
 
     def _due(self, mine: Mapping[str, LiveFigures]) -> bool:
