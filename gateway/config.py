@@ -463,6 +463,20 @@ class StateSettings(_Strict):
     # A waiting request looks at the shared queue again at least this often, seconds,
     # even when no notification came (notifications are pub/sub, which may drop one).
     poll_interval_s: float = Field(0.5, gt=0)
+    # Under admission.policy = "predictive", each process publishes its leases' live
+    # figures (tokens used, decode rate, progress) this often, seconds, while they change;
+    # what a reader may not see of a stream is its decode rate x (0.25 s + this).
+    live_interval_s: float = Field(0.1, ge=0.01)
+
+    @model_validator(mode="after")
+    def _live_interval_short(self) -> StateSettings:
+        if self.live_interval_s > self.renew_interval_s:
+            raise ValueError(
+                f"live_interval_s ({self.live_interval_s:g}) must be at most "
+                f"renew_interval_s ({self.renew_interval_s:g}): the live figures are "
+                "republished every renewal anyway, and between publishes the others "
+                "project a stream's growth over this interval")
+        return self
 
     @model_validator(mode="after")
     def _ttl_long(self) -> StateSettings:
@@ -591,11 +605,9 @@ class Settings(BaseSettings):
     def _shared_state_supported(self) -> Settings:
         if self.state.backend is not StateBackend.redis:
             return self
-        if self.admission.policy is AdmissionPolicy.predictive:
-            raise ValueError(
-                'state.backend = "redis" needs admission.policy = "strict": the '
-                "predictive policy's live token counts are not shared between processes "
-                "yet, so each would judge the pool's pressure on its own requests only")
+        # admission.policy = "predictive" is shared too: each process publishes its
+        # leases' live figures (gateway.admission.shared_live); a pool waits in its
+        # backends' shared queues (gateway.fleet.shared_pool).
         return self
 
     @model_validator(mode="after")

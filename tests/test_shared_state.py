@@ -285,8 +285,10 @@ def test_state_settings_refuse_what_cannot_be_shared(tmp_path: Any) -> None:
     from gateway.config import ConfigError, load_settings
 
     redis_state = {"backend": "redis"}
-    with pytest.raises(ConfigError, match="policy"):
-        load_settings(state=redis_state, admission={"policy": "predictive"})
+    # The predictive policy is shared too (tests/test_shared_live.py).
+    assert load_settings(state=redis_state, admission={"policy": "predictive"})
+    with pytest.raises(ConfigError, match="live_interval_s"):
+        load_settings(state={**redis_state, "live_interval_s": 2.0})
     with pytest.raises(ConfigError, match="lease_ttl_s"):
         load_settings(state={**redis_state, "lease_ttl_s": 2, "renew_interval_s": 1})
     with pytest.raises(ConfigError, match="redis_url"):

@@ -117,8 +117,9 @@ class Admission:
         self._max_wait_s = max_wait_s
         self._reject_doomed = reject_doomed
         self._clock = clock or MonotonicClock()
-        self._live = LiveAccounting(self._clock, predictive=predictive,
-                                    margin_tokens=preempt_margin_tokens)
+        self._active: dict[int, Lease] = {}  # leases in flight, by id
+        self._live = LiveAccounting(self._clock, predictive=predictive, shared=shared,
+                                    margin_tokens=preempt_margin_tokens, active=self._active)
         self._budget = Budget()
         self._layout_changes = 0
         self._inflight = 0
@@ -127,7 +128,6 @@ class Admission:
             self._clock, age_s=age_s, max_queue=max_queue, full=self._queue_full,
             give_back=self.release, on_leave=self._wake,
             counted=None if shared is None else (lambda w: w.request.seen))
-        self._active: dict[int, Lease] = {}  # leases in flight, by id
         self._forecast = WaitForecast(
             self._room, WaitPredictor(),
             lambda: (self._layout, self._budget, self._active.values()),

@@ -6,16 +6,30 @@ reports into what the pool holds now and may hold a decode step or two later, an
 decides which tracked leases to preempt when the pool runs short. The choice itself is pure
 (:func:`gateway.core.capacity.choose_victims`); this class keeps the decode rates observed
 and the preemptions chosen.
+
+When the backend is shared with other gateway processes (``[state] backend = "redis"``),
+it publishes its leases' figures and judges the pressure over every process's
+(:class:`~gateway.admission.shared_live.SharedLive`): each process preempts only its own
+victims, chosen on the same figures in the same order.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 
 from gateway.admission.lease import Lease
+from gateway.admission.shared import SharedAccount
+from gateway.admission.shared_live import (
+    KEPT,
+    PREEMPTED,
+    PREEMPTIBLE,
+    LiveFigures,
+    LiveRule,
+    SharedLive,
+    live_reserved,
+)
 from gateway.clock import Clock
 from gateway.core import capacity
 from gateway.core.capacity import Budget, Charge, Layout, LiveUse
@@ -26,6 +40,7 @@ __all__ = ["DEFAULT_DECODE_RATE", "GROWTH_HORIZON_S", "LiveAccounting"]
 # arrives, and llama-server cancels a stream at its next write, so a victim's cells are
 # free a decode step or two after the gateway decides; this covers those steps.
 GROWTH_HORIZON_S = 0.25
+_HORIZON_MS = int(GROWTH_HORIZON_S * 1000)
 DEFAULT_DECODE_RATE = 100.0  # tokens/s per sequence assumed before any is measured
 
 
@@ -36,14 +51,26 @@ class LiveAccounting:
     :param predictive: live accounting is on (otherwise every lease counts at its
         charge, and nothing is preempted).
     :param margin_tokens: tokens of a unified pool kept free under ``predictive``.
+    :param shared: the backend's budget shared with other gateway processes: under
+        ``predictive``, the leases of ``active`` are published there and the pressure is
+        judged over every process's.
+    :param active: the admission's leases in flight, by a key of each (read when
+        publishing and when the others' figures arrive).
     """
 
-    def __init__(self, clock: Clock, *, predictive: bool, margin_tokens: int) -> None:
+    def __init__(self, clock: Clock, *, predictive: bool, margin_tokens: int,
+                 shared: SharedAccount | None = None,
+                 active: Mapping[int, Lease] | None = None) -> None:
         self._clock = clock
         self._predictive = predictive
         self._margin = margin_tokens
         self._decode_rates: deque[float] = deque(maxlen=32)  # tokens/s per sequence seen
         self.preemptions: dict[str, int] = {}  # preemptions chosen, by reason
+        self._active: Mapping[int, Lease] = {} if active is None else active
+        self.shared: SharedLive | None = None
+        if predictive and shared is not None:
+            self.shared = SharedLive.of(shared, horizon_s=GROWTH_HORIZON_S)
+            self.shared.bind(self._figures, self._pressure, self._fastest, margin_tokens)
 
     def observe(self, lease: Lease, generated: int) -> None:
         """Note that ``lease``'s request has generated ``generated`` tokens (per
@@ -51,6 +78,8 @@ class LiveAccounting:
         if generated > 0 and lease.first_token_at is None:
             lease.first_token_at = self._clock.now()
         lease.generated = max(lease.generated, generated)
+        if self.shared is not None:
+            self.shared.kick()
 
     def released(self, lease: Lease, now: float) -> None:
         """``lease`` was given back at clock time ``now``: keep its decode rate."""
@@ -64,23 +93,49 @@ class LiveAccounting:
         margin (:func:`gateway.core.capacity.choose_victims`). None while the whole caps
         of everything in flight fit the pool: then nothing can overflow.
 
+        Shared with other processes, the other processes' leases count too, as last
+        published and projected over their age (:meth:`SharedLive.others
+        <gateway.admission.shared_live.SharedLive.others>`), and every lease is ordered
+        by the progress it last published, so that each process picks the same victims;
+        only this process's are returned.
+
         :param active: the leases in flight, by a key of each.
         """
         if not self._predictive or layout is None or layout.pool_tokens is None:
             return []
-        if sum(replace(lease.charge, predicted=None).tokens
-               for lease in active.values()) <= layout.pool_tokens:
-            return []  # even every whole cap fits: nothing can overflow
         now = self._clock.now()
-        uses = []
-        for key, lease in active.items():
-            if lease.preempted is not None:
-                continue  # already on its way out: its cells free within the horizon
-            used, growth = self._use_of(lease, now)
-            uses.append(LiveUse(key, used, growth, lease.earlier + lease.generated,
-                                lease.preemptible and lease.tracked, lease.granted_at))
-        return [active[key] for key in
-                capacity.choose_victims(uses, layout.pool_tokens - self._margin)]
+        mine = {key: lease for key, lease in active.items() if lease.preempted is None}
+        others: list[LiveUse] = []
+        caps: int | None = 0
+        if self.shared is not None:
+            if not any(lease.preemptible and lease.tracked for lease in mine.values()):
+                return []  # nothing of this process's could be chosen
+            others, caps = self.shared.others(now, self.shared.rule().fresh_growth)
+        if caps is not None and caps + sum(replace(lease.charge, predicted=None).tokens
+                                           for lease in active.values()) <= layout.pool_tokens:
+            return []  # even every whole cap fits: nothing can overflow
+        uses = [self._live_use(key, lease, now) for key, lease in mine.items()]
+        chosen = capacity.choose_victims(uses + others, layout.pool_tokens - self._margin)
+        return [active[key] for key in chosen if key in active]
+
+    def _live_use(self, key: int, lease: Lease, now: float) -> LiveUse:
+        """One lease of this process as :func:`~gateway.core.capacity.choose_victims`
+        takes it; shared, with the progress it last published and its grant time on
+        Redis's clock (what the other processes see of it)."""
+        used, growth = self._use_of(lease, now)
+        progress, since = lease.earlier + lease.generated, lease.granted_at
+        if self.shared is not None:
+            sent = self.shared.sent.get(lease.shared_id or "")
+            progress = progress if sent is None else sent.progress
+            since = self.shared.store.score_ms(lease.granted_at) / 1000
+        return LiveUse(key, used, growth, progress, lease.preemptible and lease.tracked,
+                       since)
+
+    def _pressure(self) -> None:
+        """The others' figures arrived: preempt this process's victims, if any."""
+        assert self.shared is not None
+        for lease in self.victims(self.shared.account.layout, self._active):
+            self.preempt(lease, "pool_pressure")
 
     def preempt(self, lease: Lease, reason: str) -> None:
         """Mark ``lease`` preempted for ``reason`` and tell its holder (``on_preempt``);
@@ -98,15 +153,18 @@ class LiveAccounting:
              charge: Charge) -> bool:
         """:func:`gateway.core.capacity.fits` against ``budget`` (what is reserved); under
         ``predictive``, a tracked lease of ``active`` counts as the larger of its charge
-        and its live use plus growth, and a unified pool in use keeps the margin free."""
+        and its live use plus growth, and a unified pool in use keeps the margin free
+        (:func:`~gateway.admission.shared_live.live_reserved`, which the shared grant
+        script applies too)."""
         if self._predictive and layout.pool_tokens is not None and active:
             now = self._clock.now()
-            excess = 0
-            for lease in active:
-                used, growth = self._use_of(lease, now)
-                excess += max(0, used + growth - lease.charge.tokens)
-            budget = Budget(budget.reserved_tokens + excess + self._margin,
-                            budget.busy_slots)
+            leases, figures = {}, {}
+            for i, lease in enumerate(active):
+                leases[str(i)] = (lease.charge.tokens, lease.charge.n)
+                figures[str(i)] = self._figure_of(lease, now)
+            reserved = live_reserved(budget.reserved_tokens, leases, figures, 0,
+                                     LiveRule(self._margin, _HORIZON_MS, 0))
+            budget = Budget(reserved, budget.busy_slots)
         return capacity.fits(layout, budget, charge)
 
     def _rate_of(self, lease: Lease, now: float) -> float | None:
@@ -116,14 +174,34 @@ class LiveAccounting:
         elapsed = now - lease.first_token_at
         return (lease.generated - 1) / elapsed if elapsed > 0 else None
 
-    def _use_of(self, lease: Lease, now: float) -> tuple[int, int]:
-        """(cells held now, cells it may add within the horizon) of one lease in flight.
-        An untracked lease is taken at its charge and does not grow past it."""
+    def _fastest(self) -> float:
+        """The fastest decode rate seen, tokens/s per sequence (the default before any)."""
+        return max(self._decode_rates, default=DEFAULT_DECODE_RATE)
+
+    def _figure_of(self, lease: Lease, now: float, since_ms: int = 0) -> LiveFigures:
+        """What ``lease`` holds now (``at`` 0). An untracked lease is its whole charge and
+        does not grow past it."""
+        progress = lease.earlier + lease.generated
+        state = PREEMPTED if lease.preempted is not None else (
+            PREEMPTIBLE if lease.preemptible and lease.tracked else KEPT)
         if not lease.tracked:
-            return lease.live_tokens, 0
-        remaining = max(0, lease.charge.max_tokens - lease.generated)
+            return LiveFigures(lease.charge.tokens, 0, 0, progress, state, since_ms)
         rate = self._rate_of(lease, now)
         if rate is None:
-            rate = max(self._decode_rates, default=DEFAULT_DECODE_RATE)
-        growth = min(remaining, math.ceil(rate * GROWTH_HORIZON_S) + 1)
-        return lease.live_tokens, lease.charge.n * growth
+            rate = self._fastest()
+        return LiveFigures(lease.used_tokens, max(0, lease.charge.max_tokens - lease.generated),
+                           round(rate * 1000), progress, state, since_ms)
+
+    def _figures(self) -> dict[str, LiveFigures]:
+        """This process's leases on the shared backend, by lease id, to publish."""
+        assert self.shared is not None
+        now, store = self._clock.now(), self.shared.store
+        return {lease.shared_id: self._figure_of(lease, now, store.score_ms(lease.granted_at))
+                for lease in list(self._active.values())
+                if lease.shared_id is not None and not lease.released}
+
+    def _use_of(self, lease: Lease, now: float) -> tuple[int, int]:
+        """(cells held now, cells it may add within the horizon) of one lease in flight
+        (:meth:`LiveFigures.growth <gateway.admission.shared_live.LiveFigures.growth>`)."""
+        fig = self._figure_of(lease, now)
+        return fig.used, fig.growth(lease.charge.n, _HORIZON_MS)

@@ -49,6 +49,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from gateway.admission.shared_live import LIVE_LUA
 from gateway.admission.shared_tenants import TenantShare
 from gateway.clock import Clock
 from gateway.config import StateSettings, redact_url
@@ -68,9 +69,10 @@ ORDER_SENT = 16
 OFFSET_SAMPLES = 32
 
 # Lua helpers shared by the scripts. KEYS: 1 leases hash, 2 queue zset, 3 procs zset,
-# 4 epoch. ARGV: 1 owner, 2 lease TTL ms, 3 resync window ms, 4 wake channel.
+# 4 epoch, 5 live figures hash (gateway.admission.shared_live). ARGV: 1 owner, 2 lease
+# TTL ms, 3 resync window ms, 4 wake channel.
 _PRELUDE = r"""
-local leases, queue, procs, epoch = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local leases, queue, procs, epoch, live = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local owner, ttl, resync_ms, channel = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -96,19 +98,21 @@ local function is_alive(o)
   return a
 end
 local function owner_of(id) return string.match(id, '^(.*)#') end
--- Drop the dead owners' leases and sum the live ones.
+-- Drop the dead owners' leases (and their live figures) and sum the live ones.
 local reserved, busy, unpinned, purged = 0, 0, 0, 0
-local held = {}
+local held, held_leases = {}, {}
 local function scan_leases()
   local all = redis.call('HGETALL', leases)
   for i = 1, #all, 2 do
     local o, tok, sl, ids = string.match(all[i + 1], '^([^|]*)|(%d+)|(%d+)|(.*)$')
     if not is_alive(o) then
       redis.call('HDEL', leases, all[i])
+      if live then redis.call('HDEL', live, all[i]) end
       purged = purged + 1
     else
       reserved = reserved + tonumber(tok)
       busy = busy + tonumber(sl)
+      held_leases[all[i]] = {tonumber(tok), tonumber(sl)}
       if ids == '' then unpinned = unpinned + 1 end
       for id in string.gmatch(ids, '%d+') do held[tonumber(id)] = true end
     end
@@ -136,7 +140,8 @@ end
 # ARGV 5..: pool tokens (0: per-slot layout), slots, usable per slot, capacity tokens,
 # preferred slot order (comma-separated), tickets kept waiting (k), then k x (id, score),
 # then asks (a), then a x (id, score, tokens, slots, span, pinnable, prefer), in this
-# process's serving order.
+# process's serving order, then the predictive policy's rule (on, margin, horizon ms,
+# fresh growth: gateway.admission.shared_live.LIVE_LUA).
 # Returns {now, reserved, busy, resyncing, purged, queued, id1, slots1, id2, ...}.
 _GRANT = _PRELUDE + r"""
 local pool, slots, usable, capacity = tonumber(ARGV[5]), tonumber(ARGV[6]),
@@ -156,6 +161,7 @@ for _ = 1, a do
 end
 scan_leases()
 set_tickets(mine)
+""" + LIVE_LUA + r"""
 local out = {}
 if now >= resync_until then
   local nexti = 1
@@ -167,9 +173,10 @@ if now >= resync_until then
     head = seq[nexti]
     local ask = asks[head]
     local tokens, n, span, pinnable, prefer = ask[1], ask[2], ask[3], ask[4], ask[5]
-    -- gateway.core.capacity.fits (fits_alone, a free slot each, the unified pool)
+    -- gateway.core.capacity.fits (fits_alone, a free slot each, the unified pool, with
+    -- the predictive policy's live use: gateway.admission.shared_live.live_reserved)
     if busy + n > slots or n > slots or span > usable or tokens > capacity
-        or (pool > 0 and reserved + tokens > pool) then break end
+        or (pool > 0 and reserved + live_extra() + tokens > pool) then break end
     local ids = {}
     if pinnable and unpinned == 0 then
       -- The first: `prefer` if free, else the first free of the caller's order, else the
@@ -201,6 +208,7 @@ if now >= resync_until then
     for _, id in ipairs(ids) do held[id] = true end
     reserved = reserved + tokens
     busy = busy + n
+    live_granted(n)
     local csv = table.concat(ids, ',')
     redis.call('HSET', leases, head, owner .. '|' .. tokens .. '|' .. n .. '|' .. csv)
     redis.call('ZREM', queue, head)
@@ -243,9 +251,11 @@ return {now, reserved, busy, (now < resync_until) and 1 or 0, purged,
         redis.call('ZCARD', queue), (lapsed and l > 0) and 1 or 0}
 """
 
-# KEYS 1 leases; ARGV 1 channel, 2.. lease ids. Returns how many were held.
+# KEYS 1 leases, 2 live figures; ARGV 1 channel, 2.. lease ids. Returns how many were
+# held.
 _RELEASE = r"""
 local n = redis.call('HDEL', KEYS[1], unpack(ARGV, 2))
+redis.call('HDEL', KEYS[2], unpack(ARGV, 2))
 if n > 0 then redis.call('PUBLISH', ARGV[1], 'released') end
 return n
 """
@@ -632,7 +642,7 @@ class SharedAccount:
         self.store = store
         self.backend = backend
         self.keys = [store.key("b", backend, "leases"), store.key("b", backend, "queue"),
-                     store.key("procs"), store.key("epoch")]
+                     store.key("procs"), store.key("epoch"), store.key("b", backend, "live")]
         self.channel = store.key("wake", backend)
         self.leases: dict[str, str] = {}
         self.providers: list[Provider] = []
@@ -641,6 +651,10 @@ class SharedAccount:
         self.busy_slots = 0
         self.queued = 0
         self.lock = asyncio.Lock()
+        #: The layout of the last grant; the predictive policy's live figures
+        #: (:class:`~gateway.admission.shared_live.SharedLive`, when it is on).
+        self.layout: Layout | None = None
+        self.live: Any = None
 
     def bind(self, waiting: Provider, on_change: Callable[[], None]) -> None:
         """Add an admission of this backend: ``waiting()`` lists its waiting tickets and
@@ -709,6 +723,8 @@ class SharedAccount:
             args.extend((ask.ticket, ask.score_ms, c.tokens, c.slots,
                          c.prompt_tokens + c.max_tokens, 1 if c.pinnable else 0,
                          -1 if ask.prefer is None else ask.prefer))
+        args.extend([0] * 4 if self.live is None else self.live.grant_args())
+        self.layout = layout
         async with self.lock:
             reply = self.store.reply(await self.store.call(
                 "grant", lambda: self.store._grant(keys=self.keys, args=args)))
@@ -716,6 +732,8 @@ class SharedAccount:
             for ticket, ids in reply.granted.items():
                 self._record(ticket, by_id[ticket], ids)
         self.seen(reply)
+        if reply.granted and self.live is not None:
+            self.live.kick()  # publish the new leases' figures soon
         return reply
 
     def hold_alone(self, lease_id: str, charge: Charge, slot_ids: tuple[int, ...]) -> None:
@@ -734,7 +752,7 @@ class SharedAccount:
         gone = [i for i in ids if self.leases.pop(i, None) is not None]
         if gone:
             self.store.background("release", lambda: self.store._release(
-                keys=[self.keys[0]], args=[self.channel, *gone]), self.lock)
+                keys=[self.keys[0], self.keys[4]], args=[self.channel, *gone]), self.lock)
 
     async def refresh(self, layout: Layout) -> GrantReply:
         """Read the backend's shared figures anew (:attr:`reserved_tokens`,
