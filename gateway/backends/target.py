@@ -32,6 +32,7 @@ import httpx
 from gateway.admission.admission import Admission
 from gateway.admission.lease import AdmissionStats, Lease
 from gateway.admission.shared import SharedAccount
+from gateway.admission.shared_marks import BackendMarks, Values, with_values
 from gateway.admission.slotwatch import SlotWatch
 from gateway.backends import Dialect, Discovered, SideCalls, kind_class
 from gateway.backends.countcache import CountCache
@@ -133,8 +134,13 @@ class Target:
         self.pool = PoolModel()
         # Health as routing sees it (gateway/fleet/pool.py): after a failed request the
         # backend is skipped until ``health.down_until``; the next request after that is
-        # the half-open probe, and a success brings it back.
-        self.health = Health()
+        # the half-open probe, and a success brings it back. Shared by every gateway
+        # process with [state] backend = "redis" (gateway.admission.shared_marks), as is
+        # the layout discovered.
+        self.marks = None if shared is None else BackendMarks(
+            shared, lambda: self.settings.connect_timeout_s + 1.0,
+            lambda: self.admission.notify(), self._adopt)
+        self.health: Health = Health() if self.marks is None else self.marks.health
         # The prompt each slot last held, for slot affinity (gateway.core.slots).
         self._prompts = PromptIndex()
         self.draining = False  # takes no new requests; those in flight finish
@@ -203,8 +209,9 @@ class Target:
 
     @property
     def up(self) -> bool:
-        """Not marked down by a recent failure (see :meth:`request_failed`)."""
-        return self.health.usable(self.clock.now())
+        """Not marked down by a recent failure (see :meth:`request_failed`); due a
+        probe counts as up (asking claims nothing, unlike :meth:`usable`)."""
+        return self.health.down_for_s(self.clock.now()) == 0.0
 
     def usable(self, now: float) -> bool:
         """New requests may go here at ``now``: ready, not draining, and up (or due a
@@ -335,6 +342,18 @@ class Target:
             self.problem = exc.message
             raise
         was_reachable, self.reachable, self.problem = self.reachable, True, None
+        if self.marks is not None:  # the newest layout any gateway process published
+            found = await self.marks.layout.agree(found)
+        return self._take(found, was_reachable)
+
+    def _adopt(self, values: Values) -> None:
+        """Another gateway process published a newer layout of this backend: use it."""
+        if self.discovered is not None:
+            self._take(with_values(self.discovered, values), self.reachable)
+
+    def _take(self, found: Discovered, was_reachable: bool) -> Layout | None:
+        """Use the discovery's answer ``found``: the counts kept, what the sizing
+        learns, the layout applied (see :meth:`discover`)."""
         before = self.discovered
         restarted = before is not None and (
             found.slots, found.ctx_per_slot, found.pool_tokens) != (
@@ -372,4 +391,6 @@ class Target:
         """Stop background work and release what the slot watch holds (shutdown)."""
         await self.discovery.close()
         await self.slot_watch.close()
+        if self.marks is not None:
+            self.marks.detach()
 
