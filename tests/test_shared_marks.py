@@ -78,6 +78,15 @@ async def test_a_backend_marked_down_by_one_process_is_skipped_by_the_other(
     assert ta.health.failures == 0 and usable(tb)
 
 
+async def test_the_notice_carries_a_mark_before_the_next_renewal(pair: Any) -> None:
+    a, b = await pair(renew_interval_s=10.0, lease_ttl_s=30.0)
+    a.backend.request_failed(5.0, 30.0)
+    # Renewals are 10 s apart: only the pub/sub notice can tell B this soon.
+    await asyncio.wait_for(until(lambda: not usable(b.backend)), 3.0)
+    b.backend.health.request_served()
+    await asyncio.wait_for(until(lambda: usable(a.backend)), 3.0)
+
+
 async def test_one_half_open_probe_across_processes(pair: Any) -> None:
     a, b = await pair()
     ta, tb = a.backend, b.backend

@@ -360,10 +360,6 @@ class SharedStore:
         self.up = True
         self.accounts: dict[str, SharedAccount] = {}
         self.tenants: dict[str, TenantShare] = {}
-        #: Other shared parts (:mod:`gateway.admission.shared_marks`): each has a
-        #: ``channel``, ``stir()`` (its channel was published) and ``sync()`` (the
-        #: heartbeat's call), and is read again after a reconnect.
-        self.parts: list[Any] = []
         #: The ids of the live gateway processes, as the last heartbeat saw them.
         self.processes: list[str] = []
         #: A call failed since the last whole heartbeat: Redis may have lost this
@@ -484,8 +480,6 @@ class SharedStore:
                     self._on_expired(0, "renewed_late")
         for share in list(self.tenants.values()):
             await self.renew_tenant(share)
-        for part in list(self.parts):
-            await part.sync()
         alive = await self.call("renew", lambda: self.client.zrangebyscore(
             self.key("procs"), f"({now_ms}", "+inf"))
         self.stale = False
@@ -596,9 +590,8 @@ class SharedStore:
         while self._running:
             pubsub = self._sub_client.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.psubscribe(prefix + "*", tenants + "*", self.key("marks", "*"))
-                for target in [*self.accounts.values(), *self.tenants.values(),
-                               *self.parts]:
+                await pubsub.psubscribe(prefix + "*", tenants + "*")
+                for target in [*self.accounts.values(), *self.tenants.values()]:
                     target.stir()  # what was published before this subscription
                 async for message in pubsub.listen():
                     channel = message.get("channel")
@@ -606,12 +599,8 @@ class SharedStore:
                             else str(channel))
                     if name.startswith(prefix):
                         woken: Any = self.accounts.get(name[len(prefix):])
-                    elif name.startswith(tenants):
+                    else:
                         woken = self.tenants.get(name[len(tenants):])
-                    else:  # a backend's marks (its parts, one per backend object)
-                        for part in [p for p in self.parts if p.channel == name]:
-                            part.stir()
-                        woken = None
                     if woken is not None:
                         woken.stir()
             except (RedisError, OSError):

@@ -21,8 +21,8 @@ Keys, under ``[state] key_prefix``, next to those of :mod:`gateway.admission.sha
     change itself publishes it; every process adopts the newest generation.
 
 * ``{prefix}:marks:{backend}``, a pub/sub channel published at each change (down, up,
-  a new layout): the other processes read the hash at once, and at every heartbeat
-  (``renew_interval_s``) anyway, since pub/sub may drop a message.
+  a new layout): the other processes read the hash at once, and at every renewal
+  (``renew_interval_s``) anyway, since pub/sub may drop a message (:class:`MarksHub`).
 
 While Redis cannot be reached, each process keeps the marks as it last saw them and
 goes on with its own (:class:`~gateway.core.health.Health`'s rules, the probe included):
@@ -34,21 +34,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from redis.exceptions import RedisError
 
 from gateway.core.health import Health
 from gateway.core.pool_model import Reported
 from gateway.errors import StateUnavailable
 
 if TYPE_CHECKING:
-    from gateway.admission.shared import SharedAccount
+    from gateway.admission.shared import SharedAccount, SharedStore
 
 #: A discovery's answer (:class:`gateway.backends.base.Discovered`, a dataclass).
 Found = TypeVar("Found", bound=Reported)
 
-__all__ = ["BackendMarks", "LayoutShare", "MarksReply", "SharedHealth"]
+__all__ = ["BackendMarks", "LayoutShare", "MarksHub", "MarksReply", "SharedHealth"]
+
+log = logging.getLogger(__name__)
 
 _NOW = r"""
 local key = KEYS[1]
@@ -144,10 +150,84 @@ def values_of(found: Reported) -> Values:
     return (found.slots, found.ctx_per_slot, found.pool_tokens or 0, found.block_size)
 
 
+class MarksHub:
+    """The :class:`BackendMarks` of one store's backends, read at every renewal
+    (``renew_interval_s``) and at once when their channel is published. Its loop is one
+    of the store's background tasks (:meth:`SharedStore.spawn
+    <gateway.admission.shared.SharedStore.spawn>`, stopped by its ``close``), started by
+    the first call on the marks; it subscribes on a connection of the store's client,
+    waiting at most until the next renewal for a message.
+
+    :param store: the process's link to Redis.
+    """
+
+    def __init__(self, store: SharedStore) -> None:
+        self.store = store
+        self.marks: list[BackendMarks] = []
+        self._started = False
+
+    @classmethod
+    def of(cls, store: SharedStore) -> MarksHub:
+        """The one hub of ``store``."""
+        hub = _HUBS.get(store)
+        if hub is None:
+            hub = _HUBS[store] = cls(store)
+        return hub
+
+    def start(self) -> None:
+        """Run the loop (once; nothing without an event loop)."""
+        if not self._started:
+            with contextlib.suppress(RuntimeError):
+                self.store.spawn(self._run())
+                self._started = True
+
+    def stir(self, channel: str) -> None:
+        """``channel`` was published: read the marks of its backend."""
+        for marks in [m for m in self.marks if m.channel == channel]:
+            marks.stir()
+
+    async def sync(self) -> None:
+        """Read (or send) every backend's marks.
+
+        :raises StateUnavailable: Redis could not be reached.
+        """
+        for marks in list(self.marks):
+            await marks.sync()
+
+    async def _run(self) -> None:
+        renew_s = self.store.settings.renew_interval_s
+        loop = asyncio.get_running_loop()
+        while True:
+            pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.psubscribe(self.store.key("marks", "*"))
+                while True:
+                    await self.sync()  # also what was published before subscribing
+                    end = loop.time() + renew_s
+                    while (left := end - loop.time()) > 0:
+                        message = await pubsub.get_message(timeout=left)
+                        if message is not None:
+                            self.stir(_text(message.get("channel")))
+            except (RedisError, OSError, StateUnavailable):
+                pass
+            except Exception:  # never let the marks' loop die
+                log.exception("shared state: reading the backends' marks failed")
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+            await asyncio.sleep(renew_s)
+
+
+_HUBS: weakref.WeakKeyDictionary[Any, MarksHub] = weakref.WeakKeyDictionary()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class BackendMarks:
-    """One backend's shared marks as one backend object of this process uses them: the
-    part of :attr:`SharedStore.parts <gateway.admission.shared.SharedStore.parts>` that
-    reads them at each heartbeat and notice.
+    """One backend's shared marks as one backend object of this process uses them,
+    read by the store's :class:`MarksHub`.
 
     :param account: the backend's shared budget (its key names the backend).
     :param probe_s: the probe's time-out, seconds (the connect time-out and a second).
@@ -172,12 +252,13 @@ class BackendMarks:
         self._layout = store.client.register_script(_LAYOUT)
         self.health = SharedHealth(self, probe_s, on_change)
         self.layout = LayoutShare(self, on_layout)
-        store.parts.append(self)
+        self.hub = MarksHub.of(store)
+        self.hub.marks.append(self)
 
     def detach(self) -> None:
         """Stop reading the marks (the backend object is closed)."""
         with contextlib.suppress(ValueError):
-            self.store.parts.remove(self)
+            self.hub.marks.remove(self)
         self.health.cancel_timer()
 
     def stir(self) -> None:
@@ -186,7 +267,7 @@ class BackendMarks:
             self.store.spawn(self._quietly(self.sync()))
 
     async def sync(self) -> None:
-        """The heartbeat's part: send a mark made while Redis was lost, else read.
+        """The renewal's part: send a mark made while Redis was lost, else read.
 
         :raises StateUnavailable: Redis could not be reached.
         """
@@ -234,6 +315,7 @@ class BackendMarks:
 
         :raises StateUnavailable: Redis could not be reached.
         """
+        self.hub.start()
         op = "layout" if script is self._layout else "health"
         reply = MarksReply.parse(await self.store.call(
             op, lambda: script(keys=[self.key], args=args)))
@@ -261,8 +343,9 @@ class SharedHealth(Health):
     * a failure here published to the others, who skip the backend too;
     * a served request here published as the backend up;
     * once the backoff has passed, :meth:`usable` true in one process only: the one
-      that claimed the probe in Redis (claimed as the backoff ends, or at the first ask
-      after it); the others skip the backend until the probe ends or times out;
+      that claimed the probe in Redis (every process that saw the mark tries as the
+      backoff ends, and again as an unused claim times out); the others skip the
+      backend until the probe ends or times out;
     * while Redis is lost, the rules of one process on the marks as last seen.
 
     Times are seconds on this process's clock; Redis's are converted with the store's
@@ -288,11 +371,9 @@ class SharedHealth(Health):
             return False
         if not self.failures or not self.marks.store.up or self.unsent is not None:
             return True  # up; or Redis lost, or a mark of the outage not sent yet
-        if self._ticket is not None and now < self._ticket:
-            return True
-        self._ticket = None
-        self._claim()
-        return False
+        # The probe is claimed as the backoff ends (see seen), never by asking here:
+        # a /ready or a metrics scrape claims nothing.
+        return self._ticket is not None and now < self._ticket
 
     def request_failed(self, now: float, initial_s: float, max_s: float) -> float:
         """:meth:`Health.request_failed`, published to every process (in the
@@ -325,8 +406,8 @@ class SharedHealth(Health):
         time; hold the probe when this call claimed it."""
         if self.unsent is not None:
             return  # this process's mark of an outage goes first (BackendMarks.sync)
-        was_usable = self.usable_quietly()
         store = self.marks.store
+        was_usable = self.usable(store.clock.now())
         self.failures = reply.failures
         if reply.mine and reply.probe == store.owner and reply.failures:
             # Claimed: others skip the backend for the probe's time; here it may go.
@@ -337,14 +418,8 @@ class SharedHealth(Health):
                                if reply.until_ms else 0.0)
         if reply.failures:
             self._wake_at(reply.until_ms - reply.now_ms)
-        if self.usable_quietly() and not was_usable:
+        if self.usable(store.clock.now()) and not was_usable:
             self.on_change()
-
-    def usable_quietly(self) -> bool:
-        """:meth:`usable` now, without claiming anything."""
-        now = self.marks.store.clock.now()
-        return now >= self.down_until and (
-            not self.failures or (self._ticket is not None and now < self._ticket))
 
     def cancel_timer(self) -> None:
         """Stop the wake-up at the backoff's end (closing)."""

@@ -134,12 +134,9 @@ class Target:
         self.pool = PoolModel()
         # Health as routing sees it (gateway/fleet/pool.py): after a failed request the
         # backend is skipped until ``health.down_until``; the next request after that is
-        # the half-open probe, and a success brings it back. Shared by every gateway
-        # process with [state] backend = "redis" (gateway.admission.shared_marks), as is
-        # the layout discovered.
-        self.marks = None if shared is None else BackendMarks(
-            shared, lambda: self.settings.connect_timeout_s + 1.0,
-            lambda: self.admission.notify(), self._adopt)
+        # the half-open probe, and a success brings it back. Shared, as the layout
+        # discovered, by every gateway process with [state] backend = "redis".
+        self.marks = _marks(self, shared)
         self.health: Health = Health() if self.marks is None else self.marks.health
         # The prompt each slot last held, for slot affinity (gateway.core.slots).
         self._prompts = PromptIndex()
@@ -166,7 +163,7 @@ class Target:
         self.discovery = DiscoveryLoop(self.name, self.discover, self._next_discovery_s,
                                        self.clock)
         self.sizing = Sizing(self.name, settings, self.dialect, self.pool, self.admission,
-                             self.slot_watch, self.clock)
+                             self.slot_watch, self.clock, self.counts)
 
     # -- addressing --------------------------------------------------------------------
 
@@ -209,9 +206,8 @@ class Target:
 
     @property
     def up(self) -> bool:
-        """Not marked down by a recent failure (see :meth:`request_failed`); due a
-        probe counts as up (asking claims nothing, unlike :meth:`usable`)."""
-        return self.health.down_for_s(self.clock.now()) == 0.0
+        """Not marked down by a recent failure (see :meth:`request_failed`)."""
+        return self.health.usable(self.clock.now())
 
     def usable(self, now: float) -> bool:
         """New requests may go here at ``now``: ready, not draining, and up (or due a
@@ -344,29 +340,14 @@ class Target:
         was_reachable, self.reachable, self.problem = self.reachable, True, None
         if self.marks is not None:  # the newest layout any gateway process published
             found = await self.marks.layout.agree(found)
-        return self._take(found, was_reachable)
+        return self.take(found, fresh=not was_reachable)
 
-    def _adopt(self, values: Values) -> None:
-        """Another gateway process published a newer layout of this backend: use it."""
-        if self.discovered is not None:
-            self._take(with_values(self.discovered, values), self.reachable)
-
-    def _take(self, found: Discovered, was_reachable: bool) -> Layout | None:
-        """Use the discovery's answer ``found``: the counts kept, what the sizing
-        learns, the layout applied (see :meth:`discover`)."""
-        before = self.discovered
-        restarted = before is not None and (
-            found.slots, found.ctx_per_slot, found.pool_tokens) != (
-            before.slots, before.ctx_per_slot, before.pool_tokens)
-        if not was_reachable or restarted or before is None or (
-                found.model_id, found.n_vocab, found.fingerprint) != (
-                before.model_id, before.n_vocab, before.fingerprint):
-            # The server may have come back with another model or template: its counts
-            # are asked again.
-            self.counts.clear()
-        self.sizing.learn(before, found, restarted=restarted)
+    def take(self, found: Discovered, *, fresh: bool = False) -> Layout | None:
+        """Use ``found``, a discovery's answer (``fresh``: the first since the backend
+        was unreachable): :meth:`Sizing.take <gateway.backends.sizing.Sizing.take>`."""
+        layout = self.sizing.take(self.discovered, found, fresh=fresh)
         self.discovered = found
-        return self.sizing.apply(found, restarted=restarted)
+        return layout
 
     def _next_discovery_s(self, found: Layout | None) -> float:
         """Seconds to the next discovery: ``discovery_interval_s``, at most
@@ -394,3 +375,15 @@ class Target:
         if self.marks is not None:
             self.marks.detach()
 
+
+def _marks(target: Target, shared: SharedAccount | None) -> BackendMarks | None:
+    """``target``'s health marks and layout as every gateway process shares them
+    (:mod:`gateway.admission.shared_marks`), or ``None`` without shared state."""
+    if shared is None:
+        return None
+
+    def adopt(values: Values) -> None:  # another process published a newer layout
+        if target.discovered is not None:
+            target.take(with_values(target.discovered, values))
+    return BackendMarks(shared, lambda: target.settings.connect_timeout_s + 1.0,
+                        lambda: target.admission.notify(), adopt)
