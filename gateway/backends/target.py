@@ -93,7 +93,9 @@ class Target:
         counting, the body forwarded, errors read, capabilities as class variables).
     :ivar admission: its :class:`~gateway.admission.admission.Admission` (queue, leases,
         layout, live accounting; listeners woken when room frees).
-    :ivar health: its :class:`~gateway.core.health.Health` (failures in a row, backoff).
+    :ivar health: its :class:`~gateway.core.health.Health` (failures in a row, backoff);
+        with shared state a :class:`~gateway.admission.shared_marks.SharedHealth`, kept
+        in step with every gateway process by ``marks`` (``None`` without).
     :ivar pool: its :class:`~gateway.core.pool_model.PoolModel` (the pool penalty and the
         preemptions counted).
     :ivar slot_watch: the :class:`~gateway.admission.slotwatch.SlotWatch` holding the
