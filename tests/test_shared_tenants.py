@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from gateway.config import load_settings
@@ -81,3 +82,53 @@ async def test_max_inflight_holds_across_processes(pair: Any, fake: FakeLlamaSer
     assert [r.status_code for r in await asyncio.gather(first, second)] == [200, 200]
     assert loop.time() - started < 2.0  # woken by A's release, not the 5 s poll
     assert (tenant_b.inflight, tenant_b.waiting) == (0, 0)
+
+
+@pytest.mark.parametrize("where", ["gate", "capacity"])
+async def test_max_queued_holds_across_processes(pair: Any, fake: FakeLlamaServer,
+                                                 where: str) -> None:
+    # The tenant's waiters alternate between A and B; each process has one waiting when
+    # the next comes, so only a count over both refuses it. They wait at the gate
+    # (max_inflight 1) or for capacity (the fake's one slot).
+    quota = {"max_queued": 2, **({"max_inflight": 1} if where == "gate" else {})}
+    if where == "capacity":
+        fake.slots = 1
+    a, b = await pair([{**TENANTS[0], **quota}, TENANTS[1]])
+    fake.hold = asyncio.Event()
+    first = post(a, WEB_KEY, "w1")
+    await until(lambda: a.backend.stats().inflight == 1)
+    second = post(b, WEB_KEY, "w2")
+    await until(lambda: b.state.tenants.by_name["web"].waiting == 1)
+    third = post(a, WEB_KEY, "w3")
+    await until(lambda: a.state.tenants.by_name["web"].waiting == 1)
+    r = await b.client.post(CHAT, json=chat_body("w4"), headers=bearer(WEB_KEY))
+    assert r.status_code == 429, r.text
+    assert "max_queued (2)" in r.json()["error"]["message"]
+    fake.hold.set()
+    assert [r.status_code for r in await asyncio.gather(first, second, third)] == [200] * 3
+    # The places are given back: two more may wait again.
+    await until(lambda: not (a.state.tenants.by_name["web"].share.queued
+                             or b.state.tenants.by_name["web"].share.queued))
+
+
+async def test_a_dead_process_s_queued_places_expire(pair: Any, redis_server: Any
+                                                     ) -> None:
+    a, _b = await pair([{**TENANTS[0], "max_queued": 1}, TENANTS[1]])
+    # A process that had one request of the tenant waiting, then was killed: its
+    # liveness runs out in 0.6 s and is never renewed. (Every request waits for the
+    # shared grant's answer, so each needs a waiting place.)
+    view = aioredis.Redis.from_url(redis_server.url)
+    try:
+        t = await view.time()
+        now_ms = int(t[0]) * 1000 + int(t[1]) // 1000
+        await view.zadd("tt:procs", {"ghost": now_ms + 600})
+        await view.zadd("tt:t:web:queued", {"ghost#1": now_ms})
+        r = await a.client.post(CHAT, json=chat_body("w1"), headers=bearer(WEB_KEY))
+        assert r.status_code == 429, r.text  # the dead process's waiter still counts
+        assert "max_queued (1)" in r.json()["error"]["message"]
+        await asyncio.sleep(0.7)
+        r = await a.client.post(CHAT, json=chat_body("w2"), headers=bearer(WEB_KEY))
+        assert r.status_code == 200, r.text
+        assert b"ghost#1" not in await view.zrange("tt:t:web:queued", 0, -1)
+    finally:
+        await view.aclose()

@@ -453,6 +453,7 @@ class SharedStore:
                     await self.call("close", account.sync_args)
             for share in self.tenants.values():
                 share.held.clear()
+                share.queued.clear()
                 async with share.lock:
                     await self.call("close", share.sync_args)
             await self.client.zrem(self.key("procs"), self.owner)

@@ -10,6 +10,9 @@ Keys, under ``[state] key_prefix``, next to those of :mod:`gateway.admission.sha
 * ``{prefix}:t:{tenant}:inflight``, a sorted set: ``{owner}#{n}`` -> when it was taken.
   Its size is the tenant's requests past its gate in every process; entries of a process
   taken for dead (``{prefix}:procs``) are dropped, as its leases are.
+* ``{prefix}:t:{tenant}:queued``, a sorted set of the same form: the tenant's requests
+  waiting (at its gate or for capacity) in every process, for ``max_queued``; a dead
+  process's entries are dropped likewise.
 * ``{prefix}:twake:{tenant}``, a pub/sub channel published when a place is given back.
 """
 
@@ -91,24 +94,30 @@ end
 return {0, n}
 """
 
-# The heartbeat: this owner's places become exactly ARGV 2.. (a lost release heals).
-# KEYS 1 inflight. ARGV 1 owner, 2.. ids.
+# The heartbeat: this owner's places in each key become exactly those given (a lost
+# release heals). KEYS 1 inflight, 2 queued. ARGV 1 owner, 2 n, then n inflight ids,
+# then the queued ids.
 _SYNC = r"""
-local key, owner = KEYS[1], ARGV[1]
-local keep = {}
-for i = 2, #ARGV do keep[ARGV[i]] = true end
-for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
-  if string.match(m, '^(.*)#') == owner and not keep[m] then redis.call('ZREM', key, m) end
-end
+local owner = ARGV[1]
 local t = redis.call('TIME')
-for id, _ in pairs(keep) do redis.call('ZADD', key, 'NX', tonumber(t[1]) * 1000, id) end
+local n = tonumber(ARGV[2])
+local function sync(key, first, last)
+  local keep = {}
+  for i = first, last do keep[ARGV[i]] = true end
+  for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+    if string.match(m, '^(.*)#') == owner and not keep[m] then redis.call('ZREM', key, m) end
+  end
+  for id, _ in pairs(keep) do redis.call('ZADD', key, 'NX', tonumber(t[1]) * 1000, id) end
+end
+sync(KEYS[1], 3, 2 + n)
+sync(KEYS[2], 3 + n, #ARGV)
 return 1
 """
 
-# KEYS 1 inflight. ARGV 1 channel, 2.. ids.
+# KEYS 1 places. ARGV 1 channel ('': none), 2.. ids.
 _RELEASE = r"""
 local n = redis.call('ZREM', KEYS[1], unpack(ARGV, 2))
-if n > 0 then redis.call('PUBLISH', ARGV[1], 'released') end
+if n > 0 and ARGV[1] ~= '' then redis.call('PUBLISH', ARGV[1], 'released') end
 return n
 """
 
@@ -145,6 +154,7 @@ class TenantShare:
         self.name = name
         self.window_key = store.key("t", name, "tpm")
         self.inflight_key = store.key("t", name, "inflight")
+        self.queued_key = store.key("t", name, "queued")
         self.channel = store.key("twake", name)
         self._hold = store.client.register_script(_HOLD)
         self._settle = store.client.register_script(_SETTLE)
@@ -153,6 +163,7 @@ class TenantShare:
         self._sync = store.client.register_script(_SYNC)
         self.changed = asyncio.Event()
         self.held: list[str] = []  # this process's places past the gate
+        self.queued: list[str] = []  # this process's places among the waiting
         # Held by each call on the places (acquire, heartbeat, release): a heartbeat sent
         # while an acquire is on its way would drop the place just taken (as
         # SharedAccount.lock).
@@ -190,15 +201,33 @@ class TenantShare:
 
         :raises StateUnavailable: Redis could not be reached.
         """
+        return await self._take(self.inflight_key, self.held, cap)
+
+    async def take_queued(self, cap: int) -> bool:
+        """Count one more waiting request when fewer than ``cap`` wait in every process
+        (``max_queued``); give it back with :meth:`release_queued`.
+
+        :raises StateUnavailable: Redis could not be reached.
+        """
+        return await self._take(self.queued_key, self.queued, cap)
+
+    async def _take(self, key: str, places: list[str], cap: int) -> bool:
         place = self.store.new_id()
         async with self.lock:
             raw = await self.store.call("tenant", lambda: self._acquire(
-                keys=[self.inflight_key, self.store.key("procs")],
+                keys=[key, self.store.key("procs")],
                 args=[cap, place, self.store.owner, self.store.ttl_ms]))
             if int(raw[0]):
-                self.held.append(place)
+                places.append(place)
                 return True
         return False
+
+    def release_queued(self) -> None:
+        """One of this process's waiting requests waits no more (in the background)."""
+        if self.queued:
+            place = self.queued.pop()
+            self.store.background("tenant", lambda: self._release(
+                keys=[self.queued_key], args=["", place]), self.lock)
 
     def release(self) -> None:
         """Give back one of this process's places (in the background); the others' waiters
@@ -209,8 +238,11 @@ class TenantShare:
                 keys=[self.inflight_key], args=[self.channel, place]), self.lock)
 
     def sync_args(self) -> Any:
-        """The heartbeat's call: this process's places become exactly :attr:`held`."""
-        return self._sync(keys=[self.inflight_key], args=[self.store.owner, *self.held])
+        """The heartbeat's call: this process's places become exactly :attr:`held`
+        and :attr:`queued`."""
+        return self._sync(keys=[self.inflight_key, self.queued_key],
+                          args=[self.store.owner, len(self.held), *self.held,
+                                *self.queued])
 
 
 

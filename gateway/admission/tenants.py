@@ -40,7 +40,13 @@ from gateway.admission.waitroom import Waitroom
 from gateway.clock import Clock, wait
 from gateway.config import Settings, TenantSettings
 from gateway.core.fairness import ANONYMOUS, Party
-from gateway.errors import Forbidden, InvalidRequest, RateLimited, Unauthorized
+from gateway.errors import (
+    Forbidden,
+    InvalidRequest,
+    RateLimited,
+    StateUnavailable,
+    Unauthorized,
+)
 from gateway.wire import routes
 
 __all__ = ["OPEN_PATHS", "PRIORITY_HEADER", "TOKENS_WINDOW_S", "Tenant", "Tenants",
@@ -288,10 +294,14 @@ class Tenant:
         """
         cap = self.settings.max_queued if self.settings else None
         if cap is not None and self.waiting >= cap:
-            raise RateLimited(
-                f"Tenant {self.name!r} already has as many requests waiting as its "
-                f"max_queued ({cap}); retry when some have been served.",
-                reason="max_queued", retry_after_s=1.0, headers=self.rate_headers(now))
+            self._refuse_queued(cap, now)
+
+    def _refuse_queued(self, cap: int, now: float) -> None:
+        """:raises RateLimited: ``cap`` requests of the tenant wait already."""
+        raise RateLimited(
+            f"Tenant {self.name!r} already has as many requests waiting as its "
+            f"max_queued ({cap}); retry when some have been served.",
+            reason="max_queued", retry_after_s=1.0, headers=self.rate_headers(now))
 
     def start_waiting(self, now: float) -> None:
         """Count one more of its requests as waiting (for capacity, past the gate);
@@ -303,9 +313,32 @@ class Tenant:
         self.check_queued(now)
         self.waiting += 1
 
+    async def begin_waiting(self, now: float) -> None:
+        """:meth:`start_waiting`, counted over every gateway process when the quota is
+        shared (an atomic take-if-below-cap in Redis; Redis lost: this process's
+        waiters only); pair with :meth:`stop_waiting`.
+
+        :raises RateLimited: one more waiting would pass ``max_queued``; then nothing
+            is counted.
+        """
+        cap = self.settings.max_queued if self.settings else None
+        if cap is None or self.share is None:
+            self.start_waiting(now)
+            return
+        try:
+            taken = await self.share.take_queued(cap)
+        except StateUnavailable:
+            taken = self.waiting < cap
+        if not taken:
+            self._refuse_queued(cap, now)
+        self.waiting += 1
+
     def stop_waiting(self) -> None:
-        """One of its requests counted by :meth:`start_waiting` waits no more."""
+        """One of its requests counted by :meth:`start_waiting` (or
+        :meth:`begin_waiting`) waits no more."""
         self.waiting -= 1
+        if self.share is not None:
+            self.share.release_queued()
 
     @contextmanager
     def counted_waiting(self, now: float) -> Iterator[None]:
@@ -361,7 +394,8 @@ class Tenant:
             return 0.0
         poll_s = share.store.settings.poll_interval_s
         self._refused = None
-        with self.counted_waiting(clock.now()):
+        await self.begin_waiting(clock.now())
+        try:
             while True:
                 left = timeout_s - (clock.now() - start)
                 if self._refused is not None:
@@ -384,6 +418,8 @@ class Tenant:
                 if self._refused is None and await share.acquire(cap):
                     self.inflight += 1
                     return clock.now() - start
+        finally:
+            self.stop_waiting()
 
     def leave(self) -> None:
         """A request past the gate has ended: let the next waiting one through."""

@@ -15,6 +15,7 @@ import logging
 from gateway.admission.admission import Admission
 from gateway.admission.slotwatch import SlotWatch
 from gateway.backends.base import Dialect, Discovered
+from gateway.backends.countcache import CountCache
 from gateway.clock import Clock
 from gateway.config import BackendSettings
 from gateway.core.capacity import Layout
@@ -44,11 +45,13 @@ class Sizing:
     :param admission: the admission whose layout this keeps.
     :param slot_watch: released whole when the server restarted.
     :param clock: the time source of the penalty and its recovery.
+    :param counts: the backend's exact prompt counts, forgotten when the server may
+        count otherwise (restarted, another model or template).
     """
 
     def __init__(self, name: str, settings: BackendSettings, dialect: Dialect,
                  pool: PoolModel, admission: Admission, slot_watch: SlotWatch,
-                 clock: Clock) -> None:
+                 clock: Clock, counts: CountCache | None = None) -> None:
         self.name = name
         self.settings = settings
         self.dialect = dialect
@@ -56,6 +59,30 @@ class Sizing:
         self.admission = admission
         self.slot_watch = slot_watch
         self.clock = clock
+        self.counts = counts
+
+    def take(self, before: Discovered | None, found: Discovered, *,
+             fresh: bool = False) -> Layout | None:
+        """Take a discovery's answer ``found`` (``before``: the previous one; ``fresh``:
+        the first since the backend was unreachable): the counts forgotten when the
+        server may count otherwise, then :meth:`learn` and :meth:`apply`. A change of
+        slots, context or pool is a restarted server. With shared state, ``found``
+        carries the layout every gateway process agreed
+        (:mod:`gateway.admission.shared_marks`).
+
+        :returns: the layout in force afterwards (``None`` while unknown).
+        """
+        restarted = before is not None and (
+            found.slots, found.ctx_per_slot, found.pool_tokens) != (
+            before.slots, before.ctx_per_slot, before.pool_tokens)
+        if self.counts is not None and (fresh or restarted or before is None or (
+                found.model_id, found.n_vocab, found.fingerprint) != (
+                before.model_id, before.n_vocab, before.fingerprint)):
+            # The server may have come back with another model or template: its counts
+            # are asked again.
+            self.counts.clear()
+        self.learn(before, found, restarted=restarted)
+        return self.apply(found, restarted=restarted)
 
     def configure(self, settings: BackendSettings) -> None:
         """Use ``settings`` from now on (a reload applied in place)."""

@@ -32,6 +32,7 @@ import httpx
 from gateway.admission.admission import Admission
 from gateway.admission.lease import AdmissionStats, Lease
 from gateway.admission.shared import SharedAccount
+from gateway.admission.shared_marks import BackendMarks, Values, with_values
 from gateway.admission.slotwatch import SlotWatch
 from gateway.backends import Dialect, Discovered, SideCalls, kind_class
 from gateway.backends.countcache import CountCache
@@ -92,7 +93,9 @@ class Target:
         counting, the body forwarded, errors read, capabilities as class variables).
     :ivar admission: its :class:`~gateway.admission.admission.Admission` (queue, leases,
         layout, live accounting; listeners woken when room frees).
-    :ivar health: its :class:`~gateway.core.health.Health` (failures in a row, backoff).
+    :ivar health: its :class:`~gateway.core.health.Health` (failures in a row, backoff);
+        with shared state a :class:`~gateway.admission.shared_marks.SharedHealth`, kept
+        in step with every gateway process by ``marks`` (``None`` without).
     :ivar pool: its :class:`~gateway.core.pool_model.PoolModel` (the pool penalty and the
         preemptions counted).
     :ivar slot_watch: the :class:`~gateway.admission.slotwatch.SlotWatch` holding the
@@ -133,8 +136,10 @@ class Target:
         self.pool = PoolModel()
         # Health as routing sees it (gateway/fleet/pool.py): after a failed request the
         # backend is skipped until ``health.down_until``; the next request after that is
-        # the half-open probe, and a success brings it back.
-        self.health = Health()
+        # the half-open probe, and a success brings it back. Shared, as the layout
+        # discovered, by every gateway process with [state] backend = "redis".
+        self.marks = _marks(self, shared)
+        self.health: Health = Health() if self.marks is None else self.marks.health
         # The prompt each slot last held, for slot affinity (gateway.core.slots).
         self._prompts = PromptIndex()
         self.draining = False  # takes no new requests; those in flight finish
@@ -160,7 +165,7 @@ class Target:
         self.discovery = DiscoveryLoop(self.name, self.discover, self._next_discovery_s,
                                        self.clock)
         self.sizing = Sizing(self.name, settings, self.dialect, self.pool, self.admission,
-                             self.slot_watch, self.clock)
+                             self.slot_watch, self.clock, self.counts)
 
     # -- addressing --------------------------------------------------------------------
 
@@ -335,19 +340,16 @@ class Target:
             self.problem = exc.message
             raise
         was_reachable, self.reachable, self.problem = self.reachable, True, None
-        before = self.discovered
-        restarted = before is not None and (
-            found.slots, found.ctx_per_slot, found.pool_tokens) != (
-            before.slots, before.ctx_per_slot, before.pool_tokens)
-        if not was_reachable or restarted or before is None or (
-                found.model_id, found.n_vocab, found.fingerprint) != (
-                before.model_id, before.n_vocab, before.fingerprint):
-            # The server may have come back with another model or template: its counts
-            # are asked again.
-            self.counts.clear()
-        self.sizing.learn(before, found, restarted=restarted)
+        if self.marks is not None:  # the newest layout any gateway process published
+            found = await self.marks.layout.agree(found)
+        return self.take(found, fresh=not was_reachable)
+
+    def take(self, found: Discovered, *, fresh: bool = False) -> Layout | None:
+        """Use ``found``, a discovery's answer (``fresh``: the first since the backend
+        was unreachable): :meth:`Sizing.take <gateway.backends.sizing.Sizing.take>`."""
+        layout = self.sizing.take(self.discovered, found, fresh=fresh)
         self.discovered = found
-        return self.sizing.apply(found, restarted=restarted)
+        return layout
 
     def _next_discovery_s(self, found: Layout | None) -> float:
         """Seconds to the next discovery: ``discovery_interval_s``, at most
@@ -372,4 +374,18 @@ class Target:
         """Stop background work and release what the slot watch holds (shutdown)."""
         await self.discovery.close()
         await self.slot_watch.close()
+        if self.marks is not None:
+            self.marks.detach()
 
+
+def _marks(target: Target, shared: SharedAccount | None) -> BackendMarks | None:
+    """``target``'s health marks and layout as every gateway process shares them
+    (:mod:`gateway.admission.shared_marks`), or ``None`` without shared state."""
+    if shared is None:
+        return None
+
+    def adopt(values: Values) -> None:  # another process published a newer layout
+        if target.discovered is not None:
+            target.take(with_values(target.discovered, values))
+    return BackendMarks(shared, lambda: target.settings.connect_timeout_s + 1.0,
+                        lambda: target.admission.notify(), adopt)

@@ -209,7 +209,8 @@ class GatewayMetrics:
             return
         self.state_ops = Counter(
             "gateway_state_ops", "Calls to the shared admission state (Redis), by op "
-            "(grant, renew, release, close) and outcome (ok, error).",
+            "(grant, renew, release, close, tenant, live, health, layout, ...) and "
+            "outcome (ok, error).",
             ["op", "outcome"], registry=registry)
         self.state_latency = Histogram(
             "gateway_state_latency_seconds", "Time of one call to the shared admission "

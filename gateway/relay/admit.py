@@ -66,7 +66,7 @@ class Admitter:
                                                               x.party.max_wait_s - gate_s))
             lease = x.try_admit()
             if lease is None and tenant is not None:
-                tenant.start_waiting(self.clock.now())
+                await tenant.begin_waiting(self.clock.now())
                 waiting = True
             if lease is None and isinstance(send, Started):
                 lease = await self.wait(watcher, send)

@@ -234,6 +234,45 @@ async def test_redis_lost_then_back(default_server: LlamaServer, redis_server: A
         assert "reachable again" in a.log.read_text()
 
 
+def capacity(gw: Gateway) -> tuple[int, int]:
+    """(slots, KV tokens) of backend ``local`` as ``gw`` admits against them."""
+    row = httpx.get(gw.url + "/ready", timeout=5).json()["backends"]["local"]
+    return row["slots"], row["capacity_tokens"]
+
+
+async def test_a_restart_with_a_smaller_context_shrinks_every_process(
+        llama_parts: tuple[Any, Any], redis_server: Any, tmp_path: Path) -> None:
+    binary, model = llama_parts
+    server = LlamaServer(["-c", "2048"], binary=binary, model=model)
+    with server.running():
+        # A reads /props every second; B only every 10 minutes: B's layout after the
+        # restart can only be the one A read and published.
+        procs = []
+        for name, interval in (("a", 1), ("b", 600)):
+            config = write_config(tmp_path / f"{name}.toml", server.url, redis_server.url,
+                                  renew_interval_s=0.5, lease_ttl_s=3.0)
+            config.write_text(config.read_text() + f"discovery_interval_s = {interval}\n")
+            procs.append(Gateway(config, tmp_path / f"{name}.log"))
+        try:
+            for gw in procs:
+                gw.wait_ready()
+            a, b = procs
+            before = capacity(a)
+            assert capacity(b) == before and before[1] == 2048
+            server.stop()
+            server.args = ["-c", "1024"]  # the same port, a smaller context
+            server.start()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not (
+                    capacity(a)[1] == capacity(b)[1] == 1024):
+                await asyncio.sleep(0.2)
+            assert capacity(a) == capacity(b) and capacity(b)[1] == 1024
+            assert "layout changed" in b.log.read_text()
+        finally:
+            for gw in procs:
+                gw.stop()
+
+
 async def test_workers_on_one_port_share_the_budget(
         default_server: LlamaServer, redis_server: Any, tmp_path: Path) -> None:
     config = write_config(tmp_path / "gateway.toml", default_server.url, redis_server.url)
