@@ -291,6 +291,35 @@ async def test_backend_metrics_need_the_admin_key_as_metrics(make: Any) -> None:
     assert (await h.client.get("/backends/local/metrics", headers=admin)).status_code == 200
 
 
+async def test_slots_show_every_request_so_need_the_admin_key(make: Any) -> None:
+    h = await make(server={"admin_key": "admin-secret-42"}, tenants=TENANTS)
+    tenant = {"authorization": f"Bearer {KEY}"}
+    assert (await h.client.get("/slots", headers=tenant)).status_code == 401
+    admin = {"authorization": "Bearer admin-secret-42"}
+    assert (await h.client.get("/slots", headers=admin)).status_code == 200
+    assert (await (await make()).client.get("/slots")).status_code == 200  # no tenants
+
+
+async def test_a_backend_refusing_the_gateways_key_is_a_502(make: Any,
+                                                           upstream: Upstream) -> None:
+    h = await make()
+    upstream.fake.api_key = "backend-secret"
+    resp = await h.client.post("/tokenize", json={"content": "a b"})
+    assert resp.status_code == 502, resp.text
+    assert "backends[].api_key" in resp.json()["error"]["message"]
+
+
+async def test_side_routes_are_refused_while_draining_and_answer_head(make: Any) -> None:
+    h = await make()
+    head = await h.client.head("/props")
+    assert head.status_code == 200 and head.content == b""
+    assert (await h.client.head("/backends/local/metrics")).status_code == 200
+    h.app.state.gateway.draining = True
+    resp = await h.client.post("/tokenize", json={"content": "a"})
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "shutting_down"
+    assert "retry-after" in resp.headers
+
+
 async def test_an_ollama_backend_has_no_metrics_to_relay(make: Any) -> None:
     h = await make(kind="ollama", discover=False)
     resp = await h.client.get("/backends/local/metrics")
@@ -302,7 +331,8 @@ async def test_with_tenants_side_routes_need_a_key_and_slot_actions_stay_refused
     h = await make(tenants=TENANTS)
     key = {"authorization": f"Bearer {KEY}"}
     assert (await h.client.post("/tokenize", json={"content": "a"})).status_code == 401
-    assert (await h.client.get("/slots")).status_code == 401
+    assert (await h.client.get("/slots")).status_code == 403  # needs an admin key
+    assert (await h.client.get("/slots", headers=key)).status_code == 403
     assert (await h.client.post("/tokenize", json={"content": "a"}, headers=key)
             ).status_code == 200
     assert (await h.client.post("/slots/0?action=erase")).status_code == 401

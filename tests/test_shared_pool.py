@@ -276,7 +276,7 @@ async def test_a_request_goes_where_it_fits_and_keeps_its_affinity(
     assert p1.idle() and p2.idle()
 
 
-async def test_a_refused_backend_fails_over_and_is_marked_down(
+async def test_a_refused_backend_fails_over_and_is_marked_down_in_every_process(
         procs: Any, fakes: dict[str, FakeLlamaServer], view: Redis) -> None:
     refused = {"a"}
     p1, p2 = await procs(2, refused=refused)
@@ -285,13 +285,14 @@ async def test_a_refused_backend_fails_over_and_is_marked_down(
     a = p1.state.fleet.backends["a"]
     # Sent to a (first of equals), refused, sent again to b.
     assert not a.usable(p1.state.clock.now()) and len(fakes["b"].generations) == 1
-    # While a is down in p1, its requests go to b only; p2 has not seen a fail.
+    # While a is down, requests go to b only, in p2 too: the mark is shared
+    # (gateway.admission.shared_marks).
     refused.clear()
     for _ in range(3):
         assert (await p1.chat(max_tokens=10)).status_code == 200
     assert len(fakes["b"].generations) == 4
     assert (await p2.chat(max_tokens=10)).status_code == 200
-    assert len(fakes["a"].generations) == 1  # p2's (the refused one never reached it)
+    assert len(fakes["b"].generations) == 5 and not fakes["a"].generations
     await view.settled()
     assert p1.idle() and p2.idle()
 

@@ -55,7 +55,14 @@ from gateway.errors import GatewayError, HeadersTooLarge, TooManyConnections
 from gateway.observe.logs import access_level, log_access, request_id_of
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import SCOPE_KEY, AccessRecord
-from gateway.wire.routes import ADMIN_PREFIX, PROBE_PATHS, ROUTES, STATUS_PATHS, Route, label_of
+from gateway.wire.routes import (
+    ADMIN_PREFIX,
+    NO_CORS_PATHS,
+    PROBE_PATHS,
+    ROUTES,
+    Route,
+    label_of,
+)
 from gateway.wire.shapes import error_messages, shape_of
 
 __all__ = ["CORS_METHODS", "CorsOnApi", "MAX_HEADERS", "MAX_HEADER_BYTES",
@@ -228,7 +235,7 @@ class CorsOnApi:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or path in STATUS_PATHS or path.startswith(ADMIN_PREFIX):
+        if scope["type"] != "http" or path in NO_CORS_PATHS or path.startswith(ADMIN_PREFIX):
             await self.app(scope, receive, send)
         else:
             await self.cors(scope, receive, send)

@@ -48,11 +48,12 @@ from gateway.backends.upstream import (
     send_upstream,
     upstream_request,
 )
-from gateway.errors import NotRelayed, RouteNotFound, UpstreamError
+from gateway.errors import NotRelayed, RouteNotFound, ShuttingDown, UpstreamError
 from gateway.fleet.state import GatewayState
+from gateway.http.auth import authorize
 from gateway.observe.record import record_of
 from gateway.request.plan import read_body
-from gateway.wire.routes import SIDE
+from gateway.wire.routes import BY_PATH, SIDE, Access
 
 __all__ = ["MAX_ANSWER_BYTES", "SIDE_CONNECTIONS", "SIDE_TIMEOUT_S", "SideRoutes",
            "register_side_routes"]
@@ -119,6 +120,10 @@ class SideRoutes:
                 data = await self._read(backend, resp)
             finally:
                 await resp.aclose()
+        if resp.status_code in (401, 403):
+            raise UpstreamError(f"Backend {backend.name!r} refused the gateway's own key "
+                                f"(HTTP {resp.status_code}): set backends[].api_key to the "
+                                "key the backend expects.")
         kept = {k: v for k, v in resp.headers.items()
                 if k.lower() not in _DROPPED and not k.lower().startswith("access-control-")}
         return Response(data, resp.status_code, headers=kept)
@@ -164,11 +169,24 @@ async def side_route(request: Request) -> Response:
     """A side route (:data:`gateway.wire.routes.SIDE`), relayed to the backend the
     request names (see the module docstring).
 
+    :raises ShuttingDown: the gateway drains (503), as for the generation routes.
+    :raises Unauthorized: ``GET /slots`` without ``server.admin_key`` when one is set.
+    :raises NotRelayed: ``GET /slots`` with tenants configured and no admin key (403).
     :raises PayloadTooLarge: a body over ``server.max_body_bytes`` (413).
+    :raises UpstreamError: the backend refused the gateway's key (401/403 become 502).
     :raises RouteNotFound: the backend's kind does not serve the path (404).
     :raises ModelNotFound: the model named is not served here (404).
     """
     state = _state(request)
+    if state.draining:
+        raise ShuttingDown("The gateway is shutting down; retry after the Retry-After "
+                           "delay.", retry_after_s=1.0)
+    if BY_PATH[request.url.path].access is Access.status:
+        if state.settings.tenants and state.settings.server.admin_key is None:
+            raise NotRelayed("GET /slots shows the settings (and on some llama-server "
+                             "builds the prompts) of every tenant's requests: with tenants "
+                             "configured it needs server.admin_key.")
+        authorize(state, request.scope, Access.status)
     path = request.url.path
     body = await read_body(request, state.settings.server.max_body_bytes) \
         if request.method == "POST" else b""
@@ -254,11 +272,13 @@ async def not_relayed(request: Request) -> Response:
 def register_side_routes(app: FastAPI) -> None:
     """Attach the side routes, the backend metrics and the refused routes to ``app``."""
     for path, spec in SIDE.items():
-        app.add_api_route(path, side_route, methods=[spec.method])
+        # llama-server's HTTP library answers HEAD on its GET routes (uptime checks use it)
+        methods = [spec.method, "HEAD"] if spec.method == "GET" else [spec.method]
+        app.add_api_route(path, side_route, methods=methods)
     app.add_api_route("/props", changes_server, methods=["POST"])
     app.add_api_route("/lora-adapters", changes_server, methods=["POST"])
     app.add_api_route("/slots/{id_slot}", slot_action, methods=["POST"])
     app.add_api_route("/cors-proxy", cors_proxy, methods=["GET", "POST"])
     app.add_api_route("/predict", not_relayed, methods=["POST"])
     app.add_api_route("/", not_relayed, methods=["GET"])
-    app.add_api_route("/backends/{name}/metrics", backend_metrics, methods=["GET"])
+    app.add_api_route("/backends/{name}/metrics", backend_metrics, methods=["GET", "HEAD"])

@@ -34,7 +34,7 @@ from gateway.wire.validation import ParsedRequest
 
 __all__ = ["ADMIN_PREFIX", "BACKENDS_PREFIX", "BY_NAME", "BY_PATH", "DIRECT", "FORWARDED",
            "LABELS", "OPEN_PATHS", "PROBE_PATHS", "QUIET_PATHS", "ROUTES", "SERVED", "SIDE",
-           "SLOTS_PREFIX", "STATUS_PATHS", "Access", "Api", "Route", "RouteSpec",
+           "NO_CORS_PATHS", "SLOTS_PREFIX", "STATUS_PATHS", "Access", "Api", "Route", "RouteSpec",
            "access_of", "api_of", "label_of"]
 
 
@@ -279,7 +279,9 @@ ROUTES: tuple[RouteSpec, ...] = (
     _side(Route.props, "/props", "GET"),
     _side(Route.models, "/models", "GET"),  # the backend's own list (not /v1/models)
     _side(Route.lora_adapters, "/lora-adapters", "GET"),
-    _side(Route.slots, "/slots", "GET"),
+    # Each slot's settings of the request it runs (and, on older builds, its prompt):
+    # the admin key when one is set, as the status page, never a tenant's key alone.
+    _side(Route.slots, "/slots", "GET", access=Access.status),
 )
 
 #: The admin routes' common prefix: each checks ``server.admin_key`` itself.
@@ -325,7 +327,9 @@ QUIET_PATHS = _paths(s for s in ROUTES if s.quiet)
 #: Paths whose access lines are always DEBUG: the load balancer's probes.
 PROBE_PATHS = _paths(s for s in ROUTES if s.probe)
 #: The status page and its JSON.
-STATUS_PATHS = _paths(s for s in ROUTES if s.access is Access.status)
+STATUS_PATHS = _paths(s for s in ROUTES if s.name is Route.status)
+#: Paths a browser holding the status page's credentials could read: never under CORS.
+NO_CORS_PATHS = _paths(s for s in ROUTES if s.access is Access.status)
 #: Paths that never need a key (probes).
 OPEN_PATHS = _paths(s for s in ROUTES if s.access is Access.open)
 
