@@ -177,7 +177,8 @@ class Row:
 
 def compare(direct: Sequence[dict[str, Any]], gateway: Sequence[dict[str, Any]]) -> list[Row]:
     """Pair the two runs' records by test id (a test missing from one run is
-    ``missing`` there) and classify each test lost through the gateway."""
+    ``missing`` there) and classify each test lost through the gateway (none when the
+    gateway run is empty: it was not run)."""
     by_id = {r["nodeid"]: r for r in gateway}
     seen = {r["nodeid"]: r for r in direct}
     ids = list(seen) + [nodeid for nodeid in by_id if nodeid not in seen]
@@ -187,7 +188,7 @@ def compare(direct: Sequence[dict[str, Any]], gateway: Sequence[dict[str, Any]])
         d_out = d["outcome"] if d else "missing"
         g_out = g["outcome"] if g else "missing"
         router = bool((d or {}).get("router") or (g or {}).get("router"))
-        lost = d_out in PASSED and g_out not in PASSED
+        lost = bool(gateway) and d_out in PASSED and g_out not in PASSED
         cause = classify(g) if lost and g is not None else (
             Cause("not run through the gateway", "-") if lost else None)
         rows.append(Row(nodeid, d_out, g_out, router, cause))
@@ -376,7 +377,8 @@ def run_suite(mode: str, tests: Path, files: Sequence[str], opts: RunOptions,
     if not opts.repack:
         env["LLAMA_ARG_REPACK"] = "0"
     cmd = [sys.executable, "-m", "pytest", "-p", "conformance_plugin", "-p", "no:cacheprovider",
-           "-q", "-rN", "--continue-on-collection-errors", f"--timeout={opts.timeout_s}"]
+           "-q", "-rN", "--durations=15", "--continue-on-collection-errors",
+           f"--timeout={opts.timeout_s}"]
     if not opts.slow:
         cmd += ["-m", "not slow"]
     if opts.workers > 1:

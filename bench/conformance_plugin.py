@@ -24,7 +24,8 @@ It changes nothing in the suite's files. At ``pytest_configure`` it patches the 
 Each test's result is one JSON line appended to ``CONFORMANCE_RECORD``: ``nodeid``,
 ``outcome`` (:func:`outcome_of`), ``message`` (the failure's first lines), ``requests``
 (the gateway's access lines, :func:`parse_gateway_log`), ``gateway_errors``, ``notes``
-(what the gateway could not copy of the server's flags) and ``router``.
+(what the gateway could not copy of the server's flags), ``router`` (the server came
+from ``ServerPreset.router()`` or has no model) and ``duration_s`` (the test's phases).
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ class _TestState:
     gateway_errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     router: bool = False
+    duration_s: float = 0.0
 
 
 @dataclass
@@ -221,9 +223,9 @@ def _patch(utils: Any, settings: _Settings) -> None:
     original_stop = utils.ServerProcess.stop
 
     def start(self: Any, *args: Any, **kwargs: Any) -> None:
+        router = getattr(self, "_conformance_router", False)
         _local_model(self, settings.model)
-        router = not self.model_file
-        _current.router = _current.router or router
+        _current.router = _current.router or router or not self.model_file
         original_start(self, *args, **kwargs)
         if settings.mode != "gateway":
             return
@@ -241,7 +243,9 @@ def _patch(utils: Any, settings: _Settings) -> None:
         self._conformance = (gateway, self.server_port)
         self.server_port = port
         try:
-            gateway.start(settings.ready_timeout_s)
+            # Router mode is issue 27's: no need to wait long for what cannot come.
+            gateway.start(min(5.0, settings.ready_timeout_s) if _current.router
+                          else settings.ready_timeout_s)
         except RuntimeError as exc:
             _current.gateway_errors.append(str(exc))
             raise
@@ -261,6 +265,14 @@ def _patch(utils: Any, settings: _Settings) -> None:
             return settings.model
         raise RuntimeError(f"conformance run: no network to download {url}")
 
+    router_preset = utils.ServerPreset.router
+
+    def router() -> Any:
+        server = router_preset()
+        server._conformance_router = True  # router mode even once given a model to fetch
+        return server
+
+    utils.ServerPreset.router = staticmethod(router)
     utils.ServerProcess.start = start
     utils.ServerProcess.stop = stop
     utils.ServerPreset.load_all = staticmethod(lambda: None)
@@ -273,7 +285,7 @@ def _settings() -> _Settings:
     return _Settings(mode=os.environ.get("CONFORMANCE_MODE", "direct"),
                      model=os.environ["CONFORMANCE_MODEL"],
                      record=Path(os.environ["CONFORMANCE_RECORD"]), workdir=workdir,
-                     ready_timeout_s=float(os.environ.get("CONFORMANCE_READY_S", "20")))
+                     ready_timeout_s=float(os.environ.get("CONFORMANCE_READY_S", "10")))
 
 
 _SETTINGS: _Settings | None = None
@@ -305,6 +317,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Gather the test's phases; after its teardown, append its record."""
     xfail = bool(getattr(report, "wasxfail", ""))
     _current.phases.append((report.when, report.outcome, xfail))
+    _current.duration_s += report.duration
     if report.failed and not _current.message:
         crash = getattr(report.longrepr, "reprcrash", None)
         text = getattr(crash, "message", None) or str(report.longrepr)
@@ -314,6 +327,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     record = {"nodeid": report.nodeid, "outcome": outcome_of(_current.phases),
               "message": _current.message, "requests": _current.requests,
               "gateway_errors": _current.gateway_errors, "notes": _current.notes,
-              "router": _current.router}
+              "router": _current.router, "duration_s": round(_current.duration_s, 2)}
     with _SETTINGS.record.open("a") as out:
         out.write(json.dumps(record) + "\n")
