@@ -2,7 +2,7 @@
 
 The seed scenario (3 chats of ~790 prompt + 900 output tokens on ``-c 2048``) runs one
 at a time under ``strict``. With ``max_queue_wait_s`` below the time the third would
-wait, the gateway predicts that at arrival: two answers are served and the third gets
+wait (sized from the server's measured pace), the gateway predicts that at arrival: two answers are served and the third gets
 503 ``queue_wait_too_long`` within a second, with a ``Retry-After`` within 2× of when
 it could really have started.
 """
@@ -23,7 +23,16 @@ pytestmark = [pytest.mark.llama, pytest.mark.anyio]
 
 async def test_a_doomed_wait_is_refused_at_arrival(default_server: LlamaServer) -> None:
     prompt = long_prompt(55)  # ~790 tokens with the template
-    with GatewayThread({"url": default_server.url}, {"max_queue_wait_s": 19}) as gw:
+    # The queue wait allowed is sized from this server's measured pace: about 1.5x one
+    # whole answer, so the second chat's wait (one answer) fits and the third's (two)
+    # does not, whether llama-server decodes at 45 or 90 tokens/s here.
+    timings = httpx.post(default_server.url + "/completion", timeout=300, json={
+        "prompt": prompt, "n_predict": 100, "ignore_eos": True, "cache_prompt": False,
+    }).json()["timings"]
+    one_answer_s = (900 / timings["predicted_per_second"]
+                    + timings["prompt_n"] / timings["prompt_per_second"])
+    wait_s = round(1.5 * one_answer_s, 1)
+    with GatewayThread({"url": default_server.url}, {"max_queue_wait_s": wait_s}) as gw:
         async with httpx.AsyncClient(timeout=300) as client:
             url = gw.url + "/v1/chat/completions"
             for i in range(8):  # served leases to learn the pace from (MIN_HISTORY)
