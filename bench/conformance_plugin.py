@@ -63,7 +63,9 @@ def gateway_toml(port: int, backend_url: str, *, host: str = "127.0.0.1",
                  api_key: str | None = None, kv_unified: bool = True) -> str:
     """The gateway's configuration in front of one llama-server: the defaults, the
     listen address, JSON logs at debug (so that every access line, probes and
-    ``/metrics`` too, is written) and the one backend.
+    ``/metrics`` too, is written), CORS for every origin (``server.cors_origins =
+    ["*"]``, as llama-server answers by default: its ``--cors-origins`` is ``*``) and the
+    one backend.
 
     :param port: the gateway's listen port.
     :param backend_url: llama-server's base URL.
@@ -73,7 +75,7 @@ def gateway_toml(port: int, backend_url: str, *, host: str = "127.0.0.1",
     """
     lines = [
         "[server]", f"host = {_toml_str(host)}", f"port = {port}",
-        'log_format = "json"', 'log_level = "debug"', "",
+        'log_format = "json"', 'log_level = "debug"', 'cors_origins = ["*"]', "",
         "[[backends]]", 'name = "llama"', f"url = {_toml_str(backend_url)}",
         f"kv_unified = {'true' if kv_unified else 'false'}",
     ]

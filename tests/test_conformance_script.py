@@ -134,6 +134,7 @@ def test_the_generated_config_is_one_the_gateway_loads(tmp_path: Path) -> None:
     path.write_text(toml)
     settings = load_settings(path)
     assert settings.server.port == 18001 and settings.server.log_format == "json"
+    assert settings.server.cors_origins == ["*"]  # llama-server's default
     backend = settings.backends[0]
     assert backend.url == "http://127.0.0.1:18080" and backend.unified is False
     assert backend.api_key is not None
