@@ -19,6 +19,7 @@ Tree::
     │   │   └── Shed              503 queue_full, reason shed (a higher class took its place)
         │   ├── QueueTimeout          503 queue_timeout
         │   ├── BackendNotReady       503 backend_unavailable
+        │   ├── BackendFull           503 backend_full (no room there now: waited out)
         │   ├── TooManyConnections    503 too_many_connections (server.max_connections)
         │   └── UpstreamContextOverflow 503 upstream_context_overflow
         ├── UpstreamUnavailable       502 (connect failure)
@@ -43,6 +44,7 @@ from typing import ClassVar
 __all__ = [
     "RejectionReason",
     "UpstreamKind",
+    "BackendFull",
     "BackendNotReady",
     "describe",
     "ClientDisconnected",
@@ -341,6 +343,26 @@ class BackendNotReady(Overloaded):
 
     code = "backend_unavailable"
     rejection_reason = RejectionReason.backend_unavailable
+
+
+class BackendFull(Overloaded):
+    """Raised when a backend refused a request for want of room now, by limits of its
+    own (vLLM's 503 once ``--max-num-queued-reqs`` or ``--max-num-queued-tokens`` is
+    reached). Not a failure of the backend: no upstream kind, never marked down. The
+    relay waits for room, on that backend or another of the model, within the request's
+    queue wait (:func:`gateway.relay.retry.requeue`), and the backend's admitted slots
+    are capped (:meth:`gateway.core.pool_model.PoolModel.full`).
+
+    :param cause: which limit: ``queue_full`` (requests in flight) or
+        ``prefill_backlog`` (prompt tokens waiting for prefill); the ``cause`` label of
+        ``gateway_backend_full_total``.
+    """
+
+    code = "backend_full"
+
+    def __init__(self, message: str, *, cause: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.cause = cause
 
 
 class StateUnavailable(Overloaded):

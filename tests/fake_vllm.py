@@ -14,8 +14,16 @@ Shapes follow vLLM's sources (vllm-project/vllm); the recorded payloads are in
   ``wording`` field picks an older or newer one);
 * ``vllm/entrypoints/utils.py`` ``get_max_tokens``: a missing cap is the room left on
   chat; ``completion/protocol.py``: 16 on completions;
-* ``vllm/exceptions.py``: 503 "The engine is currently busy …" when
-  ``--max-num-queued-reqs`` is exceeded (``max_waiting``);
+* ``vllm/v1/engine/async_llm.py`` ``check_admission`` and ``vllm/exceptions.py``
+  (vLLM PR #49445): with ``--max-num-queued-reqs`` (``max_num_queued_reqs``), a request
+  is refused when the requests in flight (waiting or running) plus its ``n`` would pass
+  it: 503 ``QueueOverflowError`` "The engine is currently busy …"; with
+  ``--max-num-queued-tokens`` (``max_num_queued_tokens``), when the prompt tokens of the
+  requests still in prefill (no output yet) are at or over it: 503
+  ``MaxQueuedTokensError`` "… prefill token backlog limit …". Both are checked before the
+  prompt is rendered (``_preflight``, vllm-project/vllm#58192), so a stream is refused
+  with the HTTP status before it starts; the body is ``create_error_response``'s
+  (``type`` "Service Unavailable", ``code`` 503, no ``Retry-After``);
 * ``vllm/v1/metrics/loggers.py``: ``/metrics`` with ``vllm:num_preemptions_total``,
   ``vllm:kv_cache_usage_perc`` and ``vllm:cache_config_info`` whose labels are the
   ``CacheConfig`` fields (``block_size``, ``num_gpu_blocks``, ``kv_cache_size_tokens``);
@@ -86,7 +94,11 @@ class FakeVllm:
     pool of ``num_gpu_blocks × block_size`` tokens.
 
     :param step_delay: seconds per decode step (every running request gains a token).
-    :param max_waiting: ``--max-num-queued-reqs``; ``None`` is vLLM's unbounded default.
+    :param max_num_queued_reqs: ``--max-num-queued-reqs``; ``None`` is vLLM's unbounded
+        default.
+    :param max_num_queued_tokens: ``--max-num-queued-tokens``; ``None``: unbounded.
+    :param hold: while set to an unset event, the engine takes no step (requests wait
+        or run, unfinished, until it is set).
     :param wording: which context-length message to send: ``renderer``, ``legacy`` or
         ``newer``.
     :param show_pool_tokens: export ``kv_cache_size_tokens`` (newer vLLM) or only
@@ -100,7 +112,10 @@ class FakeVllm:
     block_size: int = 16
     num_gpu_blocks: int = 1250
     step_delay: float = 0.0
-    max_waiting: int | None = None
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    hold: asyncio.Event | None = None
+    refused: list[str] = field(default_factory=list)  # the queue limit of each 503
     wording: str = "renderer"
     show_pool_tokens: bool = True
     api_key: str | None = None
@@ -200,6 +215,10 @@ class FakeVllm:
         self.generations.append(body)
         if body.get("model") != self.model:
             return error("not_found", 404, model=body.get("model"))
+        full = self._admission(int(body.get("n") or 1))
+        if full is not None:
+            self.refused.append(full)
+            return error(full, 503)
         chat = path == "/v1/chat/completions"
         n = self.prompt_tokens(body)
         asked = body.get("max_completion_tokens") if chat else None
@@ -220,8 +239,6 @@ class FakeVllm:
                 "message": f"min_tokens must be less than or equal to max_tokens={asked}, "
                            f"got {body['min_tokens']}.", "type": "BadRequestError",
                 "param": "min_tokens", "code": 400}})
-        if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
-            return error("queue_full", 503)
         seq = _Seq(n, int(asked))
         self._submit(seq)
         if body.get("stream"):
@@ -233,6 +250,18 @@ class FakeVllm:
             seq.cancelled = True  # vLLM aborts a request whose client left
             raise
         return httpx.Response(200, json=self._whole(seq, chat))
+
+    def _admission(self, n: int) -> str | None:
+        """``AsyncLLM.check_admission``: the recorded error of the limit a new request
+        of ``n`` sequences would pass, or ``None``."""
+        unfinished = len(self._waiting) + len(self._running)
+        if self.max_num_queued_reqs is not None and unfinished + n > self.max_num_queued_reqs:
+            return "queue_full"
+        prefilling = sum(s.prompt for s in (*self._waiting, *self._running)
+                         if s.generated == 0)
+        if self.max_num_queued_tokens is not None and prefilling >= self.max_num_queued_tokens:
+            return "prefill_backlog"
+        return None
 
     def _whole(self, seq: _Seq, chat: bool) -> dict[str, Any]:
         reason = "length"
@@ -263,6 +292,8 @@ class FakeVllm:
 
     async def _run(self) -> None:
         while self._waiting or self._running:
+            if self.hold is not None:
+                await self.hold.wait()
             self._running = [s for s in self._running if not s.cancelled]
             self._waiting = deque(s for s in self._waiting if not s.cancelled)
             while self._waiting and len(self._running) < self.max_num_seqs:

@@ -322,3 +322,148 @@ async def test_a_configured_context_stands_beside_a_small_embedding_model() -> N
         settings = BackendSettings(name="o", kind="ollama", ctx_per_slot=configured)
         found = await Ollama(settings, SideCalls(settings, client)).discover()
         assert found.ctx_per_slot == expected
+
+
+# -- issue 27: the model unloaded, /api/show before the first load, images on every route
+
+
+def long_chat(words: int, turns: int = 1, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "word " * words}
+                                         for _ in range(turns)], **extra}
+
+
+def shows(ollama: FakeOllama) -> int:
+    return sum(r.url.path == "/api/show" for r in ollama.requests)
+
+
+async def test_an_over_long_prompt_after_the_model_unloaded_is_refused_not_forwarded(
+        make: Any, ollama: FakeOllama) -> None:
+    # Loaded with num_ctx 2048; after keep_alive Ollama unloads it (/api/ps empty) and
+    # loads it again with 2048 at the next request, dropping what does not fit.
+    ollama.num_ctx = 2048
+    h = await make()
+    assert (await h.client.post("/v1/chat/completions", json=long_chat(5, max_tokens=2))
+            ).status_code == 200
+    ollama.time += ollama.keep_alive_s + 1
+    assert (await h.client.get("/api/ps")).json()["models"] == []
+    await h.state.fleet.backends["ollama"].discover()
+    assert h.state.fleet.backends["ollama"].admission.layout.ctx_per_slot == 2048
+    sent = len(ollama.generations)
+    r = await h.client.post("/v1/chat/completions", json=long_chat(1000, 3, max_tokens=2))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "2048" in r.json()["error"]["message"]
+    native = await h.client.post("/api/chat", json=long_chat(1000, 3, stream=False))
+    assert native.status_code == 400 and "2048" in native.json()["error"]
+    assert len(ollama.generations) == sent  # neither was forwarded
+    # Straight to the fake, the same chat loads the model and is cut silently: a 200.
+    async with ollama.client() as raw:
+        cut = await raw.post("http://ollama:11434/v1/chat/completions",
+                             json=long_chat(1000, 3, max_tokens=2))
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] < 2048
+
+
+async def test_a_request_keep_alive_of_zero_unloads_at_once(make: Any, ollama: FakeOllama
+                                                            ) -> None:
+    ollama.num_ctx = 2048
+    h = await make()
+    r = await h.client.post("/api/generate", json={"model": MODEL, "prompt": "hi",
+                                                   "stream": False, "keep_alive": 0})
+    assert r.status_code == 200 and not ollama.loaded
+    await h.state.fleet.backends["ollama"].discover()
+    assert h.state.fleet.backends["ollama"].admission.layout.ctx_per_slot == 2048
+
+
+async def test_a_model_never_loaded_takes_its_context_from_api_show(
+        make: Any, ollama: FakeOllama) -> None:
+    ollama.loaded = False
+    ollama.parameters = {"num_ctx": 2048, "stop": ["<|eot_id|>"]}
+    h = await make(model=MODEL)
+    backend = h.state.fleet.backends["ollama"]
+    assert backend.admission.layout.ctx_per_slot == 2048 and shows(ollama) == 1
+    await backend.discover()
+    assert shows(ollama) == 1  # read once
+    r = await h.client.post("/v1/chat/completions", json=long_chat(3000, max_tokens=2))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert ollama.generations == []
+
+
+async def test_api_show_without_num_ctx_is_bounded_by_the_trained_context(
+        make: Any, ollama: FakeOllama) -> None:
+    # No num_ctx in the Modelfile: the server's default (4096), at most the model's
+    # trained 1024; the model then loads with exactly that (/api/ps agrees).
+    ollama.loaded, ollama.parameters, ollama.context_length = False, {}, 1024
+    h = await make(model=MODEL)
+    backend = h.state.fleet.backends["ollama"]
+    assert backend.admission.layout.ctx_per_slot == 1024
+    assert (await h.client.post("/api/generate", json={
+        "model": MODEL, "prompt": "hi", "stream": False})).status_code == 200
+    assert (await h.client.get("/api/ps")).json()["models"][0]["context_length"] == 1024
+
+
+async def test_a_model_ollama_runs_alone_has_one_slot(make: Any, ollama: FakeOllama) -> None:
+    # qwen3vl is loaded with num_parallel 1 whatever OLLAMA_NUM_PARALLEL says, and a
+    # vision model gets at least 2048 of context (server/sched.go).
+    ollama.loaded, ollama.family = False, "qwen3vl"
+    ollama.parameters = {"num_ctx": 1024}
+    ollama.capabilities = ["completion", "vision"]
+    h = await make(model=MODEL, slots=4)
+    layout = h.state.fleet.backends["ollama"].admission.layout
+    assert (layout.slots, layout.ctx_per_slot) == (1, 2048)
+
+
+async def test_shown_context_reads_ollamas_show_answer(ollama: FakeOllama) -> None:
+    from gateway.backends.ollama import shown_context
+
+    ollama.parameters = {"num_ctx": 8192, "stop": ["<|eot_id|>", "<|eom_id|>"],
+                         "temperature": 0.6}
+    async with ollama.client() as raw:
+        show = (await raw.post("http://ollama:11434/api/show", json={"model": MODEL})).json()
+    assert "num_ctx                        8192" in show["parameters"]
+    assert shown_context(show) == (8192, False)
+    assert shown_context({**show, "parameters": "stop \"x\""}, default=32768) == (32768, False)
+    assert shown_context({**show, "capabilities": ["embedding"]}) == (8192, True)
+    small = {**show, "model_info": {"general.architecture": "llama",
+                                    "llama.context_length": 2048}}
+    assert shown_context(small) == (2048, False)
+    vision = {"parameters": "num_ctx 1", "capabilities": ["completion", "vision"]}
+    assert shown_context(vision) == (2048, False)
+    with pytest.raises(ValueError):
+        shown_context([])  # type: ignore[arg-type]
+
+
+def image_chat(images: int, **extra: Any) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": "What is in these pictures?"}]
+    parts += [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 800}}
+              for _ in range(images)]
+    return {"model": MODEL, "messages": [{"role": "user", "content": parts}], **extra}
+
+
+async def test_images_on_v1_are_charged_and_what_cannot_fit_is_refused(
+        make: Any, ollama: FakeOllama) -> None:
+    ollama.num_ctx = 2048
+    h = await make()
+    r = await h.client.post("/v1/chat/completions", json=image_chat(3, max_tokens=10))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    native = await h.client.post("/api/chat", json={
+        "model": MODEL, "stream": False, "messages": [{
+            "role": "user", "content": "What is in these pictures?",
+            "images": ["A" * 800] * 3}]})
+    assert native.status_code == 400 and isinstance(native.json()["error"], str)
+    assert ollama.generations == []
+    one = await h.client.post("/v1/chat/completions", json=image_chat(1, max_tokens=10))
+    assert one.status_code == 200 and int(one.headers["x-gateway-prompt-tokens"]) >= 1600
+
+
+async def test_images_and_a_cap_past_the_context_follow_the_overlong_policy(
+        make: Any, ollama: FakeOllama) -> None:
+    # Two images (1,600 each) fit a 3,600-token slot; with max_tokens 600 they do not.
+    ollama.num_ctx = 3600
+    h = await make()
+    r = await h.client.post("/v1/chat/completions", json=image_chat(2, max_tokens=600))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "max_tokens" and ollama.generations == []
+    clamped = await make({"overlong": "clamp"})
+    r = await clamped.client.post("/v1/chat/completions", json=image_chat(2, max_tokens=600))
+    assert r.status_code == 200
+    sent = ollama.generations[-1]["max_tokens"]
+    assert 0 < sent < 600 and int(r.headers["x-gateway-prompt-tokens"]) + sent <= 3599

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from collections.abc import Awaitable
 from typing import Any
 
 import httpx
@@ -19,6 +21,7 @@ from gateway.config import load_settings
 from gateway.http.app import create_app
 from tests.conftest import Harness
 from tests.fake_vllm import FakeVllm
+from tests.fakes import ManualClock
 
 pytestmark = pytest.mark.anyio
 MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
@@ -251,14 +254,28 @@ async def test_vllms_own_context_400_is_context_length_exceeded(
     assert target(h).stats().reserved_tokens == 0
 
 
-async def test_queue_cap_503_keeps_retry_after(make: Any, vllm: FakeVllm) -> None:
-    vllm.max_waiting = 0  # --max-num-queued-reqs 0: anything that would wait is refused
-    vllm.max_num_seqs = 0
-    h = await make()
-    r = await h.client.post("/v1/chat/completions", json=chat(max_tokens=2))
-    assert r.status_code == 503 and "retry-after" in r.headers
-    assert "engine is currently busy" in r.json()["error"]["message"]
-    assert sample(h, "gateway_upstream_errors_total", kind="status_5xx") == 1
+async def test_a_request_no_backend_takes_within_its_wait_gets_503_retry_after(
+        vllm: FakeVllm, caplog: pytest.LogCaptureFixture) -> None:
+    # --max-num-queued-reqs 0: vLLM refuses everything. The gateway tries again (at
+    # once, then after 0.25 s, 0.5 s, ...) within the request's 2 s of queue wait, then
+    # answers its own queue timeout; vLLM's 503 is never relayed nor counted as a failure.
+    caplog.set_level(logging.INFO, logger="gateway")
+    vllm.max_num_queued_reqs = 0
+    clock = ManualClock()
+    h = await build([("vllm", vllm)], {"max_queue_wait_s": 2.0}, clock=clock)
+    reply = await drive(clock, h.client.post("/v1/chat/completions", json=chat(max_tokens=2)))
+    assert reply.status_code == 503 and "retry-after" in reply.headers
+    err = reply.json()["error"]
+    assert err["code"] == "queue_timeout" and "had no room" in err["message"]
+    assert "engine is currently busy" not in reply.text
+    assert len(vllm.refused) >= 3 and set(vllm.refused) == {"queue_full"}
+    assert sample(h, "gateway_backend_full_total", cause="queue_full") == len(vllm.refused)
+    assert sample(h, "gateway_upstream_errors_total") == 0
+    assert sample(h, "gateway_rejections_total", reason="queue_timeout") == 1
+    assert target(h).health.failures == 0 and target(h).up
+    assert target(h).stats().reserved_tokens == 0
+    assert any("had no room" in r.getMessage() and "queue_full" in r.getMessage()
+               for r in caplog.records)
 
 
 async def test_dead_engine_is_not_ready(make: Any, vllm: FakeVllm) -> None:
@@ -420,3 +437,160 @@ async def test_a_backend_named_by_model_without_the_route_is_404(vllm: FakeVllm)
                                                                   "content": "hi"}]})
     assert r.status_code == 404 and "'big'" in r.json()["error"]["message"]
     assert llama.generations == [] and vllm.generations == []
+
+
+# -- issue 27: vLLM's own queue limits (--max-num-queued-reqs, --max-num-queued-tokens)
+
+
+async def build(fakes: list[tuple[str, FakeVllm]], admission: dict[str, Any] | None = None,
+                clock: Any = None) -> Harness:
+    """A gateway over fake vLLMs, one backend per (name, fake), each on host ``name``."""
+    by_host = dict(fakes)
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        return await by_host[request.url.host].handle(request)
+
+    settings = load_settings(
+        admission={"disconnect_grace_s": 0.0, **(admission or {})},
+        backends=[{"name": name, "url": f"http://{name}:8000", "kind": "vllm", "slots": 16}
+                  for name, _ in fakes])
+    app = create_app(settings, http_client=httpx.AsyncClient(transport=httpx.MockTransport(
+        route)), registry=CollectorRegistry(), clock=clock, discover=False)
+    h = Harness(app, fakes[0][1])  # type: ignore[arg-type]
+    for backend in h.state.fleet.backends.values():
+        await backend.discover()
+    return h
+
+
+async def until(done: Any, what: str) -> None:
+    """Let the loop run until ``done()`` (no wall-clock wait)."""
+    for _ in range(2000):
+        if done():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def drive(clock: ManualClock, work: Awaitable[httpx.Response]) -> httpx.Response:
+    """Run ``work`` while moving ``clock`` on by 50 ms steps."""
+    task = asyncio.ensure_future(work)
+    for _ in range(400):
+        for _ in range(20):
+            await asyncio.sleep(0)
+        if task.done():
+            return task.result()
+        clock.advance(0.05)
+    task.cancel()
+    raise AssertionError("the request never ended")
+
+
+async def test_a_full_vllm_in_a_pool_sends_the_overflow_to_the_other_backend() -> None:
+    # a runs --max-num-queued-reqs 1; the gateway thinks both take 16. The third request
+    # goes to a (the two tie, a is first), which refuses it: it goes to b, and a is
+    # capped at the one request it holds, never marked down.
+    hold = asyncio.Event()
+    a, b = FakeVllm(max_num_queued_reqs=1, hold=hold), FakeVllm(hold=hold)
+    h = await build([("a", a), ("b", b)])
+    body = chat(max_tokens=3)
+    first = asyncio.ensure_future(h.client.post("/v1/chat/completions", json=body))
+    await until(lambda: len(a.generations) == 1, "the first request reached a")
+    second = asyncio.ensure_future(h.client.post("/v1/chat/completions", json=body))
+    await until(lambda: len(b.generations) == 1, "the second request reached b")
+    third = asyncio.ensure_future(h.client.post("/v1/chat/completions", json=body))
+    await until(lambda: len(b.generations) == 2, "the overflow reached b")
+    assert a.refused == ["queue_full"] and len(a.generations) == 2  # the one 503
+    hold.set()
+    replies = await asyncio.gather(first, second, third)
+    assert [r.status_code for r in replies] == [200, 200, 200]
+    backend_a = h.state.fleet.backends["a"]
+    assert backend_a.health.failures == 0 and backend_a.up
+    assert backend_a.admission.layout.busy_cap == 1
+    assert h.sample("gateway_backend_full_total", backend="a", cause="queue_full") == 1
+    assert h.sample("gateway_upstream_errors_total") == 0
+    assert h.sample("gateway_failovers_total") == 0  # not a failure
+
+
+async def test_a_lone_full_vllm_makes_the_request_wait_then_answers_it(
+        make: Any, vllm: FakeVllm, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gateway")
+    vllm.max_num_queued_reqs, vllm.hold = 1, asyncio.Event()
+    h = await make()
+    first = asyncio.ensure_future(h.client.post("/v1/chat/completions",
+                                                json=chat(max_tokens=3)))
+    await until(lambda: len(vllm.generations) == 1, "the first request reached vLLM")
+    second = asyncio.ensure_future(h.client.post("/v1/chat/completions",
+                                                 json=chat(max_tokens=3, stream=True)))
+    await until(lambda: vllm.refused == ["queue_full"], "vLLM refused the second")
+    await until(lambda: target(h).stats().queued == 1, "the second waits in the queue")
+    assert not second.done() and target(h).admission.layout.busy_cap == 1
+    vllm.hold.set()
+    one, two = await asyncio.gather(first, second)
+    assert one.status_code == 200 and two.status_code == 200
+    assert two.text.rstrip().endswith("data: [DONE]") and "error" not in two.text
+    assert len(vllm.generations) == 3 and vllm.refused == ["queue_full"]
+    assert target(h).health.failures == 0 and target(h).up
+    assert sample(h, "gateway_backend_full_total", cause="queue_full") == 1
+    assert sample(h, "gateway_upstream_errors_total") == 0
+    assert sample(h, "gateway_queue_wait_seconds_count") == 2
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("want of room (queue_full)" in m and "at most 1 busy" in m for m in warned)
+
+
+async def test_a_prefill_backlog_503_is_waited_out_too(make: Any, vllm: FakeVllm) -> None:
+    # --max-num-queued-tokens 100: while the first prompt (over 100 tokens) is still in
+    # prefill, vLLM refuses the next one.
+    vllm.max_num_queued_tokens, vllm.hold = 100, asyncio.Event()
+    h = await make()
+    first = asyncio.ensure_future(h.client.post("/v1/completions", json={
+        "model": MODEL, "prompt": ids(150), "max_tokens": 2}))
+    await until(lambda: len(vllm.generations) == 1, "the first request reached vLLM")
+    second = asyncio.ensure_future(h.client.post("/v1/completions", json={
+        "model": MODEL, "prompt": "Once upon", "max_tokens": 2}))
+    await until(lambda: vllm.refused == ["prefill_backlog"], "vLLM refused the second")
+    vllm.hold.set()
+    assert [r.status_code for r in await asyncio.gather(first, second)] == [200, 200]
+    assert sample(h, "gateway_backend_full_total", cause="prefill_backlog") == 1
+    assert sample(h, "gateway_upstream_errors_total") == 0 and target(h).up
+
+
+async def test_vllms_full_503_is_read_as_full_and_others_as_not_ready(make: Any) -> None:
+    from gateway.errors import BackendFull, BackendNotReady
+    from tests.fake_vllm import ERRORS
+
+    h = await make()
+    for kind, cause in (("queue_full", "queue_full"), ("prefill_backlog", "prefill_backlog")):
+        exc = target(h).translate_error(503, json.dumps(ERRORS[kind]).encode(), None)
+        assert isinstance(exc, BackendFull) and exc.cause == cause
+        assert exc.upstream_kind is None and exc.status_code == 503
+    other = target(h).translate_error(503, b'{"error": {"message": "loading"}}', "7")
+    assert isinstance(other, BackendNotReady) and other.retry_after_s == 7.0
+    assert other.upstream_kind == "status_5xx"
+
+
+def test_the_busy_cap_is_learnt_relaxed_and_cleared() -> None:
+    from gateway.core.capacity import Budget, Charge, Layout, fits
+    from gateway.core.pool_model import CAP_RECOVERY_S, Limits, PoolModel
+
+    class Found:
+        slots, ctx_per_slot, pool_tokens, block_size, preemptions = 16, 8192, 20_000, 16, None
+
+    pool, limits = PoolModel(), Limits(slots=16, unified=True, stop_margin=0)
+    assert pool.layout(limits, Found()).busy_cap is None
+    assert pool.full(busy=5, refused=1, now=0.0) == 4  # the others held 4
+    assert pool.full(busy=7, refused=1, now=1.0) == 4  # never raised by a refusal
+    assert pool.full(busy=1, refused=1, now=2.0) == 1  # at least one
+    layout = pool.layout(limits, Found())
+    assert layout.busy_cap == 1 and layout.slots == 16
+    charge = Charge(100, 10)
+    assert fits(layout, Budget(), Charge(100, 10, n=3))  # alone, whatever its n
+    assert not fits(layout, Budget(reserved_tokens=110, busy_slots=1), charge)
+    assert not pool.relax(2.0 + CAP_RECOVERY_S - 1, 16)
+    assert pool.relax(2.0 + CAP_RECOVERY_S, 16) and pool.busy_cap == 2
+    pool.busy_cap = 8
+    pool.capped_at = 0.0
+    assert pool.relax(CAP_RECOVERY_S, 16) and pool.busy_cap is None  # reached the slots
+    pool.full(busy=3, refused=1, now=0.0)
+    pool.restarted()
+    assert pool.busy_cap is None
+    with pytest.raises(ValueError):
+        Layout(4, 100, busy_cap=0)

@@ -1,15 +1,26 @@
 """Ollama (``kind = "ollama"``): ``shared/design/backends.md`` §2, from Ollama's sources.
 
 * **Capacity, per-slot.** Ollama launches llama-server with ``-c NumCtx×NumParallel -np
-  NumParallel`` (``llm/llama_server.go``), so every slot has its own context. The slot
-  count is ``OLLAMA_NUM_PARALLEL``, which no endpoint shows: ``backends[].slots``
-  (default 1, Ollama's own default). A slot's context is ``/api/ps`` ``context_length``
-  of the loaded model (the smallest, if several are loaded); with nothing loaded, the
-  configured ``ctx_per_slot``, else 4096 (Ollama's default below 23 GiB of VRAM,
+  NumParallel`` (``llm/llama_server.go``, ``server/sched.go``
+  ``effectiveLlamaServerContext``), so every slot has its own context. The slot count is
+  ``OLLAMA_NUM_PARALLEL`` (default 1, ``envconfig/config.go``), which no endpoint shows:
+  ``backends[].slots``; a model Ollama runs one request at a time whatever it says (one
+  without the ``completion`` capability, or of an architecture ``server/sched.go``
+  ``load`` names) has one slot. A slot's context is ``/api/ps`` ``context_length`` of
+  the loaded model (the runner's ``NumCtx``; the smallest, if several are loaded).
+* **A model unloaded keeps its context.** After ``keep_alive`` (5 minutes by default)
+  Ollama unloads the model and ``/api/ps`` is empty; the next request loads it again with
+  the same context. The context learned while it was loaded is kept (:attr:`Ollama.contexts`),
+  and before its first load a configured model's is read from ``POST /api/show``
+  (:func:`shown_context`, Ollama's own choice of ``num_ctx``), so that a prompt too long
+  for it is refused, not forwarded and silently cut. With neither, the configured
+  ``ctx_per_slot``, else 4096 (Ollama's default below 23 GiB of VRAM,
   ``server/routes.go``).
 * **Counting.** Ollama has no tokenize endpoint: prompts are estimated
-  (:mod:`gateway.request.tokens`) and the estimate is calibrated per model from the
-  ``prompt_eval_count`` of finished requests (:class:`Calibration`).
+  (:mod:`gateway.request.tokens`), images at :data:`gateway.wire.validation.IMAGE_TOKENS`
+  each on every route (``images`` natively, ``image_url`` and ``input_audio`` parts on
+  ``/v1``, which ``openai/openai.go`` turns into images), and the estimate is calibrated
+  per model from the ``prompt_eval_count`` of finished requests (:class:`Calibration`).
 * **Never truncated silently.** Ollama drops the oldest messages of a chat that does not
   fit, and shifts a long completion prompt, and answers 200 (``server/prompt.go``,
   ``llm/llama_server.go``). The gateway refuses what its estimate puts over the slot,
@@ -50,7 +61,7 @@ from gateway.errors import (
 from gateway.wire.routes import Api, Route
 from gateway.wire.validation import ParsedRequest
 
-__all__ = ["Calibration", "Ollama"]
+__all__ = ["Calibration", "Ollama", "shown_context"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +71,65 @@ _TOO_LONG = ("longer than the context length", "exceeds the context length")
 # Ollama versions whose prompt_eval_count leaves out the prompt tokens found in its cache.
 UNDERCOUNTING_VERSIONS = frozenset({"0.30.0"})
 _BUSY = ("server busy", "maximum pending requests", "no slots")
+# Ollama's own bounds on the num_ctx it loads a model with (server/sched.go getRunner):
+MIN_NUM_CTX = 4
+MIN_VISION_NUM_CTX = 2048  # "multimodal models require at least 2048 context"
+# Architectures Ollama loads with num_parallel 1 whatever OLLAMA_NUM_PARALLEL says
+# (server/sched.go load; ollama/ollama#4165).
+SINGLE_PARALLEL_FAMILIES = frozenset({
+    "mllama", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", "qwen3next", "lfm2",
+    "lfm2moe", "nemotron_h", "nemotron_h_moe", "nemotron_h_omni"})
+
+
+def shown_context(show: dict[str, Any], default: int = DEFAULT_NUM_CTX
+                  ) -> tuple[int, bool]:
+    """The context one slot of a model will have once Ollama loads it, and whether it
+    runs one request at a time, from its ``POST /api/show`` answer (``api/types.go``
+    ``ShowResponse``).
+
+    Ollama's choice (``server/routes.go`` ``modelOptions``, ``server/sched.go``
+    ``getRunner`` and ``effectiveContext``, ``llm/server.go``): the Modelfile's
+    ``num_ctx`` (the ``parameters`` text, one ``name value`` per line), else the
+    server's default (``OLLAMA_CONTEXT_LENGTH``, else a tier of its VRAM: ``default``
+    here, tokens); at least :data:`MIN_NUM_CTX`, at least :data:`MIN_VISION_NUM_CTX`
+    for a model with the ``vision`` capability; at most the model's trained context
+    (``model_info`` ``<general.architecture>.context_length``). One at a time: a model
+    whose capabilities lack ``completion`` (an embedding model) or whose family is in
+    :data:`SINGLE_PARALLEL_FAMILIES` (``server/sched.go`` ``load``).
+
+    :param show: the decoded answer.
+    :param default: the server's default context, tokens.
+    :returns: (context per slot in tokens, one request at a time).
+    :raises ValueError: ``show`` is not an object.
+    """
+    if not isinstance(show, dict):
+        raise ValueError("/api/show did not answer an object")
+    ctx = default
+    for line in str(show.get("parameters") or "").splitlines():
+        name, _, value = line.strip().partition(" ")
+        if name == "num_ctx" and value.strip().isdigit():
+            ctx = int(value.strip())
+    capabilities = show.get("capabilities")
+    capabilities = capabilities if isinstance(capabilities, list) else []
+    ctx = max(ctx, MIN_NUM_CTX)
+    if "vision" in capabilities:
+        ctx = max(ctx, MIN_VISION_NUM_CTX)
+    info = show.get("model_info")
+    info = info if isinstance(info, dict) else {}
+    trained = info.get(f"{info.get('general.architecture')}.context_length")
+    if isinstance(trained, int) and not isinstance(trained, bool) and 0 < trained < ctx:
+        ctx = trained
+    details = show.get("details")
+    family = details.get("family") if isinstance(details, dict) else None
+    single = (bool(capabilities) and "completion" not in capabilities) or (
+        family in SINGLE_PARALLEL_FAMILIES)
+    return ctx, single
+
+
+def _tagged(name: str) -> str:
+    """A model name with its tag (``llama3.2`` is ``llama3.2:latest``), as ``/api/ps``
+    names models (``types/model/name.go`` ``DisplayShortest``)."""
+    return name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
 
 
 class Calibration:
@@ -125,12 +195,25 @@ class Ollama(WithoutSlots):
         self.side = side
         self.calibration = Calibration()
         self.loaded: dict[str, int] = {}  # loaded model -> context_length (/api/ps)
+        # Every model's context as last seen loaded (/api/ps) or, before its first load,
+        # as /api/show gives it; kept across unloads. Keys are tagged names.
+        self.contexts: dict[str, int] = {}
+        self.single: set[str] = set()  # models Ollama runs one request at a time
+        self._shown: set[str] = set()  # models whose /api/show was read
+        self._resting = 0  # the smallest loaded context, when models were last loaded
         self.context_length = settings.ctx_per_slot or DEFAULT_NUM_CTX  # a slot's, tokens
         self.num_ctx_overridden = 0  # client num_ctx values replaced by the loaded one
         self.version: str | None = None  # as /api/version gives it
 
     async def discover(self) -> Discovered:
-        """``GET /api/version`` (liveness) and ``GET /api/ps`` (loaded models' contexts).
+        """``GET /api/version`` (liveness), ``GET /api/ps`` (loaded models' contexts) and,
+        once, ``POST /api/show`` of the configured model (its context before it is
+        first loaded, and whether Ollama runs it one request at a time).
+
+        The layout's context: ``ctx_per_slot`` when configured; else the configured
+        model's context (loaded now, or as last seen loaded, or as shown); else the
+        smallest loaded context, or while nothing is loaded the one in force when models
+        were last loaded; else 4096.
 
         :raises UpstreamUnavailable: Ollama cannot be reached.
         :raises UpstreamError: it answered something that is not Ollama's.
@@ -144,17 +227,59 @@ class Ollama(WithoutSlots):
                 raise ValueError(f"/api/version answered HTTP {version.status_code}")
             self._note_version(str(answer["version"]))
             models = ps.json().get("models") or []
-            self.loaded = {m["name"]: int(m["context_length"]) for m in models
+            self.loaded = {_tagged(str(m["name"])): int(m["context_length"])
+                           for m in models
                            if isinstance(m, dict) and m.get("context_length")}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise UpstreamError(f"Backend {self.name!r} does not answer like Ollama: {exc}"
                                 ) from exc
+        self.contexts.update(self.loaded)  # what a model is loaded with, it comes back with
+        if self.loaded:
+            self._resting = min(self.loaded.values())
+        model = self.settings.model
+        if model is not None and _tagged(model) not in self._shown:
+            await self._show(_tagged(model))
         # A configured context is the operator's choice among the loaded models (an
         # embedding model of 512 tokens may sit beside the chat model): it stands.
-        ctx = self.settings.ctx_per_slot or (min(self.loaded.values()) if self.loaded
-                                             else DEFAULT_NUM_CTX)
-        self.context_length = ctx
-        return Discovered(slots=self.settings.slots or self.default_slots, ctx_per_slot=ctx)
+        self.context_length = self.settings.ctx_per_slot or self._context(model)
+        slots = self.settings.slots or self.default_slots
+        if model is not None and _tagged(model) in self.single:
+            slots = 1  # Ollama loads it with num_parallel 1 (server/sched.go load)
+        return Discovered(slots=slots, ctx_per_slot=self.context_length)
+
+    def _context(self, model: str | None) -> int:
+        """A slot's context, tokens, when none is configured (see :meth:`discover`)."""
+        if model is not None:
+            return self.contexts.get(_tagged(model), DEFAULT_NUM_CTX)
+        if self.loaded:
+            return min(self.loaded.values())
+        return self._resting or DEFAULT_NUM_CTX
+
+    async def _show(self, model: str) -> None:
+        """Read ``model``'s ``POST /api/show`` (:func:`shown_context`) once: its context
+        until it is seen loaded, and whether it runs one request at a time. An answer
+        that cannot be read leaves both to the defaults (and is asked again at the next
+        discovery).
+
+        :raises UpstreamUnavailable: Ollama cannot be reached.
+        """
+        with map_upstream_errors(self.name):
+            resp = await self.side.post("/api/show", {"model": model})
+        try:
+            if resp.status_code != 200:
+                raise ValueError(f"HTTP {resp.status_code}: {error_message(resp.content)}")
+            ctx, single = shown_context(resp.json())
+        except ValueError as exc:
+            log.info("backend %s: /api/show of %s unreadable (%s); its context is "
+                     "learnt once it is loaded", self.name, model, exc)
+            return
+        self._shown.add(model)
+        self.contexts.setdefault(model, ctx)  # once seen loaded, /api/ps is the truth
+        if single:
+            self.single.add(model)
+        log.info("backend %s: model %s has a context of %d tokens%s (/api/show)",
+                 self.name, model, self.contexts[model],
+                 ", one request at a time" if single else "")
 
     def _note_version(self, version: str) -> None:
         """Keep Ollama's version; warn once about one whose ``prompt_eval_count`` leaves

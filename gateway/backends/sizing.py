@@ -1,5 +1,6 @@
 """The admission layout of one backend, kept up to date: from its settings, what
-discovery found, and what overflows and preemptions taught (the pool penalty).
+discovery found, and what overflows and preemptions taught (the pool penalty), and what
+refusals for want of room taught (the busy cap).
 
 :class:`Sizing` is the I/O side of the pure :class:`~gateway.core.pool_model.PoolModel`:
 it logs what changed and applies the layout to the backend's
@@ -19,7 +20,13 @@ from gateway.backends.countcache import CountCache
 from gateway.clock import Clock
 from gateway.config import BackendSettings
 from gateway.core.capacity import Layout
-from gateway.core.pool_model import PENALTY_RECOVERY_S, Limits, PoolModel, describe
+from gateway.core.pool_model import (
+    CAP_RECOVERY_S,
+    PENALTY_RECOVERY_S,
+    Limits,
+    PoolModel,
+    describe,
+)
 
 __all__ = ["Sizing"]
 
@@ -146,10 +153,39 @@ class Sizing:
 
     def recover(self) -> None:
         """Halve the pool penalty after quiet minutes
-        (:meth:`gateway.core.pool_model.PoolModel.recover`)."""
-        if self.pool.recover(self.clock.now()):
+        (:meth:`gateway.core.pool_model.PoolModel.recover`), and relax the busy cap
+        (:meth:`~gateway.core.pool_model.PoolModel.relax`)."""
+        now = self.clock.now()
+        if self.pool.recover(now):
             log.info("backend %s: no overflow for %.0f s; pool penalty now %d tokens",
                      self.name, PENALTY_RECOVERY_S, self.pool.penalty)
+        layout = self.admission.layout
+        if self.pool.relax(now, layout.slots if layout else None):
+            log.info("backend %s: no refusal for want of room for %.0f s; at most %s "
+                     "slots busy now", self.name, CAP_RECOVERY_S,
+                     self.pool.busy_cap or "all its")
+
+    def full(self, found: Discovered | None, busy: int, refused: int, cause: str
+             ) -> int:
+        """The backend refused a request for want of room (``cause``: which of its
+        limits) while ``busy`` of its slots were the gateway's, ``refused`` of them the
+        refused request's: cap the slots kept busy at once
+        (:meth:`gateway.core.pool_model.PoolModel.full`) and apply the layout
+        (``found``: the last discovery's answer).
+
+        :returns: the cap now in force.
+        """
+        before = self.pool.busy_cap
+        cap = self.pool.full(busy, refused, self.clock.now())
+        if cap != before:
+            log.warning("backend %s refused a request for want of room (%s) with %d of "
+                        "its slots busy with the gateway's requests; at most %d busy at "
+                        "once from now on (relaxed after %.0f s without a refusal)",
+                        self.name, cause, busy, cap, CAP_RECOVERY_S)
+        layout = self.configured(found)
+        if layout is not None and layout != self.admission.layout:
+            self.admission.set_layout(layout)
+        return cap
 
     def _check_preemptions(self, before: Discovered | None, found: Discovered) -> None:
         """A rise in the server's preemption count while the gateway had requests in

@@ -19,9 +19,20 @@
 * **Preemptions.** ``vllm:num_preemptions_total`` is read at every discovery; a rise
   while the gateway had work admitted shrinks the pool model
   (:meth:`gateway.backends.target.Target.discover`).
+* **Its own queue limits.** With ``--max-num-queued-reqs`` (requests in flight, waiting
+  or running, ``n`` counting ``n``) or ``--max-num-queued-tokens`` (prompt tokens of the
+  requests still in prefill), vLLM refuses a request past either with 503 and
+  ``{"error": {"message", "type": "Service Unavailable", "param": null, "code": 503}}``
+  (``vllm/exceptions.py`` ``QueueOverflowError``, ``MaxQueuedTokensError``, raised by
+  ``AsyncLLM.check_admission``, ``vllm/v1/engine/async_llm.py``; checked before the
+  prompt is rendered, so a stream is refused before it starts). That 503 means "full
+  now", not "failed": it becomes :class:`gateway.errors.BackendFull`, which the relay
+  waits out on this backend or another of the model (:func:`gateway.relay.retry.requeue`)
+  and which caps the backend's busy slots; it is never counted as an upstream error nor
+  marks the backend down.
 * **Errors.** ``{"error": {"message", "type", "param", "code"}}``: the context-length
-  400s (every wording vLLM has used) become ``context_length_exceeded``; 503 (queue
-  caps, engine not ready) stays 503 with ``Retry-After``.
+  400s (every wording vLLM has used) become ``context_length_exceeded``; another 503
+  (engine not ready) stays 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ from gateway.backends.base import (
 from gateway.backends.upstream import map_upstream_errors
 from gateway.core.capacity import Charge
 from gateway.errors import (
+    BackendFull,
     BackendNotReady,
     ContextLengthExceeded,
     GatewayError,
@@ -59,7 +71,8 @@ from gateway.errors import (
 from gateway.wire.routes import Route
 from gateway.wire.validation import ParsedRequest
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_NUM_SEQS", "Vllm", "parse_metrics"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_NUM_SEQS", "FULL_MESSAGES", "Vllm",
+           "parse_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +81,11 @@ DEFAULT_BLOCK_SIZE = 16  # --block-size when unset on CUDA (vllm/config/cache.py
 # The wordings of vLLM's context-length 400 across versions (backends.md §3, §4.10).
 _TOO_LONG = ("maximum context length", "context length is only", "maximum model length",
              "cannot be greater than max_model_len")
+# vLLM's refusals for want of room (vllm/exceptions.py), by the cause they name.
+FULL_MESSAGES = {
+    "the engine is currently busy and cannot accept new requests": "queue_full",
+    "reached its prefill token backlog limit": "prefill_backlog",
+}
 # /tokenize fields that change the count of a chat (the rest of a chat body is not read).
 _CHAT_COUNT_FIELDS = ("model", "messages", "tools", "chat_template", "chat_template_kwargs",
                       "add_generation_prompt", "continue_final_message", "add_special_tokens",
@@ -271,16 +289,23 @@ class Vllm(WithoutSlots, ExactCount):
     ) -> GatewayError | None:
         """Map a vLLM error answer to a gateway error, or ``None`` to relay it.
 
-        400 naming the context length → ``context_length_exceeded``; 503 → 503 with the
-        upstream's ``Retry-After`` (else the gateway's estimate); other 5xx → 502;
-        401/403 → 502 ``upstream_auth_failed``; empty or plain-text 4xx →
-        ``upstream_refused``; other 4xx with an error object are relayed.
+        400 naming the context length → ``context_length_exceeded``; 503 of a queue
+        limit (:data:`FULL_MESSAGES`) → :class:`~gateway.errors.BackendFull` (no
+        upstream kind); another 503 → 503 with the upstream's ``Retry-After`` (else the
+        gateway's estimate); other 5xx → 502; 401/403 → 502 ``upstream_auth_failed``;
+        empty or plain-text 4xx → ``upstream_refused``; other 4xx with an error object
+        are relayed.
         """
         message = error_message(body)
         if status == 400 and any(t in message.lower() for t in _TOO_LONG):
             return ContextLengthExceeded(f"Backend {self.name!r}: {message}")
         if status == 503:
             wait = seconds(retry_after) or retry_after_s
+            cause = next((c for text, c in FULL_MESSAGES.items()
+                          if text in message.lower()), None)
+            if cause is not None:
+                return BackendFull(f"Backend {self.name!r} has no room now: {message}",
+                                   cause=cause, retry_after_s=wait)
             return BackendNotReady(f"Backend {self.name!r} is unavailable: {message}",
                                    retry_after_s=wait, kind=UpstreamKind.status_5xx)
         return other_error(self.name, status, body, retry_after, self._auth_problem(status))

@@ -75,8 +75,13 @@ class Layout:
         (1 for llama-server's cells, vLLM's ``cache_config.block_size`` for vLLM).
     :param stop_margin: tokens of S a request can never use: 1 for llama-server (it
         stops at ``n_ctx − 1``), 0 for vLLM (``prompt + max_tokens ≤ max_model_len``).
+    :param busy_cap: the most slots kept busy at once, below ``slots``, learnt from the
+        server's own refusals for want of room (vLLM's 503 past
+        ``--max-num-queued-reqs``: :meth:`gateway.core.pool_model.PoolModel.full`); a
+        request on a backend with nothing busy is admitted whatever it is. ``None``: no
+        cap but ``slots``.
     :raises ValueError: a value is out of range (slots < 1, S < 2, P < S, block_size < 1,
-        stop_margin not 0 or 1).
+        stop_margin not 0 or 1, busy_cap < 1).
     """
 
     slots: int
@@ -84,6 +89,7 @@ class Layout:
     pool_tokens: int | None = None
     block_size: int = 1
     stop_margin: int = 1
+    busy_cap: int | None = None
 
     def __post_init__(self) -> None:
         if self.slots < 1:
@@ -98,6 +104,8 @@ class Layout:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.stop_margin not in (0, 1):
             raise ValueError(f"stop_margin must be 0 or 1, got {self.stop_margin}")
+        if self.busy_cap is not None and self.busy_cap < 1:
+            raise ValueError(f"busy_cap must be >= 1, got {self.busy_cap}")
 
     @property
     def unified(self) -> bool:
@@ -261,10 +269,14 @@ def fits_alone(layout: Layout, charge: Charge) -> bool:
 def fits(layout: Layout, budget: Budget, charge: Charge) -> bool:
     """True when ``charge`` can start now on top of ``budget``.
 
-    Per-slot layout: a free slot for each of the n completions (each already fits S).
-    Unified layout: the same, and reserved + charge ≤ P.
+    Per-slot layout: a free slot for each of the n completions (each already fits S),
+    within ``busy_cap`` unless nothing is busy. Unified layout: the same, and reserved +
+    charge ≤ P.
     """
     if budget.busy_slots + charge.slots > layout.slots:
+        return False
+    if (layout.busy_cap is not None and budget.busy_slots
+            and budget.busy_slots + charge.slots > layout.busy_cap):
         return False
     if not fits_alone(layout, charge):
         return False

@@ -20,6 +20,14 @@ P10) means the model of the pool let in more than the server holds: 10 % comes o
 down to the cells the gateway's requests held, never below one slot's context
 (``shared/design/backends.md`` §4.10). After :data:`PENALTY_RECOVERY_S` quiet seconds half
 of it comes back; a restarted server clears it.
+
+**Busy cap.** A server that refuses a request for want of room by limits of its own (vLLM
+answers 503 once its requests in flight reach ``--max-num-queued-reqs``, or the prompt
+tokens waiting for prefill ``--max-num-queued-tokens``: ``vllm/v1/engine/async_llm.py``
+``check_admission``) held at most what the gateway's other requests there held: the
+slots kept busy at once are capped to those (at least one), the layout's ``busy_cap``.
+After :data:`CAP_RECOVERY_S` seconds without such a refusal the cap doubles, and it goes
+once it reaches the slots; a restarted server clears it.
 """
 
 from __future__ import annotations
@@ -29,10 +37,11 @@ from typing import Protocol
 
 from gateway.core.capacity import Layout
 
-__all__ = ["OVERFLOW_BURST_S", "PENALTY_RECOVERY_S", "Limits", "PoolModel", "Reported",
-           "describe", "smaller"]
+__all__ = ["CAP_RECOVERY_S", "OVERFLOW_BURST_S", "PENALTY_RECOVERY_S", "Limits", "PoolModel",
+           "Reported", "describe", "smaller"]
 
 PENALTY_RECOVERY_S = 300.0  # quiet time after which the pool penalty is halved
+CAP_RECOVERY_S = 60.0  # time without a refusal for want of room after which the cap doubles
 # Overflow reports this close together are one overflow: llama-server fails every request
 # in flight at once, and each of them reports it.
 OVERFLOW_BURST_S = 2.0
@@ -82,11 +91,16 @@ class PoolModel:
     :param penalized_at: clock time (seconds) of the last overflow, preemption or
         recovery step.
     :param preemptions_seen: server preemptions counted while the gateway admitted work.
+    :param busy_cap: the most slots kept busy at once after the server refused a request
+        for want of room (``None``: no cap; see the module).
+    :param capped_at: clock time (seconds) of the last such refusal or recovery step.
     """
 
     penalty: int = 0
     penalized_at: float = 0.0
     preemptions_seen: int = 0
+    busy_cap: int | None = None
+    capped_at: float = 0.0
     _busy_at_check: bool = False  # leases in flight at the last preemption check
     _admitted_at_check: int = 0  # leases granted by then
 
@@ -100,12 +114,14 @@ class PoolModel:
             return None
         margin = limits.stop_margin
         block = found.block_size if found else 1
+        cap = self.busy_cap if self.busy_cap is not None and self.busy_cap < slots else None
         if not limits.unified:
-            return Layout(slots, ctx, stop_margin=margin)
+            return Layout(slots, ctx, stop_margin=margin, busy_cap=cap)
         pool = smaller(limits.pool_tokens, found.pool_tokens if found else None) or ctx
         ctx = max(2, min(ctx, pool))
         pool = max(ctx, pool - self.penalty)
-        return Layout(slots, ctx, pool_tokens=pool, block_size=block, stop_margin=margin)
+        return Layout(slots, ctx, pool_tokens=pool, block_size=block, stop_margin=margin,
+                      busy_cap=cap)
 
     def shrink(self, layout: Layout | None, now: float, live_tokens: int | None = None,
                *, burst: bool = False) -> bool:
@@ -145,10 +161,38 @@ class PoolModel:
             return True
         return False
 
+    def full(self, busy: int, refused: int, now: float) -> int:
+        """The server refused a request for want of room at ``now``, while the gateway
+        kept ``busy`` slots busy there, ``refused`` of them the refused request's: cap
+        the slots kept busy at once to the others' (at least 1; never raised here).
+
+        :returns: the cap now in force.
+        """
+        cap = max(1, busy - refused)
+        self.busy_cap = cap if self.busy_cap is None else min(self.busy_cap, cap)
+        self.capped_at = now
+        return self.busy_cap
+
+    def relax(self, now: float, slots: int | None) -> bool:
+        """Double the busy cap after :data:`CAP_RECOVERY_S` seconds without a refusal
+        for want of room (the server's limit, or the traffic that filled it, may have
+        changed); drop it once it reaches ``slots`` (the layout's, when known).
+
+        :returns: True when the cap changed.
+        """
+        if self.busy_cap is None or now - self.capped_at < CAP_RECOVERY_S:
+            return False
+        self.busy_cap *= 2
+        self.capped_at = now
+        if slots is not None and self.busy_cap >= slots:
+            self.busy_cap = None
+        return True
+
     def restarted(self) -> None:
         """The server restarted (it reports other values): what was learnt of the old
         one is moot."""
         self.penalty = 0
+        self.busy_cap = None
 
     def preempted(self, before: int | None, after: int | None, *, inflight: int,
                   admitted: int) -> int:
@@ -182,4 +226,5 @@ def describe(layout: Layout | None) -> str:
     if layout is None:
         return "unknown"
     kind = f"unified pool {layout.pool_tokens}" if layout.unified else "per-slot KV"
-    return f"{layout.slots} slots x {layout.ctx_per_slot} tokens, {kind}"
+    cap = "" if layout.busy_cap is None else f", at most {layout.busy_cap} busy"
+    return f"{layout.slots} slots x {layout.ctx_per_slot} tokens, {kind}{cap}"

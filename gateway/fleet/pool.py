@@ -100,6 +100,11 @@ class AdmitPath(Protocol):
         """Another backend may take a request its backend failed before any byte."""
         ...
 
+    @property
+    def max_wait_s(self) -> float:
+        """The longest a request waits here unless its class says otherwise, seconds."""
+        ...
+
     def check_room(self, party: Party | None = None) -> None:
         """Raise at once when a new request could only queue and the queue is full.
 
@@ -154,6 +159,7 @@ class LoneBackend:
 
     backend: Target
     failover: bool = False
+    max_wait_s: float = 30.0  # admission.max_queue_wait_s, as the backend's queue has it
 
     def check_room(self, party: Party | None = None) -> None:
         """Raise ``QueueFull`` at once when a new request could only queue

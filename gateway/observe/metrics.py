@@ -355,6 +355,14 @@ class GatewayMetrics:
             "byte reached the client.",
             ["model"], registry=registry,
         )
+        self.backend_full = Counter(
+            "gateway_backend_full",
+            "Requests a backend refused for want of room by limits of its own (vLLM's "
+            "503): cause=queue_full (--max-num-queued-reqs) or prefill_backlog "
+            "(--max-num-queued-tokens); each waited for room, there or on another "
+            "backend, and was never counted as an upstream error.",
+            ["backend", "cause"], registry=registry,
+        )
 
     def scrape_registry(self) -> CollectorRegistry:
         """The registry ``/metrics`` renders: :attr:`registry`, or, under

@@ -13,8 +13,8 @@ one place:
                            +--------------------finished()------------------+
 
 After the try, :meth:`Attempt.next_step` answers the one retry question of both relays
-(:class:`NextStep`): fail over to another backend, restart at the head of the queue,
-resume a preempted answer where it stopped, or stop. The response
+(:class:`NextStep`): fail over to another backend, wait for room (the backend was full),
+restart at the head of the queue, resume a preempted answer where it stopped, or stop. The response
 (:class:`gateway.relay.response.ProxyResponse`) acts on the answer; the steps themselves
 are in :mod:`gateway.relay.retry` and, for resuming, :mod:`gateway.relay.tracked`.
 """
@@ -30,7 +30,7 @@ import httpx
 from gateway.admission.lease import Lease
 from gateway.admission.slotwatch import Ticket
 from gateway.backends.upstream import json_bytes, upstream_request
-from gateway.errors import GatewayError
+from gateway.errors import BackendFull, GatewayError
 from gateway.request.exchange import Exchange
 
 __all__ = ["Attempt", "AttemptState", "NextStep", "forward_headers", "ticket_for",
@@ -68,6 +68,10 @@ class NextStep(enum.Enum):
     #: The backend failed before any byte reached the client: admit the request on
     #: another backend of its model, ahead of the queue.
     FAIL_OVER = "fail_over"
+    #: The backend refused it for want of room now (its own queue limits, not a
+    #: failure): admit it again, ahead of the queue, on whichever backend of its model
+    #: has room first, this one included, within its queue wait.
+    REQUEUE = "requeue"
     #: The backend overflowed its KV pool and failed the whole answer before any of it
     #: was sent (predictive policy): the same request again, at the head of the queue.
     RESTART = "restart"
@@ -88,6 +92,9 @@ class Attempt:
         task, so that the backend cannot drop it unseen and start it later).
     :param failed: the backend failed the request before answering, and the relay keeps
         this error to try another backend instead of answering it.
+    :param full: the backend refused the request for want of room
+        (:class:`~gateway.errors.BackendFull`), kept to wait for room instead of
+        answering it.
     :param restart: the backend overflowed and failed the whole answer unsent.
     :param preempted: why a tracked try was cut short to be resumed
         (``pool_pressure``, ``overflow``), or ``None``.
@@ -98,6 +105,7 @@ class Attempt:
     state: AttemptState = AttemptState.NOT_SENT
     pending: asyncio.Future[httpx.Response] | None = None
     failed: GatewayError | None = None
+    full: BackendFull | None = None
     restart: bool = False
     preempted: str | None = None
 
@@ -129,10 +137,13 @@ class Attempt:
         return self.state is AttemptState.LAUNCHED
 
     def next_step(self) -> NextStep:
-        """The retry decision once the try has ended: fail over, resume, restart, or
-        stop (in that order: another backend rather than this one again)."""
+        """The retry decision once the try has ended: fail over, wait for room,
+        resume, restart, or stop (in that order: another backend rather than this one
+        again)."""
         if self.failed is not None:
             return NextStep.FAIL_OVER
+        if self.full is not None:
+            return NextStep.REQUEUE
         if self.preempted is not None:
             return NextStep.RESUME
         return NextStep.RESTART if self.restart else NextStep.STOP

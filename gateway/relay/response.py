@@ -9,8 +9,9 @@
    or :class:`gateway.relay.tracked.TrackedRelay` for a tracked request), which sends
    the request upstream and relays the answer: JSON whole, SSE event by event;
 3. asks the attempt what follows (:meth:`gateway.relay.attempt.Attempt.next_step`):
-   stop, fail over to another backend, restart at the head of the queue
-   (:mod:`gateway.relay.retry`), or resume a preempted answer (the strategy's);
+   stop, fail over to another backend, wait for room after a full backend's refusal,
+   restart at the head of the queue (:mod:`gateway.relay.retry`), or resume a preempted
+   answer (the strategy's);
 4. releases each lease in ``finally`` whatever happened, and closes the upstream
    response so that llama-server cancels the task and frees the slot.
 
@@ -34,7 +35,7 @@ from gateway.relay.admit import Admitter
 from gateway.relay.attempt import NextStep
 from gateway.relay.parts import RelayParts, Strategy, StrategyFactory
 from gateway.relay.plain import PlainRelay
-from gateway.relay.retry import fail_over, restart
+from gateway.relay.retry import fail_over, requeue, restart
 from gateway.relay.tracked import TrackedRelay
 from gateway.relay.tries import Tries
 from gateway.relay.usage import UsageBook
@@ -123,6 +124,8 @@ class ProxyResponse(Response):
                 return
             if step is NextStep.FAIL_OVER:
                 lease = await fail_over(parts, watcher, send)
+            elif step is NextStep.REQUEUE:
+                lease = await requeue(parts, watcher, send)
             elif step is NextStep.RESTART:
                 lease = await restart(parts, watcher, send)
             else:

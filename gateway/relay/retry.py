@@ -1,5 +1,6 @@
 """The steps after an attempt that did not answer: marking its backend down, failing over
-to another backend, restarting at the head of the queue.
+to another backend, waiting for room after a full backend's refusal, restarting at the
+head of the queue.
 
 :meth:`gateway.relay.attempt.Attempt.next_step` decides which (resuming a preempted
 answer is the tracked strategy's: :meth:`gateway.relay.tracked.TrackedRelay.resume`);
@@ -10,23 +11,29 @@ client has been answered.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from starlette.types import Send
 
 from gateway.admission.lease import Lease
-from gateway.errors import ClientDisconnected, GatewayError, describe
+from gateway.errors import BackendFull, ClientDisconnected, GatewayError, QueueTimeout, describe
 from gateway.relay.parts import RelayParts
 from gateway.relay.send import send_error
 from gateway.relay.watcher import DisconnectWatcher
 from gateway.request.exchange import Exchange
 
-__all__ = ["MAX_OVERFLOW_RESTARTS", "fail_over", "keep_for_failover", "mark_down",
-           "restart"]
+__all__ = ["FULL_BACKOFF_MAX_S", "FULL_BACKOFF_S", "MAX_OVERFLOW_RESTARTS", "fail_over",
+           "hold_for_room", "keep_for_failover", "mark_down", "requeue", "restart"]
 
 log = logging.getLogger(__name__)
 
 #: Times a whole answer failed by an overflow is sent again (predictive policy).
 MAX_OVERFLOW_RESTARTS = 2
+#: Seconds a request waits before it is admitted again after its second refusal for want
+#: of room (the first waits only for room: the backend's busy cap holds it until one of
+#: the others ends there); doubled at each further refusal, at most FULL_BACKOFF_MAX_S.
+FULL_BACKOFF_S = 0.25
+FULL_BACKOFF_MAX_S = 4.0
 
 
 def mark_down(x: Exchange) -> float | None:
@@ -42,7 +49,13 @@ def keep_for_failover(parts: RelayParts, exc: GatewayError) -> bool:
     """The backend failed the request before answering (``exc``): mark it down
     (:func:`mark_down`); and keep ``exc`` on the current attempt, to try another
     backend instead of answering it, when the request has one and nothing has reached
-    the client yet. Returns whether it was kept."""
+    the client yet. Returns whether it was kept.
+
+    A backend that only had no room (:class:`~gateway.errors.BackendFull`) did not fail:
+    it is not marked down, and the request is kept to wait for room
+    (:func:`hold_for_room`)."""
+    if isinstance(exc, BackendFull):
+        return hold_for_room(parts, exc)
     x, progress = parts.x, parts.admitter.progress
     down = mark_down(x)
     if down is None:
@@ -55,6 +68,66 @@ def keep_for_failover(parts: RelayParts, exc: GatewayError) -> bool:
                 describe(exc), down, x.queue.model)
     parts.tries.now.failed = exc
     return True
+
+
+def hold_for_room(parts: RelayParts, exc: BackendFull) -> bool:
+    """The backend refused the request for want of room now (``exc``, by a limit of its
+    own): learn a bound (its slots kept busy at once are capped to what the gateway's
+    other requests held there: :meth:`gateway.backends.sizing.Sizing.full`), count it in
+    ``gateway_backend_full_total``, and keep ``exc`` on the current attempt so that the
+    request waits for room (:func:`requeue`). Never marks the backend down, nor counts an
+    upstream error. Returns True (kept)."""
+    x, tries = parts.x, parts.tries
+    backend = x.backend
+    busy = backend.admission.stats().busy_slots
+    cap = backend.sizing.full(backend.discovered, busy, x.charge.slots, exc.cause)
+    parts.metrics.backend_full.labels(backend.name, exc.cause).inc()
+    tries.full_refusals += 1
+    log.info("backend %s had no room for a %s request (%s, refusal %d; at most %d busy "
+             "there now); it waits for room", backend.name, x.route, exc.cause,
+             tries.full_refusals, cap)
+    tries.now.full = exc
+    return True
+
+
+async def requeue(parts: RelayParts, watcher: DisconnectWatcher, send: Send
+                  ) -> Lease | None:
+    """After :attr:`~gateway.relay.attempt.NextStep.REQUEUE`: admit the request again,
+    ahead of the queue, on whichever backend of its model has room first (the one that
+    refused it included, once room frees there), after :data:`FULL_BACKOFF_S` doubled
+    per refusal from the second on; all within its queue wait (the class's
+    ``max_queue_wait_s``, else ``admission.max_queue_wait_s``) counted from its arrival.
+    Past that, it is answered 503 ``queue_timeout`` with ``Retry-After``, as a wait in
+    the gateway's own queue is; or the refusal of the new wait is answered."""
+    x, m, clock, tries = parts.x, parts.metrics, parts.clock, parts.tries
+    full = tries.now.full
+    assert full is not None
+    refusals = tries.full_refusals
+    delay = 0.0 if refusals < 2 else min(FULL_BACKOFF_MAX_S,
+                                         FULL_BACKOFF_S * 2 ** (refusals - 2))
+    if tries.full_deadline is None:  # the first refusal: the wait is counted from arrival
+        tries.full_deadline = x.started + (
+            x.party.max_wait_s if x.party.max_wait_s is not None else x.admit_path.max_wait_s)
+    limit = tries.full_deadline - x.started
+    left = tries.full_deadline - clock.now()
+    try:
+        if left <= delay:
+            raise QueueTimeout(
+                f"Backend {x.backend.name!r} had no room for the request ({full.cause}, "
+                f"{refusals} refusals) and no backend of its model took it within its "
+                f"queue wait of {limit:g} s; retry after the Retry-After delay.",
+                retry_after_s=full.retry_after_s)
+        if delay:
+            await watcher.race(clock.sleep(delay))
+        x.party = replace(x.party, max_wait_s=left - delay)
+        return await watcher.race(x.admit(front=True))
+    except ClientDisconnected:
+        x.status = 499
+    except GatewayError as refused:
+        x.reason = refused.rejection_reason or "other"
+        m.rejections.labels(x.backend.name, x.reason, *x.who).inc()
+        await send_error(send, refused, x)
+    return None
 
 
 async def fail_over(parts: RelayParts, watcher: DisconnectWatcher, send: Send

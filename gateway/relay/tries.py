@@ -28,6 +28,10 @@ class Tries:
     :ivar current: the upstream try under way, or the last one (``None`` before the
         first).
     :ivar forwarded: some attempt went upstream (the tenant is charged its tokens).
+    :ivar full_refusals: times a backend refused it for want of room
+        (:func:`gateway.relay.retry.hold_for_room`).
+    :ivar full_deadline: after such a refusal, the clock time (seconds) past which it
+        waits no more (:func:`gateway.relay.retry.requeue`).
     """
 
     def __init__(self, x: Exchange, metrics: GatewayMetrics, clock: Clock) -> None:
@@ -36,6 +40,8 @@ class Tries:
         self.clock = clock
         self.current: Attempt | None = None
         self.forwarded = False
+        self.full_refusals = 0
+        self.full_deadline: float | None = None
 
     @property
     def now(self) -> Attempt:

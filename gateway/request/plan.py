@@ -353,7 +353,8 @@ def _route(state: Planning, record: AccessRecord, req: ParsedRequest, route: str
     record.backend = counter.name
     counter.dialect.check_request(req)
     queue = state.fleet.queue_for(members, state.count_route)
-    path: AdmitPath = queue if queue is not None else LoneBackend(counter)
+    path: AdmitPath = queue if queue is not None else LoneBackend(
+        counter, max_wait_s=state.settings.admission.max_queue_wait_s)
     path.check_room(party)
     return backends, path, queue
 

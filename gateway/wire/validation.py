@@ -53,9 +53,13 @@ _INT_RANGE = (-(2**63), 2**64 - 1)
 _LONG_DIGITS = re.compile(rb"\d{19}")  # a number that may be beyond _INT_RANGE
 MAX_DEPTH = 64  # objects and arrays nested deeper than this are refused
 
-# Tokens charged per image on Ollama's native routes: Ollama's own truncation heuristic
-# counts 768 per image (server/prompt.go); projectors of larger models use up to ~1,600.
+# Tokens charged per image (or audio clip) where the prompt is estimated: Ollama's own
+# truncation heuristic counts 768 per image (server/prompt.go); projectors of larger
+# models use up to ~1,600.
 IMAGE_TOKENS = 1600
+# Chat content parts that carry media: Ollama's /v1 makes each one an image of its
+# message (openai/openai.go FromChatRequest), as OpenAI's API reads them.
+_MEDIA_PARTS = frozenset({"image_url", "input_audio"})
 
 
 @dataclass(frozen=True)
@@ -421,14 +425,24 @@ def _parse_openai(spec: RouteSpec, raw: bytes, *, chat: bool) -> ParsedRequest:
     return ParsedRequest(
         spec=spec, body=body, max_tokens=max_tokens, n=n or 1,
         stream=bool(body.get("stream")), cap_field=cap_field, prompts=prompts,
-        extra_prompt_tokens=0 if chat else _media_of(body.get("prompt")) * IMAGE_TOKENS,
+        extra_prompt_tokens=(_chat_media(body) if chat else _media_of(body.get("prompt")))
+        * IMAGE_TOKENS,
     )
+
+
+def _chat_media(body: dict[str, Any]) -> int:
+    """How many media parts (``image_url``, ``input_audio``) a chat's messages carry."""
+    return sum(1 for message in body["messages"]
+               if isinstance(message.get("content"), list)
+               for part in message["content"] if part.get("type") in _MEDIA_PARTS)
 
 
 def parse_chat(spec: RouteSpec, raw: bytes) -> ParsedRequest:
     """An OpenAI Chat Completions body: ``messages`` (non-empty, each role's required
     fields), the sampling fields, and the cap in ``max_tokens``,
-    ``max_completion_tokens`` or llama-server's ``n_predict`` (they must agree).
+    ``max_completion_tokens`` or llama-server's ``n_predict`` (they must agree). Each
+    ``image_url`` or ``input_audio`` part is charged :data:`IMAGE_TOKENS` besides the
+    text, where the prompt is estimated (a backend that counts counts them itself).
 
     :raises InvalidRequest: see :func:`_parse_openai`.
     """
