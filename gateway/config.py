@@ -425,6 +425,10 @@ class RoutingSettings(_Strict):
     # down_max_s, then tried by one request again (half-open), seconds.
     down_initial_s: float = Field(1.0, gt=0)
     down_max_s: float = Field(30.0, gt=0)
+    # What the "model" of every answer (whole and streamed) says: "served", the name the
+    # client asked for, else the backend's model (a file path by its file name);
+    # "backend", the backend's own value (llama-server: its model file's path).
+    answer_model: Literal["served", "backend"] = "served"
 
 
 class StateBackend(StrEnum):
