@@ -41,12 +41,16 @@ from typing import Any
 
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16}
 STREAM_EVENTS = 100  # events per streamed answer
-DELTA = b'data: {"choices":[{"index":0,"delta":{"content":"tok"},"finish_reason":null}]}\n\n'
-FINAL = (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
-         b'data: {"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":100,'
-         b'"total_tokens":110}}\n\ndata: [DONE]\n\n')
+# llama-server names its model file's path in every answer; the gateway renames it
+# (gateway/wire/naming.py), so each event and answer here carries one too.
+MODEL = b'"model":"/models/bench-model-q4_k_m.gguf"'
+DELTA = (b'data: {"choices":[{"index":0,"delta":{"content":"tok"},"finish_reason":null}],'
+         b'"created":1,"id":"chatcmpl-1",' + MODEL + b',"object":"chat.completion.chunk"}\n\n')
+FINAL = (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}],' + MODEL
+         + b'}\n\ndata: {"choices":[],' + MODEL + b',"usage":{"prompt_tokens":10,'
+         b'"completion_tokens":100,"total_tokens":110}}\n\ndata: [DONE]\n\n')
 ANSWER = json.dumps({
-    "object": "chat.completion",
+    "object": "chat.completion", "model": "/models/bench-model-q4_k_m.gguf",
     "choices": [{"index": 0, "finish_reason": "stop",
                  "message": {"role": "assistant", "content": "hi"}}],
     "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11},

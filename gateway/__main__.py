@@ -5,13 +5,57 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from gateway.config import BackendSettings, ConfigError, load_settings, redact_url
+from gateway.config import (
+    BackendSettings,
+    ConfigError,
+    Settings,
+    backends_from_args,
+    load_settings,
+    redact_url,
+    settings_toml,
+)
 
 __all__ = ["main"]
+
+
+def _cli_backends(args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    """The backends ``--backend`` gives (``None``: none given), each with its kind: the
+    one given, else the one the server shows (:func:`gateway.planner.probe.probe`, the
+    detection of ``gateway probe``).
+
+    :raises ConfigError: an argument cannot be read, or a server's kind cannot be told
+        (it is not reachable, or is none of the kinds).
+    """
+    if not args.backend:
+        return None
+    entries: list[dict[str, Any]] = backends_from_args(args.backend)
+    for entry in entries:
+        if "kind" in entry:
+            continue
+        from gateway.planner.probe import probe
+
+        key = BackendSettings(**entry).api_key  # read from api_key_file, when given
+        found = probe(entry["url"], api_key=key.get_secret_value() if key else None)
+        if found["kind"] == "unknown":
+            raise ConfigError(f"--backend {entry['url']}: the kind of server cannot be "
+                              f"told: {found['error']}. Start the server first, or give "
+                              "kind=llama.cpp, kind=ollama or kind=vllm")
+        entry["kind"] = found["kind"]
+        print(f"gateway: backend {entry['name']!r} at {entry['url']} is "  # noqa: T201
+              f"{found['kind']} (detected; kind= skips the detection)", file=sys.stderr)
+    return entries
+
+
+def _settings(args: argparse.Namespace, backends: list[dict[str, Any]] | None) -> Settings:
+    """The settings: the file (if any), the environment, and ``--backend`` in place of
+    the file's ``[[backends]]``."""
+    return load_settings(args.config, **({"backends": backends} if backends else {}))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -19,7 +63,11 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.http.serving import serve
     from gateway.observe.logs import configure_logging
 
-    settings = load_settings(args.config)
+    backends = _cli_backends(args)
+    if backends:
+        # As GATEWAY_BACKENDS, which this process's workers and a reload read again.
+        os.environ["GATEWAY_BACKENDS"] = json.dumps(backends)
+    settings = _settings(args, None)
     server = settings.server.model_copy(
         update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     )
@@ -41,7 +89,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    settings = load_settings(args.config)
+    settings = _settings(args, _cli_backends(args))
+    if args.print:
+        text, notes = settings_toml(settings)
+        print(text, end="")  # noqa: T201
+        for note in notes:
+            print(f"gateway: {note}", file=sys.stderr)  # noqa: T201
+        return 0
     effective = settings.model_dump(mode="json")
     effective["state"]["redis_url"] = redact_url(settings.state.redis_url)  # no password
     for shown, backend in zip(effective["backends"], settings.backends, strict=True):
@@ -164,6 +218,15 @@ def _hash_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def _backend_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend", action="append", metavar="URL[,kind=K][,name=N]",
+        help="a backend, in place of the file's [[backends]] (repeatable): its URL, and "
+             "optional key=value items after commas (kind, name, model, api_key_file, "
+             "slots, ctx_per_slot, kv_unified, pool_tokens); without kind=, the kind is "
+             "asked of the server")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gateway`` argument parser."""
     parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
@@ -175,9 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, default=1,
                        help='processes serving the one port (N > 1 needs [state] backend '
                             '= "redis"; each has its own server.max_connections)')
+    _backend_option(serve)
     serve.set_defaults(func=_serve)
     check = sub.add_parser("check-config", help="validate a config file and print the result")
-    check.add_argument("config", help="TOML config file")
+    check.add_argument("config", nargs="?",
+                       help="TOML config file (default: defaults + GATEWAY_* env)")
+    _backend_option(check)
+    check.add_argument("--print", action="store_true",
+                       help="print the TOML file the settings amount to (the keys given; "
+                            "defaults and secrets left out)")
     check.set_defaults(func=_check)
 
     from gateway.planner.planning import CACHE_TYPES

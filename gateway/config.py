@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
+import tomli_w
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -41,6 +43,7 @@ __all__ = [
     "BackendSettings",
     "ClassSettings",
     "TenantSettings",
+    "BACKEND_ARG_KEYS",
     "ConfigError",
     "AdmissionPolicy",
     "OverlongPolicy",
@@ -48,9 +51,11 @@ __all__ = [
     "Settings",
     "StateBackend",
     "StateSettings",
+    "backends_from_args",
     "load_settings",
     "open_files_needed",
     "redact_url",
+    "settings_toml",
 ]
 
 
@@ -425,6 +430,10 @@ class RoutingSettings(_Strict):
     # down_max_s, then tried by one request again (half-open), seconds.
     down_initial_s: float = Field(1.0, gt=0)
     down_max_s: float = Field(30.0, gt=0)
+    # What the "model" of every answer (whole and streamed) says: "served", the name the
+    # client asked for, else the backend's model (a file path by its file name);
+    # "backend", the backend's own value (llama-server: its model file's path).
+    answer_model: Literal["served", "backend"] = "served"
 
 
 class StateBackend(StrEnum):
@@ -672,3 +681,114 @@ def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
+
+
+# -- backends from the command line (gateway serve --backend URL) -------------------------
+
+#: The keys a ``--backend`` argument may give, besides its URL: those of a ``[[backends]]``
+#: entry that take one value. ``api_key`` is not one: a key on a command line is seen by
+#: anyone who can list processes, and stays in the shell's history (``api_key_file``).
+BACKEND_ARG_KEYS = ("name", "kind", "url", "model", "api_key_file", "slots", "ctx_per_slot",
+                    "kv_unified", "pool_tokens")
+
+
+def _backend_arg(text: str) -> dict[str, str]:
+    """One ``--backend`` argument as the ``[[backends]]`` keys it gives.
+
+    :raises ConfigError: an item is neither a URL nor ``key=value``, a key is unknown or
+        given twice, or there is no URL.
+    """
+    entry: dict[str, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        key, value = ("url", item) if item.startswith(("http://", "https://")) \
+            else item.partition("=")[::2]
+        if key == item or not value:
+            raise ConfigError(f"--backend {text!r}: {item!r} is neither the server's URL "
+                              "(http://HOST:PORT or https://...) nor key=value")
+        key = key.strip()
+        if key == "api_key":
+            raise ConfigError(f"--backend {text!r}: give api_key_file=PATH, not the key "
+                              "itself (a command line is visible to every user of the machine)")
+        if key not in BACKEND_ARG_KEYS:
+            raise ConfigError(f"--backend {text!r}: unknown key {key!r} (one of "
+                              f"{', '.join(BACKEND_ARG_KEYS)})")
+        if key in entry:
+            raise ConfigError(f"--backend {text!r}: {key} is given twice")
+        entry[key] = value.strip()
+    if "url" not in entry:
+        raise ConfigError(f"--backend {text!r}: no URL (for example "
+                          "--backend http://127.0.0.1:8080)")
+    kinds = [k.value for k in BackendKind]
+    if "kind" in entry and entry["kind"] not in kinds:
+        raise ConfigError(f"--backend {text!r}: unknown kind {entry['kind']!r} (one of "
+                          f"{', '.join(kinds)}; leave it out to have it detected)")
+    return entry
+
+
+def backends_from_args(args: Sequence[str]) -> list[dict[str, str]]:
+    """The ``[[backends]]`` entries that ``--backend`` arguments stand for, in order.
+
+    Each argument is the server's URL with optional ``key=value`` items, separated by
+    commas, in any order: ``http://127.0.0.1:8080``, ``http://h:11434,kind=ollama``,
+    ``name=big,kind=vllm,url=http://h:8000``. Keys are those of
+    :data:`BACKEND_ARG_KEYS`. An entry without ``name`` is named by its URL's host and
+    port (``127.0.0.1:8080``; ``-2``, ``-3`` added to a repeated one). An entry without
+    ``kind`` keeps none: the caller detects it (``gateway serve`` asks the server,
+    :func:`gateway.planner.probe.probe`). Each entry is checked as a ``[[backends]]``
+    entry would be.
+
+    :raises ConfigError: an argument cannot be read (:func:`_backend_arg`), an entry is
+        not a valid backend (the message names the argument and the key), or
+        ``GATEWAY_BACKENDS`` lists the backends too.
+    """
+    if os.environ.get("GATEWAY_BACKENDS"):
+        raise ConfigError("--backend and GATEWAY_BACKENDS both list the backends; give "
+                          "one of them")
+    entries: list[dict[str, str]] = []
+    names: set[str] = set()
+    for text in args:
+        entry = _backend_arg(text)
+        if "name" not in entry:
+            base = urlsplit(entry["url"]).netloc.rsplit("@", 1)[-1] or "backend"
+            name, n = base, 1
+            while name in names:
+                n += 1
+                name = f"{base}-{n}"
+            entry = {"name": name, **entry}
+        names.add(entry["name"])
+        try:
+            BackendSettings(**entry)  # the kind, when not given, is checked at load
+        except ValidationError as exc:
+            raise ConfigError(f"--backend {text!r}: "
+                              + _describe(exc).split(":\n  ", 1)[1]) from None
+        entries.append(entry)
+    return entries
+
+
+def settings_toml(settings: Settings) -> tuple[str, list[str]]:
+    """The TOML file that amounts to ``settings``: every key that was given (in a file,
+    the environment or on the command line), defaults left out, written by ``tomli_w``.
+
+    Secrets are left out, each with a note: ``server.admin_key`` and an inline
+    ``backends[].api_key`` (one read from ``api_key_file`` is not printed; the file's
+    name is); a password in ``state.redis_url`` is shown as ``***``.
+
+    :returns: the TOML text, and the notes (one line each) on what it leaves out.
+    """
+    data = settings.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+    notes = []
+    if "admin_key" in data.get("server", {}):
+        del data["server"]["admin_key"]
+        notes.append("server.admin_key is set and not printed: add it back")
+    for i, backend in enumerate(data.get("backends", [])):
+        if backend.pop("api_key", None) is not None:
+            notes.append(f"backends[{i}].api_key is set and not printed: add it back, or "
+                         "give api_key_file")
+    if "redis_url" in data.get("state", {}):
+        shown = redact_url(settings.state.redis_url)
+        if shown != settings.state.redis_url:
+            notes.append("state.redis_url holds a password, printed as ***: add it back")
+        data["state"]["redis_url"] = shown
+    return tomli_w.dumps(data), notes

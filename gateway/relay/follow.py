@@ -34,6 +34,7 @@ from gateway.relay.progress import begun
 from gateway.relay.retry import mark_down
 from gateway.relay.send import SSE_HEADERS, body_message, json_object, send_error, send_whole
 from gateway.request.exchange import Exchange
+from gateway.wire.naming import rename_model
 from gateway.wire.resume import Continuation, Reassembler
 from gateway.wire.shapes import reshaped, sse_error_event
 from gateway.wire.sse import EventSplitter, EventTooLarge, event_data
@@ -68,6 +69,8 @@ class ClientAnswer:
         await self.open()
         data = raw if raw is not None else (
             b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+        if self.x.answer_model is not None:  # the served model's name, not the backend's
+            data = rename_model(data, self.x.answer_model)
         # Shielded: a preemption arriving meanwhile must not cut an event in half.
         await asyncio.shield(self.send(body_message(data)))
 
@@ -90,6 +93,8 @@ class ClientAnswer:
             await self.send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         body = json.dumps(self.whole.answer(), separators=(",", ":")).encode()
+        if x.answer_model is not None:
+            body = rename_model(body, x.answer_model)
         x.status = 200
         await self.send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/json; charset=utf-8"),  # as llama-server's

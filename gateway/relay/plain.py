@@ -3,7 +3,8 @@
 
 One attempt sends the request upstream (a stream, or a whole answer) and relays the
 answer: JSON whole, after translating a backend's error into the request's error shape;
-SSE or NDJSON event by event (:class:`gateway.relay.stream.StreamRelay`). A failure
+SSE or NDJSON event by event (:class:`gateway.relay.stream.StreamRelay`); either names
+the served model in its ``model`` (:mod:`gateway.wire.naming`). A failure
 before anything reached the client may be kept for failover
 (:func:`gateway.relay.retry.keep_for_failover`), and an overflow of a whole answer under
 the predictive policy for a restart; the response acts on either
@@ -34,6 +35,7 @@ from gateway.relay.send import (
 )
 from gateway.relay.stream import StreamRelay, close_after_drain
 from gateway.relay.watcher import DisconnectWatcher
+from gateway.wire.naming import rename_model
 from gateway.wire.shapes import reshaped, sse_error_event
 
 __all__ = ["PlainRelay"]
@@ -187,4 +189,6 @@ class PlainRelay:
         else:
             usage, reasons = await usage_of(x.route, body)
             parts.usage.record(parts.usage.all_choices(usage, reasons))
+            if x.answer_model is not None:  # the served model's name, not the backend's
+                body = rename_model(body, x.answer_model)
         await send_whole(send, resp, body, x)

@@ -7,6 +7,8 @@ out with the first event, so that a backend dying before it can still be failed 
 (nothing has reached the client). A failure after it becomes one final error event (or
 line), and no ``[DONE]`` is invented. A stream that ended whole has its unread tail
 drained in the background (:func:`close_after_drain`), so that its connection is reused.
+The ``model`` of the events relayed is the served model's name
+(:func:`gateway.wire.naming.rename_model`), set in the bytes of each read.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from gateway.relay.inspect import StreamInspector, TokenTimes
 from gateway.relay.parts import RelayParts
 from gateway.relay.retry import keep_for_failover
 from gateway.relay.send import SSE_HEADERS, body_message, send_error
+from gateway.wire.naming import rename_model
 from gateway.wire.shapes import ndjson_error_line, sse_error_event
 from gateway.wire.sse import EventSplitter, EventTooLarge
 
@@ -103,6 +106,7 @@ class StreamRelay:
                                 x.backend.dialect.is_overflow_event, ndjson=self.ndjson)
         times = TokenTimes()
         chunks = self.resp.aiter_raw()
+        named = x.answer_model  # each event's "model" (gateway.wire.naming), or None
         try:
             with map_upstream_errors(name):
                 async for chunk in chunks:
@@ -111,7 +115,8 @@ class StreamRelay:
                     out = [relayed for raw in splitter.feed(chunk)
                            if (relayed := self._inspected(raw, state, times)) is not None]
                     if out:
-                        await self._emit(out[0] if len(out) == 1 else b"".join(out))
+                        data = out[0] if len(out) == 1 else b"".join(out)
+                        await self._emit(data if named is None else rename_model(data, named))
                     if state.whole:
                         # The last event is relayed: the answer is whole. A client that
                         # closes now (the OpenAI SDK does, at [DONE]) has not left early.

@@ -91,6 +91,9 @@ class Exchange:
     # The last failure of the backend during it (a gateway_upstream_errors_total kind),
     # or "shutting_down" when a drain cut it: a stream's 200 may hide either.
     upstream_error: str | None = None
+    # The JSON string (quotes included) each "model" of its answers is set to, whole and
+    # streamed (gateway.wire.naming); None: the backend's own value is relayed.
+    answer_model: bytes | None = None
     # The candidate of the last grant; None while it waits through its admit path.
     _bound: Candidate | None = field(default=None, repr=False)
 

@@ -40,6 +40,7 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import AccessRecord, record_of
 from gateway.request.exchange import Exchange
 from gateway.request.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
+from gateway.wire.naming import answer_name, served_name
 from gateway.wire.resume import resumable
 from gateway.wire.routes import BY_NAME, Api
 from gateway.wire.validation import ParsedRequest, check_content_type
@@ -313,7 +314,7 @@ async def prepare_exchange(state: Planning, request: Request, route: str) -> Exc
         queue=queue, affinity_key=key,
         affinity=queue.affinity_for(key) if queue is not None else None, prefix=prefix,
         tenant=tenant, party=party, hold=hold, prompt_total=prompt_total,
-        batched=batch > 1,
+        batched=batch > 1, answer_model=_answer_model(state, req, first.backend),
     )
 
 
@@ -563,6 +564,17 @@ def _plan(state: Planning, backend: Target, req: ParsedRequest, route: str,
         charge = replace(charge, predicted=backend.lengths.predict(charge.max_tokens))
     body, tag = backend.prepare(req, charge)
     return Candidate(backend, charge, _upstream_model(backend, body), tag, tracked)
+
+
+def _answer_model(state: Planning, req: ParsedRequest, backend: Target) -> bytes | None:
+    """What the ``model`` of the answers says (``routing.answer_model``): the name the
+    client asked for, else the backend's model (a file path by its file name); ``None``
+    keeps the backend's own value."""
+    if state.settings.routing.answer_model == "backend":
+        return None
+    asked = req.body.get("model")
+    return answer_name(asked if isinstance(asked, str) and asked
+                       else served_name(backend.model))
 
 
 def _upstream_model(backend: Target, body: dict[str, Any]) -> dict[str, Any]:

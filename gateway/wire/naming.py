@@ -1,0 +1,130 @@
+"""The ``model`` an answer names, set from its bytes: :func:`rename_model`.
+
+llama-server writes its model file's path into every answer's ``model``, the whole JSON
+and every streamed chunk (measured on the build in use, started without ``--alias``:
+``"model":"/home/…/x.gguf"``, even when the request named another model), so a client
+would learn a path of the server. The gateway writes the served model's name there
+instead (:func:`answer_name`), as the OpenAI API names the model that answered.
+
+The relay passes answers through as bytes, so this works on bytes too: it finds each
+``"model": "…"`` member of the JSON text(s) in a buffer (one whole answer, one SSE event,
+an NDJSON line, or several of them back to back) and splices the new string in, without
+parsing or re-serialising anything else. Every member so named is rewritten, at any
+depth: the Anthropic ``message_start`` event's ``message.model`` and the OpenAI Responses
+``response.model`` as well as an OpenAI chunk's own ``model``. A ``model`` whose value is
+not a string (``null``) is left as it is.
+
+Why the bytes are enough: a JSON string cannot hold an unescaped quote, so inside a
+string ``"model"`` appears only as ``\\"model\\"``; outside one, ``"model"`` followed by
+``:`` is a member's name. A match whose opening quote is escaped (the byte before it a
+backslash) is the end of another name and is skipped. Names are read as written: one
+spelled with escapes (``"\\u006dodel"``), which no backend sends, is not recognised. A
+``data:`` field split over several lines is read line by line: a member cut by a line
+break is not recognised (llama-server, Ollama and vLLM write one line per event).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+__all__ = ["answer_name", "rename_model", "served_name"]
+
+_KEY = b'"model"'
+_SPACE = b" \t\r\n"
+_QUOTE, _COLON, _BACKSLASH = 0x22, 0x3A, 0x5C
+_DRIVE = re.compile(r"^[A-Za-z]:[\\/]")
+
+
+def served_name(model: str) -> str:
+    """The name answers give a backend's model id: a file path (absolute, relative with
+    ``./`` or ``../``, or any name of a ``.gguf`` file) by its file name without
+    ``.gguf``; any other id (``Qwen/Qwen3-8B``, ``llama3.2:latest``) as it is.
+
+    Without ``--alias``, llama-server reports its ``-m`` path as the id in ``/v1/models``
+    (measured on the build in use); vLLM, without ``--served-model-name``, its
+    ``--model`` argument, which may be a directory.
+    """
+    lowered = model.lower()
+    if not (model.startswith(("/", "~", "./", "../", "\\")) or _DRIVE.match(model)
+            or lowered.endswith(".gguf")):
+        return model
+    base = model.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+    if base.lower().endswith(".gguf"):
+        base = base[:-5]
+    return base or model
+
+
+def answer_name(name: str) -> bytes:
+    """``name`` as a JSON string (quotes included), ready for :func:`rename_model`."""
+    return json.dumps(name, ensure_ascii=False).encode()
+
+
+def rename_model(raw: bytes, name: bytes) -> bytes:
+    """``raw`` with the string value of each ``model`` member replaced by ``name``.
+
+    :param raw: JSON text as received: a whole answer, or SSE events or NDJSON lines
+        (any number, whole or not: a member is rewritten only when all of it is in
+        ``raw``, so feed whole events).
+    :param name: the new value, a JSON string with its quotes (:func:`answer_name`).
+    :returns: ``raw`` itself when it names no model or only ``name`` already (no copy),
+        else a new buffer of the same bytes but for the values replaced. About 1 µs for
+        an OpenAI chunk (a third of :func:`gateway.wire.events.quick_token`'s time).
+    """
+    at = raw.find(_KEY)
+    if at < 0:
+        return raw
+    parts: list[bytes] = []
+    last = 0
+    size = len(raw)
+    while at >= 0:
+        found = _value_at(raw, at, size)
+        if found is None:
+            at = raw.find(_KEY, at + 7)
+            continue
+        begin, end = found
+        if raw[begin:end] != name:
+            parts += (raw[last:begin], name)
+            last = end
+        at = raw.find(_KEY, end)
+    if not parts:
+        return raw
+    parts.append(raw[last:])
+    return b"".join(parts)
+
+
+def _value_at(raw: bytes, at: int, size: int) -> tuple[int, int] | None:
+    """Where the string value of the ``"model"`` name at ``at`` starts (its opening
+    quote) and ends (past its closing quote), or ``None``: the quote at ``at`` is
+    escaped (inside a string), no ``:`` follows (a value, not a name), the value is not
+    a string, or it does not end within ``raw``."""
+    if at and raw[at - 1] == _BACKSLASH:
+        return None
+    if raw.startswith(b':"', at + 7):  # compact, as every backend writes it
+        return _string_at(raw, at + 8)
+    i = at + 7
+    while i < size and raw[i] in _SPACE:
+        i += 1
+    if i >= size or raw[i] != _COLON:
+        return None
+    i += 1
+    while i < size and raw[i] in _SPACE:
+        i += 1
+    if i >= size or raw[i] != _QUOTE:
+        return None
+    return _string_at(raw, i)
+
+
+def _string_at(raw: bytes, begin: int) -> tuple[int, int] | None:
+    """The JSON string whose opening quote is at ``begin``: ``(begin, past its closing
+    quote)``, or ``None`` when it does not end within ``raw``."""
+    i = begin
+    while True:
+        i = raw.find(b'"', i + 1)
+        if i < 0:
+            return None
+        escapes = 0
+        while raw[i - 1 - escapes] == _BACKSLASH:
+            escapes += 1
+        if escapes % 2 == 0:  # an odd run of backslashes escapes the quote
+            return begin, i + 1

@@ -1,0 +1,121 @@
+"""The ``model`` of answers set from their bytes (gateway/wire/naming.py): every member
+named ``model`` with a string value is rewritten, nothing else changes, and a name inside
+a string is never taken for a member."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.wire.naming import answer_name, rename_model, served_name
+
+PATH = "/home/x/models/gemma-3-270m-q4_k_m.gguf"
+NAME = answer_name("gemma")
+
+# As llama-server writes them (measured on the build in use).
+CHUNK = ('data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"<"}}],'
+         f'"created":1,"id":"chatcmpl-1","model":"{PATH}","system_fingerprint":"b0",'
+         '"object":"chat.completion.chunk"}\n\n').encode()
+MESSAGE_START = ('event: message_start\ndata: {"type":"message_start","message":{"id":"m",'
+                 f'"type":"message","role":"assistant","content":[],"model":"{PATH}",'
+                 '"usage":{"input_tokens":5,"output_tokens":0}}}\n\n').encode()
+
+
+def test_a_chunk_names_the_served_model_and_keeps_every_other_byte() -> None:
+    out = rename_model(CHUNK, NAME)
+    assert out == CHUNK.replace(PATH.encode(), b"gemma")
+    assert json.loads(out[6:])["model"] == "gemma"
+
+
+def test_a_nested_model_is_renamed_too() -> None:
+    # Anthropic's message_start (message.model), in an event with an event: line.
+    out = rename_model(MESSAGE_START, NAME)
+    assert out == MESSAGE_START.replace(PATH.encode(), b"gemma")
+
+
+def test_several_events_of_one_read_are_all_renamed() -> None:
+    out = rename_model(CHUNK * 3 + b"data: [DONE]\n\n", NAME)
+    assert out.count(b'"model":"gemma"') == 3 and PATH.encode() not in out
+
+
+def test_ollama_ndjson_lines_are_renamed() -> None:
+    # api/types.go ChatResponse: "model" first, then created_at and message.
+    line = b'{"model":"llama3.2:latest","created_at":"t","message":{"role":"assistant",' \
+           b'"content":"hi"},"done":false}\n'
+    assert rename_model(line * 2, NAME) == line.replace(b"llama3.2:latest", b"gemma") * 2
+
+
+def test_nothing_to_rename_returns_the_same_object() -> None:
+    done = b"data: [DONE]\n\n"
+    assert rename_model(done, NAME) is done
+    already = CHUNK.replace(PATH.encode(), b"gemma")
+    assert rename_model(already, NAME) is already
+    null = b'{"model":null,"x":1}'
+    assert rename_model(null, NAME) is null
+
+
+def test_a_model_inside_a_string_is_left_alone() -> None:
+    # Generated text that says "model": "x" is escaped inside its string.
+    raw = json.dumps({"content": 'say "model": "secret"', "text": '{"model":"y"}'}).encode()
+    assert rename_model(raw, NAME) is raw
+    # A member whose name ends with an escaped quote before model.
+    raw = json.dumps({'a"model': "keep", "model": PATH}).encode()
+    assert json.loads(rename_model(raw, NAME)) == {'a"model': "keep", "model": "gemma"}
+
+
+def test_spacing_and_escapes_in_the_value_are_read() -> None:
+    raw = b'{"model" :\n "C:\\\\models\\\\x \\"q\\".gguf", "n": 1}'
+    assert json.loads(rename_model(raw, NAME)) == {"model": "gemma", "n": 1}
+
+
+def test_answer_name_is_a_json_string() -> None:
+    assert answer_name('a "quoted"\nname') == json.dumps('a "quoted"\nname').encode()
+    raw = rename_model(b'{"model":"x"}', answer_name('a "b"'))
+    assert json.loads(raw) == {"model": 'a "b"'}
+
+
+def _renamed(value: Any, name: str) -> Any:
+    """The reference: every "model" member with a string value set to ``name``."""
+    if isinstance(value, dict):
+        return {k: name if k == "model" and isinstance(v, str) else _renamed(v, name)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_renamed(v, name) for v in value]
+    return value
+
+
+_text = st.text(alphabet=st.sampled_from(list('model"\\:{},[] \n\tx\u00e9')), max_size=12)
+_keys = st.one_of(st.just("model"), _text)
+_json = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), _text),
+    lambda inner: st.one_of(st.lists(inner, max_size=4),
+                            st.dictionaries(_keys, inner, max_size=4)),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=st.dictionaries(_keys, _json, max_size=5), name=_text,
+       indent=st.sampled_from([None, 1]), ascii_only=st.booleans())
+def test_renaming_the_bytes_equals_renaming_the_parsed_json(
+        doc: dict[str, Any], name: str, indent: int | None, ascii_only: bool) -> None:
+    raw = json.dumps(doc, indent=indent, ensure_ascii=ascii_only).encode()
+    assert json.loads(rename_model(raw, answer_name(name))) == _renamed(doc, name)
+
+
+@pytest.mark.parametrize("model,served", [
+    ("/home/x/models/gemma-3-270m-q4_k_m.gguf", "gemma-3-270m-q4_k_m"),
+    ("models/qwen.GGUF", "qwen"),
+    ("./m.gguf", "m"),
+    ("C:\\models\\phi.gguf", "phi"),
+    ("/srv/models/Llama-3-8B/", "Llama-3-8B"),
+    ("~/weights/mistral", "mistral"),
+    ("Qwen/Qwen3-8B", "Qwen/Qwen3-8B"),  # a hub id, not a path
+    ("llama3.2:latest", "llama3.2:latest"),
+    ("gemma", "gemma"),
+])
+def test_served_name_of_a_path_is_its_file_name(model: str, served: str) -> None:
+    assert served_name(model) == served
