@@ -230,3 +230,14 @@ async def test_answer_model_backend_keeps_the_backends_own_value() -> None:
             r = await client.post("/v1/chat/completions", json={
                 **BODIES["/v1/chat/completions"], "model": "my-gemma", "stream": stream})
             assert set(models_in(r.text)) == {PATH}
+
+
+@pytest.mark.parametrize("answer_model", ["served", "backend"])
+async def test_the_model_list_names_a_path_by_its_file_name(answer_model: str) -> None:
+    client, app = await gateway(answer_model=answer_model)
+    async with client:
+        listed = (await client.get("/v1/models")).json()["data"]
+    expected = SERVED if answer_model == "served" else PATH
+    assert [m["id"] for m in listed] == [expected] and listed[0]["meta"]["n_vocab"] == 1000
+    # The name the list and the answers give reaches the backend, as its path does.
+    assert {SERVED, PATH} <= app.state.gateway.fleet.backends["local"].model_names

@@ -594,3 +594,16 @@ def test_the_busy_cap_is_learnt_relaxed_and_cleared() -> None:
     assert pool.busy_cap is None
     with pytest.raises(ValueError):
         Layout(4, 100, busy_cap=0)
+
+
+@pytest.mark.parametrize("name", ["team-llm", "llm-alias"])
+async def test_a_chat_by_the_gateways_name_is_counted_under_the_served_id(
+        make: Any, vllm: FakeVllm, name: str) -> None:
+    # vLLM's /tokenize answers 404 to a model name it does not serve, as its generations do.
+    h = await make(model="team-llm", aliases=["llm-alias"])
+    r = await h.client.post("/v1/chat/completions", json={**chat(max_tokens=3), "model": name})
+    assert r.status_code == 200, r.text
+    tokenize = [json.loads(q.content) for q in vllm.requests if q.url.path == "/tokenize"]
+    assert tokenize and tokenize[-1]["model"] == vllm.model
+    assert vllm.generations[-1]["model"] == vllm.model
+    assert r.json()["model"] == name  # the answer names what the client asked for

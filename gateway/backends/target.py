@@ -51,6 +51,7 @@ from gateway.core.predict import CompletionLengths
 from gateway.core.prefix import Prefix
 from gateway.core.slots import PromptIndex
 from gateway.errors import GatewayError
+from gateway.wire.naming import served_name
 from gateway.wire.validation import ParsedRequest
 
 __all__ = ["OVERFLOW_BURST_S", "PENALTY_RECOVERY_S", "PREEMPTION_WATCH_S",
@@ -203,8 +204,21 @@ class Target:
 
     @property
     def model_names(self) -> frozenset[str]:
-        """Every name that reaches this backend's model: the model and its aliases."""
-        return frozenset((self.model, *self.settings.aliases))
+        """Every name that reaches this backend's model: the model, the name answers give
+        it (a file path's file name, :func:`gateway.wire.naming.served_name`) and its
+        aliases."""
+        return frozenset((self.model, served_name(self.model), *self.settings.aliases))
+
+    def upstream_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` with ``model`` set to the id the backend serves, when the client named
+        the model by the gateway's name or an alias of it: vLLM answers 404 to a name it
+        does not serve (its ``/tokenize`` too). Other names (a LoRA adapter's, say) pass
+        unchanged; the body is not copied when nothing changes."""
+        served = self.discovered.model_id if self.discovered is not None else None
+        asked = body.get("model")
+        if served and isinstance(asked, str) and asked != served and asked in self.model_names:
+            return {**body, "model": served}
+        return body
 
     @property
     def up(self) -> bool:
@@ -303,7 +317,7 @@ class Target:
             also marked down and re-discovered, so the next requests get 503 at once.
         """
         try:
-            return await self.dialect.count_prompt(route, body)
+            return await self.dialect.count_prompt(route, self.upstream_body(body))
         except GatewayError as exc:
             if exc.upstream_kind == "connect":
                 self.reachable = False

@@ -32,6 +32,7 @@ from gateway.http.views import admin_row, ready_row
 from gateway.observe.record import record_of
 from gateway.relay.response import ProxyResponse
 from gateway.request.plan import count_prompt, prepare_exchange, read_body, require_ready
+from gateway.wire.naming import served_name
 from gateway.wire.routes import BY_NAME, DIRECT, FORWARDED, SERVED, Route
 from gateway.wire.validation import check_content_type
 
@@ -120,11 +121,16 @@ async def _listed(backend: Target) -> list[dict[str, Any]]:
 
 async def models(request: Request) -> Response:
     """Each model once: a backend with ``model`` configured is listed under that name
-    (its own entry renamed, for the metadata); one without, as it lists itself.
+    (its own entry renamed, for the metadata); one without, as it lists itself, but for
+    an id that is a file path (llama-server's ``-m`` without ``--alias``), listed by its
+    file name as answers name it (:func:`gateway.wire.naming.served_name`) unless
+    ``routing.answer_model = "backend"``.
     Backends are asked at once, each for at most :data:`MODELS_TIMEOUT_S`; one that
     does not answer lists nothing."""
-    backends = list(_state(request).fleet.backends.values())
+    state = _state(request)
+    backends = list(state.fleet.backends.values())
     answers = await asyncio.gather(*(_listed(b) for b in backends))
+    renamed = state.settings.routing.answer_model != "backend"
     data: list[Any] = []
     seen: set[Any] = set()
     for backend, entries in zip(backends, answers, strict=True):
@@ -138,6 +144,8 @@ async def models(request: Request) -> Response:
                 entry["aliases"] = list(backend.settings.aliases)
             entries = [entry]
         for entry in entries:
+            if renamed and isinstance(entry.get("id"), str):
+                entry = {**entry, "id": served_name(entry["id"])}
             if entry.get("id") not in seen:
                 seen.add(entry.get("id"))
                 data.append(entry)

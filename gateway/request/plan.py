@@ -563,7 +563,7 @@ def _plan(state: Planning, backend: Target, req: ParsedRequest, route: str,
     if tracked:
         charge = replace(charge, predicted=backend.lengths.predict(charge.max_tokens))
     body, tag = backend.prepare(req, charge)
-    return Candidate(backend, charge, _upstream_model(backend, body), tag, tracked)
+    return Candidate(backend, charge, backend.upstream_body(body), tag, tracked)
 
 
 def _answer_model(state: Planning, req: ParsedRequest, backend: Target) -> bytes | None:
@@ -575,14 +575,3 @@ def _answer_model(state: Planning, req: ParsedRequest, backend: Target) -> bytes
     asked = req.body.get("model")
     return answer_name(asked if isinstance(asked, str) and asked
                        else served_name(backend.model))
-
-
-def _upstream_model(backend: Target, body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` with ``model`` set to the id the backend serves, when the client named
-    the model by the gateway's name or an alias of it: vLLM answers 404 to a name it
-    does not serve. Other names (a LoRA adapter's, say) pass unchanged."""
-    served = backend.discovered.model_id if backend.discovered is not None else None
-    asked = body.get("model")
-    if served and isinstance(asked, str) and asked != served and asked in backend.model_names:
-        return {**body, "model": served}
-    return body
