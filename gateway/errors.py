@@ -139,6 +139,8 @@ class GatewayError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+        #: Fields the error object carries besides message, type, param and code.
+        self.details: dict[str, int] = {}
         if kind is not None:
             self.upstream_kind = kind
 
@@ -158,10 +160,28 @@ class InvalidRequest(ClientError):
 
 
 class ContextLengthExceeded(ClientError):
-    """Raised when a request can never fit one slot of the backend (HTTP 400)."""
+    """Raised when a request can never fit one slot of the backend (HTTP 400).
 
+    Rendered as llama-server renders its own (``tools/server/server-common.cpp``,
+    ``ERROR_TYPE_EXCEED_CONTEXT_SIZE``): ``type`` ``exceed_context_size_error``, with the
+    prompt's tokens and the slot's context as ``n_prompt_tokens`` and ``n_ctx`` when
+    known, so that clients written for llama-server recognise it; ``code`` stays
+    OpenAI's ``context_length_exceeded``.
+
+    :param n_prompt_tokens: the prompt's tokens (a lower bound where it was not counted).
+    :param n_ctx: the tokens one slot holds (llama-server's per-slot ``n_ctx``).
+    """
+
+    error_type = "exceed_context_size_error"
     code = "context_length_exceeded"
     rejection_reason = RejectionReason.context_length_exceeded
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 kind: UpstreamKind | None = None, n_prompt_tokens: int | None = None,
+                 n_ctx: int | None = None) -> None:
+        super().__init__(message, param=param, kind=kind)
+        self.details = {k: v for k, v in (("n_prompt_tokens", n_prompt_tokens),
+                                          ("n_ctx", n_ctx)) if v is not None}
 
 
 class PayloadTooLarge(ClientError):

@@ -8,11 +8,17 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from hypothesis import settings as hypothesis_settings
 from prometheus_client import CollectorRegistry
 
 from gateway.config import Settings, load_settings
 from gateway.http.app import GatewayState, create_app
 from tests.fakes import FakeLlamaServer, ManualClock
+
+# These machines are shared and noisy: a property's example may take far longer than
+# Hypothesis's default 200 ms deadline without anything being wrong, so no deadline.
+hypothesis_settings.register_profile("shared-machine", deadline=None)
+hypothesis_settings.load_profile("shared-machine")
 
 
 @pytest.fixture

@@ -71,7 +71,10 @@ async def test_never_fits_is_400_and_not_forwarded(harness_factory: Any) -> None
     r = await h.chat("word " * 100, max_tokens=10)
     assert r.status_code == 400
     err = r.json()["error"]
-    assert err["code"] == "context_length_exceeded" and err["type"] == "invalid_request_error"
+    # llama-server's type and figures, OpenAI's code
+    assert err["code"] == "context_length_exceeded"
+    assert err["type"] == "exceed_context_size_error"
+    assert (err["n_prompt_tokens"], err["n_ctx"]) == (106, 64)
     assert "106" in err["message"] and "64" in err["message"]
     assert h.fake.generations == []
     assert r.headers["x-should-retry"] == "false"
@@ -167,9 +170,10 @@ async def test_upstream_4xx_is_relayed_in_the_openai_shape(harness: Harness, fak
     r = await harness.chat("hi", max_tokens=10)
     assert r.status_code == 400
     err = r.json()["error"]
-    # llama-server's {"code": 400, "type": "exceed_context_size_error"} made OpenAI-shaped,
-    # its own figures kept.
-    assert err["type"] == "invalid_request_error" and err["code"] == "context_length_exceeded"
+    # llama-server's {"code": 400, "type": "exceed_context_size_error"}: its type and its
+    # own figures kept, OpenAI's string code.
+    assert err["type"] == "exceed_context_size_error"
+    assert err["code"] == "context_length_exceeded"
     assert err["param"] is None and "exceeds the available context" in err["message"]
     assert (err["n_prompt_tokens"], err["n_ctx"]) == (9000, 2048)
 

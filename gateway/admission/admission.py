@@ -51,7 +51,8 @@ def _never_fits(layout: Layout, charge: Charge) -> ContextLengthExceeded:
         f"{charge.n}, but the backend's layout changed while it was being counted "
         f"and is now {layout.slots} slots of {layout.ctx_per_slot} tokens "
         f"(at most {layout.usable_per_slot} usable per slot, "
-        f"{layout.capacity_tokens} in all). Lower max_tokens or shorten the prompt.")
+        f"{layout.capacity_tokens} in all). Lower max_tokens or shorten the prompt.",
+        n_prompt_tokens=charge.prompt_tokens, n_ctx=layout.ctx_per_slot)
 
 
 def _doomed(predicted: float, max_wait: float) -> QueueWaitPredicted:
@@ -198,7 +199,9 @@ class Admission:
                 if not capacity.fits_alone(layout, waiter.request.charge):
                     self._room.fail(waiter, ContextLengthExceeded(
                         "The backend's capacity changed while this request was queued "
-                        f"and it no longer fits one slot ({layout.ctx_per_slot} tokens)."))
+                        f"and it no longer fits one slot ({layout.ctx_per_slot} tokens).",
+                        n_prompt_tokens=waiter.request.charge.prompt_tokens,
+                        n_ctx=layout.ctx_per_slot))
         self._wake()
 
     def refuse_waiting(self, exc: Exception) -> None:

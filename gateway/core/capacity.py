@@ -196,7 +196,7 @@ def _room_per_slot(layout: Layout, prompt_tokens: int, n: int) -> int:
             f"This request's prompt is {prompt_tokens} tokens, which leaves no room for output "
             f"in a context of {layout.ctx_per_slot} tokens (at most {layout.usable_per_slot} "
             f"usable, prompt + max_tokens). Shorten the prompt.",
-            param="messages",
+            param="messages", n_prompt_tokens=prompt_tokens, n_ctx=layout.ctx_per_slot,
         )
     if n > layout.slots:
         raise InvalidRequest(
@@ -240,7 +240,7 @@ def plan_charge(
                 f"(prompt {prompt_tokens} + {cap_field} {requested_max_tokens}), but one request "
                 f"may use at most {layout.usable_per_slot} (context {layout.ctx_per_slot}). "
                 f"Lower {cap_field} to {room} or shorten the prompt.",
-                param=cap_field,
+                param=cap_field, n_prompt_tokens=prompt_tokens, n_ctx=layout.ctx_per_slot,
             )
         cap, clamped = room, True
     else:
@@ -252,7 +252,7 @@ def plan_charge(
             f"This request needs {charge.tokens} KV tokens (n {n} × (prompt {prompt_tokens} + "
             f"max_tokens {cap}), in blocks of {layout.block_size}), more than the backend's "
             f"whole pool of {layout.capacity_tokens}. Lower n or max_tokens.",
-            param="n",
+            param="n", n_prompt_tokens=prompt_tokens, n_ctx=layout.ctx_per_slot,
         )
     return charge
 

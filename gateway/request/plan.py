@@ -523,6 +523,7 @@ def _check_shape(backend: Target, req: ParsedRequest, route: str, batch: int) ->
             f"This prompt has at least {floor} tokens, more than a slot of "
             f"{layout.ctx_per_slot} tokens holds. Shorten the prompt.",
             param="prompt" if req.prompts else req.spec.prompt_field,
+            n_prompt_tokens=floor, n_ctx=layout.ctx_per_slot,
         )
 
 

@@ -57,6 +57,7 @@ def error_body(exc: GatewayError) -> dict[str, Any]:
             "type": exc.error_type,
             "param": exc.param,
             "code": exc.code,
+            **exc.details,
         }
     }
 
@@ -88,6 +89,8 @@ def error_headers(exc: GatewayError) -> dict[str, str]:
     return {}
 
 
+#: llama-server's type for a prompt past the context, kept: clients match on it.
+_EXCEEDED = "exceed_context_size_error"
 _OPENAI_TYPES = {"invalid_request_error", "authentication_error", "permission_error",
                  "not_found_error", "rate_limit_error", "server_error"}
 # Backends' own error types that have an OpenAI code: llama-server's
@@ -115,7 +118,7 @@ def reshape_upstream_error(status: int, err: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in err.items() if k not in ("message", "type", "param", "code")}
     out.update({
         "message": str(err.get("message") or f"The backend answered HTTP {status}."),
-        "type": kind if kind in _OPENAI_TYPES else
+        "type": kind if kind in _OPENAI_TYPES or kind == _EXCEEDED else
         ("invalid_request_error" if status < 500 else "server_error"),
         "param": err.get("param") if isinstance(err.get("param"), str) else None,
         "code": code,
