@@ -108,7 +108,11 @@ async def count_tokens(request: Request) -> Response:
 
 
 async def _listed(backend: Target) -> list[dict[str, Any]]:
-    """``backend``'s own ``GET /v1/models`` entries; nothing when it does not answer."""
+    """``backend``'s own ``GET /v1/models`` entries; nothing when it does not answer. A
+    llama-server router lists its models with their state
+    (:meth:`gateway.backends.router.RouterHub.listed`)."""
+    if backend.router.hub is not None:
+        return await backend.router.hub.listed()
     try:
         resp = await backend.side_client.get(
             backend.url("/v1/models"), headers=backend.settings.auth_headers,
@@ -122,13 +126,15 @@ async def models(request: Request) -> Response:
     """Each model once: a backend with ``model`` configured is listed under that name
     (its own entry renamed, for the metadata); one without, as it lists itself.
     Backends are asked at once, each for at most :data:`MODELS_TIMEOUT_S`; one that
-    does not answer lists nothing."""
-    backends = list(_state(request).fleet.backends.values())
+    does not answer lists nothing. A llama-server router's models are listed once, by
+    its hub, each with ``status.value`` (``unloaded``, ``loading``, ``loaded``,
+    ``sleeping``)."""
+    backends = [b for b in _state(request).fleet.backends.values() if b.router.parent is None]
     answers = await asyncio.gather(*(_listed(b) for b in backends))
     data: list[Any] = []
     seen: set[Any] = set()
     for backend, entries in zip(backends, answers, strict=True):
-        configured = backend.settings.model
+        configured = backend.settings.model if backend.router.hub is None else None
         if configured is not None:
             if configured in seen or not entries:
                 continue
