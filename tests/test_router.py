@@ -26,10 +26,11 @@ pytestmark = pytest.mark.anyio
 class RouterHarness:
     """The gateway over a fake router, named ``router``."""
 
-    def __init__(self, router: FakeRouter, clock: Any = None, **backend: Any) -> None:
+    def __init__(self, router: FakeRouter, clock: Any = None, server: Any = None,
+                 **backend: Any) -> None:
         self.router = router
         self.settings = load_settings(
-            admission={"disconnect_grace_s": 0.0},
+            admission={"disconnect_grace_s": 0.0}, server=server or {},
             backends=[{"name": "router", "url": "http://upstream:8080", **backend}])
         self.app = create_app(self.settings, http_client=router.client(),
                               registry=CollectorRegistry(), clock=clock, discover=False)
@@ -56,8 +57,9 @@ class RouterHarness:
         return await self.client.post("/v1/chat/completions", json=body)
 
 
-async def harness(router: FakeRouter, clock: Any = None, **backend: Any) -> RouterHarness:
-    h = RouterHarness(router, clock, **backend)
+async def harness(router: FakeRouter, clock: Any = None, server: Any = None,
+                  **backend: Any) -> RouterHarness:
+    h = RouterHarness(router, clock, server, **backend)
     await h.hub.discover()
     return h
 
@@ -296,8 +298,10 @@ async def test_models_max_holds_a_busy_model_so_a_waiting_one_loads() -> None:
     first = asyncio.ensure_future(h.chat("a"))
     await until(lambda: router.req_count["a"] == 1, "a busy")
     for_b = asyncio.ensure_future(h.chat("b"))
-    await until(lambda: "b" in router.queue, "b waiting at the router")
-    assert router.status["a"] == "loaded"  # the router never unloads a busy model
+    # b waits for its turn in the gateway, before its count: the router would not
+    # unload the busy a anyway, and a count sent now would only queue there.
+    await until(lambda: gate._waiting["b"] == 1, "b waiting for its turn")
+    assert router.queue == [] and router.status["a"] == "loaded"
     await h.hub.discover()  # the gateway holds a: it takes no new request
     assert set(gate.holds) == {"a"} and gate.holds["a"].wanted == "b"
     assert h.sample("gateway_router_model_held", backend="router/a") == 1
@@ -325,6 +329,30 @@ async def test_no_hold_while_an_idle_model_can_make_way() -> None:
     assert (await h.chat("b")).status_code == 200  # a idle: the router swaps itself
     await h.hub.discover()
     assert h.hub.router.hub.gate.holds == {} and router.unloads == ["a"]
+
+
+async def test_a_turn_waits_for_a_place_at_most_its_bound() -> None:
+    from gateway.core.capacity import Charge
+
+    clock = ManualClock()
+    router = two_models(loaded={"a"}, models_max=1)
+    h = await harness(router, clock=clock)
+    gate = h.hub.router.hub.gate
+    lease = await h.member("a").admission.admit(Charge(10, 10))  # a is busy
+    waiting = asyncio.ensure_future(gate.turn("b", 30.0))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    clock.advance(31)  # past its bound it goes on (and would wait at the router)
+    await asyncio.wait_for(waiting, 1)
+    clock.advance(10)
+    await h.hub.discover()  # the turn given and never used is forgotten: b waits again
+    again = asyncio.ensure_future(gate.turn("b", 30.0))
+    await asyncio.sleep(0.01)
+    assert not again.done()
+    h.member("a").admission.release(lease)
+    clock.advance(10)
+    await h.hub.discover()  # a idle now: b's turn
+    await asyncio.wait_for(again, 1)
 
 
 # -- the fleet ------------------------------------------------------------------------
@@ -368,6 +396,19 @@ async def test_a_per_slot_child_is_admitted_per_slot() -> None:
     assert h.member("b").settings.kv_unified is False
     r = await h.chat("b", max_tokens=1100)  # over one slot's 1024 tokens
     assert r.status_code == 400 and router.forwarded[-1][1].endswith("input_tokens")
+
+
+async def test_draining_the_router_drains_its_models() -> None:
+    router = two_models(loaded={"a"})
+    h = await harness(router, server={"admin_key": "k"})
+    admin = {"authorization": "Bearer k"}
+    r = await h.client.post("/admin/backends/router/drain", headers=admin)
+    assert r.status_code == 200
+    assert h.member("a").draining and h.member("b").draining
+    r = await h.chat("a")
+    assert r.status_code == 503
+    await h.client.post("/admin/backends/router/undrain", headers=admin)
+    assert (await h.chat("a")).status_code == 200
 
 
 def test_probe_reads_each_model_of_a_router() -> None:

@@ -344,12 +344,14 @@ class RouterModel(LlamaCpp):
 
     async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:
         """Count as llama-server does (:meth:`LlamaCpp.count_prompt`) on the model's own
-        child: a model not running is loaded by the router first, and the count waits
-        for it (at most the side timeout; past it, the gateway estimates). Counted as a
-        want of the model for ``--models-max`` meanwhile."""
+        child. For a model not running, after its turn under ``--models-max``
+        (:meth:`~gateway.backends.router_gate.ModelsMaxGate.turn`, at most
+        ``read_timeout_s``): the router loads it first, and the count waits for it (at
+        most the side timeout; past it, the gateway estimates)."""
         gate = self.hub.gate
         gate.counting(self.model_id, 1)
         try:
+            await gate.turn(self.model_id, self.settings.read_timeout_s)
             return await super().count_prompt(route, body)
         finally:
             gate.counting(self.model_id, -1)

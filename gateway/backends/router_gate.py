@@ -11,7 +11,14 @@ a busy model: the load waits until one is idle, and a model kept busy (requests 
 keep arriving) would keep it waiting for ever.
 
 So the gateway, which admits every request the router runs, does the rest
-(:class:`ModelsMaxGate`): when a model waits to load, every place is taken and every
+(:class:`ModelsMaxGate`). A request for a model that is not running waits in the gateway
+before its count (the first call that reaches the router, and so the one that would
+start the load) until the model has its *turn*: a free place (none taken by a load the
+gateway let through and the router has not shown running yet), or a loaded model with
+no work in the gateway, which the router then unloads. (Sent at once, a count for
+another model would have the router unload a model between its own count and its
+generation, and load it again right after.) And when a model waits to load, every
+place is taken and every
 loaded model is busy, it *holds* the least recently used loaded model (one that has run
 at least :data:`MIN_RESIDENCY_S`, or its own load time): a lease of all its slots, taken
 at the head of its queue, so that it takes no new request, its requests in flight end,
@@ -38,7 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gateway.admission.lease import Lease
-from gateway.clock import Clock
+from gateway.clock import Clock, wait
 from gateway.core.capacity import Charge
 from gateway.errors import GatewayError
 
@@ -95,6 +102,9 @@ class ModelsMaxGate:
         self._loaded_at: dict[str, float] = {}
         self._used: dict[str, float] = {}  # a request last planned on it
         self._counting: Counter[str] = Counter()
+        self._waiting: Counter[str] = Counter()  # requests waiting for the model's turn
+        self._sent: dict[str, float] = {}  # turns given, until the model shows running
+        self._changed: asyncio.Future[None] | None = None  # done at the next rebalance
         self._poll: asyncio.Task[None] | None = None
 
     # -- what the requests tell ---------------------------------------------------------
@@ -119,6 +129,50 @@ class ModelsMaxGate:
         self._want_since.setdefault(model_id, self.clock.now())
         self._start_poll()
 
+    async def turn(self, model_id: str, timeout_s: float) -> None:
+        """Wait until requests for ``model_id`` may reach the router (see the module):
+        at once when it runs, there is no ``--models-max`` or it has a place; else until
+        a place frees or a loaded model has no work left in the gateway (a hold makes
+        one), checked at each read of the hub; at most ``timeout_s`` seconds, after which
+        the request goes on and waits at the router instead."""
+        deadline = self.clock.now() + timeout_s
+        self.wanted(model_id)
+        while not self._may_send(model_id):
+            left = deadline - self.clock.now()
+            if left <= 0:
+                self._sent[model_id] = self.clock.now()
+                return
+            if self._changed is None or self._changed.done():
+                self._changed = asyncio.get_running_loop().create_future()
+            self._waiting[model_id] += 1
+            try:
+                await wait(self.clock, self._changed, left)
+            except TimeoutError:
+                pass
+            finally:
+                self._waiting[model_id] -= 1
+
+    def _may_send(self, model_id: str) -> bool:
+        """``model_id`` runs, or has its turn now (which takes a place until it runs)."""
+        hub, now = self.hub, self.clock.now()
+        entry = hub.entries.get(model_id)
+        if (entry is None or entry.running or hub.max_instances <= 0
+                or model_id in self._sent):
+            return True
+        running = {i for i, e in hub.entries.items() if e.running}
+        pending = [i for i in self._sent if i not in running]
+        idle = [i for i in running if i not in pending and hub.entries[i].status != "loading"
+                and (self._granted(i) or not self._busy(i, now))]
+        if hub.max_instances - len(running) - len(pending) > 0 or idle:
+            self._sent[model_id] = now
+            return True
+        return False
+
+    def _granted(self, model_id: str) -> bool:
+        """A hold on ``model_id`` has all its slots: it takes no request, runs none."""
+        hold = self.holds.get(model_id)
+        return hold is not None and hold.lease is not None
+
     # -- what /models tells -------------------------------------------------------------
 
     def observe(self, before: dict[str, ModelEntry], after: dict[str, ModelEntry]) -> None:
@@ -137,6 +191,8 @@ class ModelsMaxGate:
                     sample = now - start
                     last = self.load_s.get(model_id)
                     self.load_s[model_id] = sample if last is None else (last + sample) / 2
+            if entry.running:
+                self._sent.pop(model_id, None)  # its turn is over: it holds its place
             if entry.running and entry.status != "loading":
                 self._want_since.pop(model_id, None)
             elif not entry.running:
@@ -166,15 +222,15 @@ class ModelsMaxGate:
 
     def _busy(self, model_id: str, now: float) -> bool:
         """The gateway has work on ``model_id``: a request in flight or queued (the
-        hold's own lease aside), a count under way, or one planned under
-        :data:`WANT_S` ago."""
+        hold's own lease aside), a count under way or waiting for its turn, or one
+        planned under :data:`WANT_S` ago."""
         member = self.hub.members.get(model_id)
         if member is None:
             return False
         stats = member.admission.stats()
         held, queued = self._own(model_id)
         return (stats.inflight - held > 0 or stats.queued - queued > 0
-                or self._counting[model_id] > 0
+                or self._counting[model_id] > 0 or self._waiting[model_id] > 0
                 or now - self._used.get(model_id, -1e9) < WANT_S)
 
     def _settled(self, model_id: str, now: float) -> bool:
@@ -194,15 +250,34 @@ class ModelsMaxGate:
             if model_id not in wanting and model_id not in running and (
                     now - self._want_since[model_id] > WANT_S):
                 del self._want_since[model_id]  # its requests went away
+        for model_id in list(self._sent):  # a turn given and never used
+            if model_id not in running and not self._busy(model_id, now):
+                del self._sent[model_id]
         for victim in list(self.holds):
             if victim not in running or not wanting:
                 self._release(victim)
+        try:
+            self._hold_for(wanting, running, now)
+        finally:
+            self._poke()
+
+    def _poke(self) -> None:
+        """Have the requests waiting for a turn look again (after a read, a hold)."""
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
+
+    def _hold_for(self, wanting: list[str], running: set[str], now: float) -> None:
+        """Hold loaded models while ``wanting`` outnumber the places free or freeing."""
+        hub = self.hub
         if hub.max_instances <= 0 or not wanting:
             return
-        idle = [i for i in running if i not in self.holds and not self._busy(i, now)]
+        # Only a loaded (or sleeping) model can make way: the router never unloads one
+        # that is still loading (pick_victim, is_ready_or_sleep).
+        up = [i for i in running if hub.entries[i].status != "loading"]
+        idle = [i for i in up if i not in self.holds and not self._busy(i, now)]
         deficit = (len(wanting) - (hub.max_instances - len(running)) - len(idle)
                    - len(self.holds))
-        victims = sorted((i for i in running if i not in self.holds and i in hub.members
+        victims = sorted((i for i in up if i not in self.holds and i in hub.members
                           and self._settled(i, now)), key=lambda i: self._used.get(i, 0.0))
         for victim in victims[:max(0, deficit)]:
             self._hold(victim, wanting[0])
@@ -234,6 +309,7 @@ class ModelsMaxGate:
             hold.member.admission.release(lease, served=False)
         else:
             hold.lease = lease
+            self._poke()  # the held model runs nothing now: a waiting one may go
 
     def _release(self, victim: str) -> None:
         hold = self.holds.pop(victim)

@@ -198,12 +198,15 @@ async def _set_draining(request: Request, name: str, draining: bool) -> Response
     backend = state.fleet.backends.get(name)
     if backend is None:
         raise RouteNotFound(f"No backend named {name!r}; see GET /admin/backends.")
-    backend.set_draining(draining)
+    hub = backend.router.hub  # a llama-server router: its models' backends drain too
+    for each in (backend, *(hub.members.values() if hub is not None else ())):
+        each.set_draining(draining)
     return JSONResponse(admin_row(backend, state.clock.now()))
 
 
 async def drain(request: Request, name: str) -> Response:
-    """``POST /admin/backends/{name}/drain``: the backend takes no new requests."""
+    """``POST /admin/backends/{name}/drain``: the backend takes no new requests (a
+    llama-server router's entry: none of its models does)."""
     return await _set_draining(request, name, True)
 
 

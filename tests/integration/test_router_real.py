@@ -102,8 +102,10 @@ async def test_both_models_served_and_the_overload_held(router_2: LlamaServer) -
         assert states(gw) == {A: "loaded", B: "loaded"}
         assert gw.metric("gateway_router_model_state", backend=f"router/{B}",
                          state="loaded") == 1
-        shown = (f"\nrouter, --models-max 2: first request (with its load) {first_s:.1f} s, "
-                 f"3 overflowing chats held in {overload_s:.1f} s")
+        load_s = gw.metric("gateway_router_model_load_seconds", backend=f"router/{A}")
+        shown = (f"\nrouter, --models-max 2: first request (with its load) {first_s:.1f} s "
+                 f"(load learned: {load_s:.1f} s), 3 overflowing chats held in "
+                 f"{overload_s:.1f} s")
         print(shown)  # noqa: T201
 
 
