@@ -43,7 +43,7 @@ from gateway.errors import (
 from gateway.wire.routes import Route
 from gateway.wire.validation import ParsedRequest
 
-__all__ = ["CONTEXT_OVERFLOW_TEXT", "SIDE_PATHS", "LlamaCpp"]
+__all__ = ["CONTEXT_OVERFLOW_TEXT", "SIDE_PATHS", "LlamaCpp", "RouterMode"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,19 @@ SIDE_PATHS = frozenset({
     "/slots", "/v1/chat/completions/input_tokens", "/chat/completions/input_tokens",
     "/v1/responses/input_tokens", "/responses/input_tokens",
 })
+
+
+class RouterMode(Exception):  # noqa: N818 (a signal, not a failure)
+    """Raised by :meth:`LlamaCpp.discover` when ``/props`` is a router's
+    (``role: router``, ``get_router_props`` in ``tools/server/server-models.cpp``): the
+    target becomes the router's hub (:mod:`gateway.backends.router`).
+
+    :param props: the router's ``/props`` answer.
+    """
+
+    def __init__(self, props: dict[str, Any]) -> None:
+        super().__init__("llama-server runs as a router")
+        self.props = props
 
 
 class LlamaCpp(ExactCount):
@@ -126,6 +139,7 @@ class LlamaCpp(ExactCount):
         :raises UpstreamAuthFailed: 401/403, the gateway's ``api_key`` is missing or wrong.
         :raises UpstreamUnavailable: the server cannot be reached.
         :raises UpstreamError: an answer that is not llama-server's ``/props``.
+        :raises RouterMode: the server is a router (many models, one per child).
         """
         with map_upstream_errors(self.name):
             resp = await self.side.get("/props")
@@ -135,6 +149,8 @@ class LlamaCpp(ExactCount):
             raise UpstreamAuthFailed(self._auth_problem(resp.status_code))
         try:
             props = resp.json()
+            if isinstance(props, dict) and props.get("role") == "router":
+                raise RouterMode(props)
             slots = int(props["total_slots"])
             ctx = int(props["default_generation_settings"]["n_ctx"])
         except (ValueError, KeyError, TypeError) as exc:

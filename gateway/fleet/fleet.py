@@ -7,6 +7,8 @@ naming a model may go (:meth:`Fleet.resolve`, :meth:`Fleet.usable`,
 :meth:`Fleet.queue_for`), marks a backend down after a failure (:meth:`Fleet.mark_failed`),
 and runs the backends' discovery loops and retirements as tasks of the app
 (:class:`~gateway.fleet.tasks.TaskSet`). Reloads go through :mod:`gateway.fleet.reload`.
+A llama-server router's models are backends of their own, kept by
+:mod:`gateway.fleet.routers`; the router's own entry (its hub) serves nothing itself.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from gateway.clock import Clock
 from gateway.config import AdmissionSettings, BackendSettings, RoutingSettings
 from gateway.errors import BackendNotReady, ModelNotFound, RouteNotFound
 from gateway.fleet.pool import ModelQueue
+from gateway.fleet.routers import sync_members, with_members
 from gateway.fleet.shared_pool import SharedModelQueue
 from gateway.fleet.tasks import TaskSet
 
@@ -68,6 +71,8 @@ class Fleet:
         self._queues: dict[tuple[str, ...], ModelQueue] = {}
         self._old_queues: list[ModelQueue] = []  # retired by a reload, still serving
         self._discovery: dict[int, asyncio.Task[Any]] = {}
+        for backend in backends.values():
+            backend.router.on_sync = self.sync_router
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -89,7 +94,13 @@ class Fleet:
 
     def build(self, entry: BackendSettings) -> Target:
         """A new backend for ``entry`` (not yet part of the fleet)."""
-        return self.make_target(entry, self.admission)
+        target = self.make_target(entry, self.admission)
+        target.router.on_sync = self.sync_router
+        return target
+
+    def sync_router(self, hub: Target) -> None:
+        """Keep one member per model of router ``hub`` (:mod:`gateway.fleet.routers`)."""
+        sync_members(self, hub)
 
     def retire(self, backend: Target) -> None:
         """Take ``backend`` out of service: it takes no new requests, finishes those it
@@ -116,6 +127,7 @@ class Fleet:
         """Serve ``backends`` under ``routing`` from now on (a reload). A pool queue
         whose members changed is retired (new requests get a new queue; those waiting
         there stay until served); the others take the new routing settings."""
+        backends = with_members(self, backends)  # a router's, with their hub
         kept = set(map(id, backends.values()))
         names = tuple(backends)
         self._old_queues = [q for q in self._old_queues if q.waiting]
@@ -148,6 +160,8 @@ class Fleet:
         found: dict[str, list[Target]] = {}
         unknown = []
         for backend in self.backends.values():
+            if backend.router.hub is not None:  # a router's hub: its members serve
+                continue
             if backend.model_known:
                 found.setdefault(backend.model, []).append(backend)
             else:
@@ -196,18 +210,19 @@ class Fleet:
             return ((kind is None or backend.kind == kind)
                     and (route is None or route in backend.dialect.route_paths))
 
-        eligible = [b for b in self.backends.values() if fits(b)]
+        serving = [b for b in self.backends.values() if b.router.hub is None]  # not hubs
+        eligible = [b for b in serving if fits(b)]
         for name in (model, self.routing.default_model):
             if not isinstance(name, str):
                 continue
             named = self.backends.get(name)
-            if named is not None:
+            if named is not None and named.router.hub is None:
                 if not fits(named):
                     raise RouteNotFound(f"Backend {named.name!r} (kind {named.kind}) does "
                                         "not serve this route.")
                 return [named]
             # An alias stands for its model, on every backend of that model.
-            stands_for = {b.model for b in self.backends.values() if name in b.model_names}
+            stands_for = {b.model for b in serving if name in b.model_names}
             if stands_for:
                 pool = [b for b in eligible if b.model in stands_for]
                 if not pool:
@@ -218,7 +233,7 @@ class Fleet:
             if kind is not None:
                 raise RouteNotFound(f"This route needs a backend of kind {kind!r}; none "
                                     "is configured.")
-            kinds = sorted({b.kind for b in self.backends.values()})
+            kinds = sorted({b.kind for b in serving})
             raise RouteNotFound(f"No configured backend serves this route (backend kinds: "
                                 f"{', '.join(kinds)}).")
         # Ollama loads whatever model a request names: one without a configured model
@@ -323,8 +338,11 @@ class Fleet:
 
 
 async def _close(backend: Target) -> None:
-    """Stop ``backend``'s background work and close the clients it owns."""
+    """Stop ``backend``'s background work (a router hub's loads and holds too) and close
+    the clients it owns."""
     await backend.close()
+    if backend.router.hub is not None:
+        await backend.router.hub.close()
     for client in backend.owned_clients:
         await client.aclose()
 

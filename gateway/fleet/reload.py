@@ -126,8 +126,10 @@ def plan_reload(running: Settings, new: Settings, backends: Mapping[str, Target]
             action = Action.replace
         actions.append(BackendAction(action, entry.name, entry))
     configured = {entry.name for entry in new.backends}
-    actions += [BackendAction(Action.remove, name) for name in backends
-                if name not in configured]
+    # A router's members (gateway.backends.router) are not configured: they come and go
+    # with their hub.
+    actions += [BackendAction(Action.remove, name) for name, b in backends.items()
+                if name not in configured and b.router.parent is None]
     return ReloadPlan(new.model_copy(update={"server": server}), tuple(actions),
                       routing=new.routing != running.routing,
                       tenants=new.tenants != running.tenants, moved=moved)

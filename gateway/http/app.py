@@ -25,6 +25,7 @@ from gateway.clock import Clock, MonotonicClock
 from gateway.config import AdmissionSettings, BackendSettings, Settings, StateBackend
 from gateway.errors import GatewayError
 from gateway.fleet.fleet import Fleet, MakeTarget
+from gateway.fleet.routers import router_rows
 from gateway.fleet.state import GatewayState
 from gateway.fleet.tasks import TaskSet
 from gateway.http.auth import authenticate
@@ -143,7 +144,8 @@ def _build_state(settings: Settings, http_client: httpx.AsyncClient | None,
                   discover=discover, shared=store)
     metrics = GatewayMetrics(registry, fleet.stats,
                              lambda: pool_gauge_rows(fleet.pool_queues()),
-                             state_up=None if store is None else (lambda: store.up))
+                             state_up=None if store is None else (lambda: store.up),
+                             router_source=lambda: router_rows(fleet.backends.values()))
     client = http_client or next(iter(backends.values())).client
     state = GatewayState(settings, client, clock, fleet, Tenants(settings, shared=store),
                          metrics, tasks, shared=store)

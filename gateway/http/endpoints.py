@@ -109,7 +109,11 @@ async def count_tokens(request: Request) -> Response:
 
 
 async def _listed(backend: Target) -> list[dict[str, Any]]:
-    """``backend``'s own ``GET /v1/models`` entries; nothing when it does not answer."""
+    """``backend``'s own ``GET /v1/models`` entries; nothing when it does not answer. A
+    llama-server router lists its models with their state
+    (:meth:`gateway.backends.router.RouterHub.listed`)."""
+    if backend.router.hub is not None:
+        return await backend.router.hub.listed()
     try:
         resp = await backend.side_client.get(
             backend.url("/v1/models"), headers=backend.settings.auth_headers,
@@ -126,15 +130,17 @@ async def models(request: Request) -> Response:
     file name as answers name it (:func:`gateway.wire.naming.served_name`) unless
     ``routing.answer_model = "backend"``.
     Backends are asked at once, each for at most :data:`MODELS_TIMEOUT_S`; one that
-    does not answer lists nothing."""
+    does not answer lists nothing. A llama-server router's models are listed once, by
+    its hub, each with ``status.value`` (``unloaded``, ``loading``, ``loaded``,
+    ``sleeping``)."""
     state = _state(request)
-    backends = list(state.fleet.backends.values())
+    backends = [b for b in state.fleet.backends.values() if b.router.parent is None]
     answers = await asyncio.gather(*(_listed(b) for b in backends))
     renamed = state.settings.routing.answer_model != "backend"
     data: list[Any] = []
     seen: set[Any] = set()
     for backend, entries in zip(backends, answers, strict=True):
-        configured = backend.settings.model
+        configured = backend.settings.model if backend.router.hub is None else None
         if configured is not None:
             if configured in seen or not entries:
                 continue
@@ -200,12 +206,15 @@ async def _set_draining(request: Request, name: str, draining: bool) -> Response
     backend = state.fleet.backends.get(name)
     if backend is None:
         raise RouteNotFound(f"No backend named {name!r}; see GET /admin/backends.")
-    backend.set_draining(draining)
+    hub = backend.router.hub  # a llama-server router: its models' backends drain too
+    for each in (backend, *(hub.members.values() if hub is not None else ())):
+        each.set_draining(draining)
     return JSONResponse(admin_row(backend, state.clock.now()))
 
 
 async def drain(request: Request, name: str) -> Response:
-    """``POST /admin/backends/{name}/drain``: the backend takes no new requests."""
+    """``POST /admin/backends/{name}/drain``: the backend takes no new requests (a
+    llama-server router's entry: none of its models does)."""
     return await _set_draining(request, name, True)
 
 

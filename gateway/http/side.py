@@ -41,6 +41,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from gateway.backends.router import for_model
 from gateway.backends.target import Target
 from gateway.backends.upstream import (
     build_client,
@@ -194,9 +195,11 @@ async def side_route(request: Request) -> Response:
     record = record_of(request.scope)
     record.backend = backend.name
     query = request.url.query
+    target = path + (f"?{query}" if query else "")
+    if backend.router.model_id is not None:  # one model of a llama-server router
+        target, body = for_model(backend.router.model_id, request.method, target, body)
     return await request.app.state.side_routes.relay(  # type: ignore[no-any-return]
-        backend, request.method, path + (f"?{query}" if query else ""), body,
-        record.upstream_id)
+        backend, request.method, target, body, record.upstream_id)
 
 
 async def backend_metrics(request: Request, name: str) -> Response:

@@ -16,7 +16,7 @@ from gateway.backends.target import Target
 from gateway.fleet.pool import ModelQueue
 
 __all__ = ["ADMIN_FIELDS", "READY_FIELDS", "STATUS_FIELDS", "admin_row", "backend_facts",
-           "pool_gauge_rows", "pool_row", "ready_row", "status_row"]
+           "pool_gauge_rows", "pool_row", "ready_row", "router_facts", "status_row"]
 
 #: ``/ready``'s row (then ``down`` and ``draining``, only when true).
 READY_FIELDS = ("ready", "kind", "model", "slots", "ctx_per_slot", "capacity_tokens",
@@ -24,12 +24,12 @@ READY_FIELDS = ("ready", "kind", "model", "slots", "ctx_per_slot", "capacity_tok
 #: ``/admin/backends``' row.
 ADMIN_FIELDS = ("name", "model", "aliases", "kind", "url", "ready", "up", "draining",
                 "failures", "down_for_s", "problem", "slots", "ctx_per_slot",
-                "capacity_tokens", "reserved_tokens", "inflight", "queued")
+                "capacity_tokens", "reserved_tokens", "inflight", "queued", "router")
 #: ``/status.json``'s row (the caller adds ``rejections``).
 STATUS_FIELDS = ("name", "model", "kind", "state", "ready", "up", "draining", "retiring",
                  "problem", "down_for_s", "layout", "slots", "busy_slots", "ctx_per_slot",
                  "pool_tokens", "capacity_tokens", "reserved_tokens", "live_tokens",
-                 "inflight", "queued", "queue_capacity", "oldest_wait_s")
+                 "inflight", "queued", "queue_capacity", "oldest_wait_s", "router")
 
 
 def backend_facts(backend: Target, now: float, *, gateway_draining: bool = False,
@@ -46,7 +46,8 @@ def backend_facts(backend: Target, now: float, *, gateway_draining: bool = False
     ``unified``. ``capacity_tokens``, ``reserved_tokens``, ``live_tokens``, ``slots``,
     ``busy_slots``, ``inflight``, ``queued`` and ``queue_capacity`` equal the
     ``/metrics`` gauges of the same backend; ``oldest_wait_s`` is how long the longest
-    waiter of its own queue has waited.
+    waiter of its own queue has waited. ``router`` is ``None`` but for a llama-server
+    router (:func:`router_facts`).
     """
     stats, layout = backend.stats(), backend.admission.layout
     if retiring:  # whatever else it is: it takes no new requests and leaves soon
@@ -74,7 +75,35 @@ def backend_facts(backend: Target, now: float, *, gateway_draining: bool = False
         "live_tokens": stats.live_tokens, "inflight": stats.inflight,
         "queued": stats.queued, "queue_capacity": stats.queue_capacity,
         "oldest_wait_s": round(stats.oldest_wait_s, 3),
+        "router": router_facts(backend),
     }
+
+
+def router_facts(backend: Target) -> dict[str, Any] | None:
+    """What a llama-server router shows (:mod:`gateway.backends.router`), or ``None``.
+
+    The router's hub: ``{"role": "router", "max_instances", "autoload", "models": {id:
+    state}}``. One of its models (a member): ``{"role": "model", "router": hub name,
+    "model_state": the router's status.value ("failed" after a failed load),
+    "held_for": the model whose load it makes way for while it is held (takes no new
+    request until the router unloads it; ``None`` otherwise), "load_s": its learned load
+    time in seconds (``None`` until measured)}``.
+    """
+    if backend.router.hub is not None:
+        hub = backend.router.hub
+        return {"role": "router", "max_instances": hub.max_instances,
+                "autoload": hub.autoload,
+                "models": {i: e.state for i, e in hub.entries.items()}}
+    parent, model_id = backend.router.parent, backend.router.model_id
+    if parent is None or parent.router.hub is None or model_id is None:
+        return None
+    gate, entry = parent.router.hub.gate, parent.router.hub.entries.get(model_id)
+    hold = gate.holds.get(model_id)
+    load_s = gate.load_s.get(model_id)
+    return {"role": "model", "router": parent.name,
+            "model_state": entry.state if entry is not None else "gone",
+            "held_for": hold.wanted if hold is not None else None,
+            "load_s": None if load_s is None else round(load_s, 3)}
 
 
 def _pick(facts: dict[str, Any], fields: Iterable[str]) -> dict[str, Any]:

@@ -32,6 +32,12 @@ _TOKEN_BUCKETS = (
 StatsSource = Callable[[], Iterable[tuple[str, AdmissionStats, bool]]]
 # (model, requests waiting, max_queue, oldest wait in seconds) per shared pool queue.
 PoolSource = Callable[[], Iterable[tuple[str, int, int, float]]]
+# (member backend, model state, held, holds placed, learned load s or None) per model of
+# a llama-server router (gateway.backends.router).
+RouterSource = Callable[[], Iterable[tuple[str, str, bool, int, float | None]]]
+#: The states of a router's model (status.value of its GET /models, "failed" for a load
+#: that failed), each with its series of gateway_router_model_state.
+ROUTER_STATES = ("unloaded", "loading", "loaded", "sleeping", "failed")
 
 
 #: The gauges read from each backend's AdmissionStats at scrape time, labelled
@@ -133,6 +139,40 @@ class _AdmissionCollector(Collector):
             yield fam
 
 
+class _RouterCollector(Collector):
+    """The models of llama-server routers, read at scrape time (``backend`` is the
+    model's member backend, ``<router>/<model>``)."""
+
+    def __init__(self, source: RouterSource) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        rows = list(self._source())
+        state = GaugeMetricFamily(
+            "gateway_router_model_state", "1 for the state a llama-server router shows "
+            "for the model (GET /models status.value; failed: its last load failed).",
+            labels=["backend", "state"])
+        held = GaugeMetricFamily(
+            "gateway_router_model_held", "1 while the model takes no new request so that "
+            "the router can unload it for another model waiting to load (--models-max "
+            "reached, every loaded model busy).", labels=["backend"])
+        holds = CounterMetricFamily(
+            "gateway_router_holds", "Times the model was held for another model's load "
+            "(a load that had to unload a model with requests in flight or queued).",
+            labels=["backend"])
+        load = GaugeMetricFamily(
+            "gateway_router_model_load_seconds", "The model's learned load time (its "
+            "loading to loaded in the router's /models).", labels=["backend"])
+        for name, now, is_held, placed, load_s in rows:
+            for value in ROUTER_STATES:
+                state.add_metric([name, value], 1.0 if now == value else 0.0)
+            held.add_metric([name], 1.0 if is_held else 0.0)
+            holds.add_metric([name], float(placed))
+            if load_s is not None:
+                load.add_metric([name], load_s)
+        yield from (state, held, holds, load)
+
+
 class _StateCollector(Collector):
     """``gateway_state_up``, read at scrape time."""
 
@@ -180,15 +220,20 @@ class GatewayMetrics:
     :param state_up: with shared admission state (``[state] backend = "redis"``), returns
         whether the store answered its last call (``gateway_state_up``); ``None``: the
         state is this process's own and the state metrics are not exported.
+    :param router_source: returns each llama-server router model's (member backend,
+        state, held, holds placed, learned load seconds), read at scrape time.
     :raises ValueError: a metric name is already registered on ``registry``.
     """
 
     def __init__(self, registry: CollectorRegistry, stats_source: StatsSource,
                  pool_source: PoolSource | None = None,
-                 state_up: Callable[[], bool] | None = None) -> None:
+                 state_up: Callable[[], bool] | None = None,
+                 router_source: RouterSource | None = None) -> None:
         self.registry = registry
         # Read at scrape time from this process (gauges of the admission state).
         self._live: list[Collector] = [_AdmissionCollector(stats_source, pool_source)]
+        if router_source is not None:
+            self._live.append(_RouterCollector(router_source))
         self._scrape: CollectorRegistry | None = None
         self._register_state(registry, state_up)
         self._register_answers(registry)

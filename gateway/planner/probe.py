@@ -2,6 +2,9 @@
 
 * llama-server: ``GET /props`` (``total_slots``, ``default_generation_settings.n_ctx``),
   ``GET /slots`` (per-slot ``n_ctx``), ``GET /v1/models`` (``meta.n_ctx_train``).
+* llama-server as a router (``/props`` ``role: router``): ``GET /models`` (each model's
+  ``status.value`` and child arguments) and ``GET /props?model=ID&autoload=false`` for
+  the models that run; see :mod:`gateway.backends.router` and ``docs/router.md``.
 * Ollama: ``GET /api/version``, ``GET /api/ps`` (loaded models with ``context_length``),
   ``POST /api/show`` (``model_info``).
 * vLLM: ``GET /v1/models`` (``owned_by: "vllm"``, ``max_model_len``) and ``GET /metrics``
@@ -67,6 +70,64 @@ def _llama(client: httpx.Client, url: str, props: dict[str, Any]) -> dict[str, A
         f"# pool_tokens = {slots * ctx}   # with --kv-unified-per-slot {ctx} and no -c",
     ])
     return found
+
+
+def _router_model(client: httpx.Client, url: str, entry: Any) -> dict[str, Any]:
+    """One model of a router: its state and layout (from ``/props?model=`` while it
+    runs, else from its child's arguments)."""
+    from urllib.parse import urlencode
+
+    from gateway.backends.router import child_layout
+
+    unified, derived = child_layout(entry.args)
+    row: dict[str, Any] = {"id": entry.id, "state": entry.state, "kv_unified": unified,
+                           "slots": None, "ctx_per_slot": None, "pool_tokens": None,
+                           "from": None}
+    if derived is not None:
+        row.update(slots=derived.slots, ctx_per_slot=derived.ctx_per_slot,
+                   pool_tokens=derived.pool_tokens, **{"from": "arguments"})
+    if entry.running and entry.status != "loading":
+        query = urlencode({"model": entry.id, "autoload": "false"})
+        props = _json(client, "GET", f"{url}/props?{query}")
+        if isinstance(props, dict) and "total_slots" in props:
+            ctx = int(props["default_generation_settings"]["n_ctx"])
+            row.update(slots=int(props["total_slots"]), ctx_per_slot=ctx,
+                       **{"from": "props"})
+            if unified and row["pool_tokens"] is None:
+                row["pool_tokens"] = ctx
+    return row
+
+
+def _router(client: httpx.Client, url: str, props: dict[str, Any]) -> dict[str, Any]:
+    """A llama-server router: each model's state and layout, and ``--models-max``."""
+    from gateway.backends.router import parse_models
+
+    try:
+        entries = parse_models(_json(client, "GET", url + "/models"))
+    except ValueError:
+        entries = {}
+    rows = [_router_model(client, url, e) for e in entries.values()]
+    most = props.get("max_instances") if isinstance(props.get("max_instances"), int) else 0
+    return {
+        "kind": "llama.cpp", "role": "router", "max_instances": most or None,
+        "models_autoload": props.get("models_autoload") is not False, "models": rows,
+        "undiscoverable": [
+            "a model never loaded whose arguments set no -c shows no context until it "
+            "loads: the gateway loads it on the first request for it, then knows it",
+            f"--models-max {most or 'unlimited'}: that many models' weights and KV pools "
+            "are in memory at once; plan memory for the largest ones (gateway plan, one "
+            "model at a time)",
+            "the training context caps a slot; a model's layout from its arguments is "
+            "corrected by its /props once it has loaded",
+        ],
+        "backend_block": "\n".join([
+            "[[backends]]", 'name = "router"', f'url = "{url}"', 'kind = "llama.cpp"',
+            "# a llama-server router: each model is a backend of its own, named "
+            '"router/<model>", serving its id; layouts are discovered per model',
+            *(['api_key = "..."   # the key given to llama-server --api-key']
+              if client.headers.get("authorization") else []),
+        ]),
+    }
 
 
 def _ollama(client: httpx.Client, url: str, version: dict[str, Any]) -> dict[str, Any]:
@@ -135,7 +196,9 @@ def probe(url: str, client: httpx.Client | None = None, api_key: str | None = No
 
     :param api_key: sent as ``Authorization: Bearer`` (llama-server ``--api-key``).
     :returns: a dict with ``kind`` (``llama.cpp``, ``ollama``, ``vllm`` or ``unknown``),
-        the values found, ``undiscoverable`` notes and a ``backend_block`` for the config.
+        the values found, ``undiscoverable`` notes and a ``backend_block`` for the config;
+        a llama-server router has ``role: "router"``, ``max_instances`` and ``models``
+        (each model's id, state and layout).
     """
     url = url.rstrip("/")
     own = client is None
@@ -153,6 +216,8 @@ def probe(url: str, client: httpx.Client | None = None, api_key: str | None = No
                 "started with --api-key). Pass --api-key KEY here, and set api_key or "
                 "api_key_file in the [[backends]] entry.")}
         props = _json(client, "GET", url + "/props")
+        if isinstance(props, dict) and props.get("role") == "router":
+            return _router(client, url, props)
         if isinstance(props, dict) and "total_slots" in props:
             return _llama(client, url, props)
         version = _json(client, "GET", url + "/api/version")
@@ -179,9 +244,15 @@ def render_probe(found: dict[str, Any]) -> str:
         return f"unknown backend: {found['error']}"
     lines = [f"kind           {found['kind']}"]
     for key, value in found.items():
-        if key in ("kind", "undiscoverable", "backend_block") or value is None:
+        if key in ("kind", "undiscoverable", "backend_block", "models") or value is None:
             continue
         lines.append(f"{key:<14} {value}")
+    for model in found.get("models") or []:
+        layout = ("layout unknown until loaded" if model["slots"] is None else
+                  f"{model['slots']} slots x {model['ctx_per_slot']} tokens, " + (
+                      f"unified pool {model['pool_tokens']}" if model["kv_unified"]
+                      else "per-slot KV") + f" (from {model['from']})")
+        lines.append(f"model          {model['id']}: {model['state']}, {layout}")
     lines.append("")
     lines.append("not discoverable over HTTP (set in config):")
     lines += [f"  - {note}" for note in found["undiscoverable"]]

@@ -1,0 +1,107 @@
+"""A llama-server router's models as backends of the fleet: one *member* target per
+model, kept in step with the router's ``GET /models`` (:mod:`gateway.backends.router`).
+
+The configured entry is the router's *hub* (``target.router.hub``); after each of its
+discoveries the fleet calls :func:`sync_members`, which gives each model listed a member
+named ``<hub>/<model id>`` serving that model, placed right after the hub, and retires
+the members of models no longer listed (or of a hub that is no longer a router). Members
+share the hub's clients and URL, and run no discovery loop of their own: the hub's reads
+them all. A reload keeps the members of a hub it keeps (:func:`with_members`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from gateway.admission.shared import SharedStore
+from gateway.backends.router import RouterModel, RouterSideCalls, member_settings
+from gateway.backends.target import Target
+from gateway.clock import Clock
+from gateway.config import AdmissionSettings, BackendSettings
+
+__all__ = ["Members", "member_target", "router_rows", "sync_members", "with_members"]
+
+
+class Members(Protocol):
+    """What keeping a router's members needs of the fleet
+    (:class:`gateway.fleet.fleet.Fleet` has it)."""
+
+    backends: dict[str, Target]
+    admission: AdmissionSettings
+    clock: Clock
+    shared: SharedStore | None
+
+    def retire(self, backend: Target) -> None:
+        """Take ``backend`` out of service once its requests finish."""
+        ...
+
+
+def sync_members(fleet: Members, hub: Target) -> None:
+    """Keep one member target per model of the router ``hub`` (after each of its
+    discoveries): new models get a member placed after the hub, which the hub hands its
+    layout; members of models gone, or of a hub no longer a router, retire; a member
+    whose settings follow from changed hub settings or child arguments takes them in
+    place (:meth:`Target.reconfigure <gateway.backends.target.Target.reconfigure>`)."""
+    router = hub.router.hub
+    current = {b.router.model_id: b for b in fleet.backends.values()
+               if b.router.parent is hub}
+    members: dict[str, Target] = {}
+    for model_id, entry in (router.entries if router is not None else {}).items():
+        assert router is not None
+        wanted = member_settings(hub.settings, entry, router.unified(model_id))
+        member = current.get(model_id)
+        if member is None:
+            member = member_target(fleet, hub, wanted, model_id)
+        elif member.settings != wanted:
+            member.reconfigure(wanted)
+        members[model_id] = member
+    for model_id, member in current.items():
+        if model_id not in members:
+            fleet.retire(member)
+    ordered: dict[str, Target] = {}
+    for name, backend in fleet.backends.items():
+        if backend.router.parent is hub:
+            continue
+        ordered[name] = backend
+        if backend is hub:
+            ordered.update((m.name, m) for m in members.values())
+    fleet.backends = ordered
+    if router is not None:
+        router.members = members
+
+
+def member_target(fleet: Members, hub: Target, settings: BackendSettings,
+                  model_id: str) -> Target:
+    """The member target of ``model_id`` at router ``hub``: the hub's clients and URL,
+    llama-server's dialect for that model (:class:`~gateway.backends.router.RouterModel`),
+    its own admission, slot watch and count cache."""
+    router = hub.router.hub
+    assert router is not None
+    side = RouterSideCalls(settings, hub.side_client, model_id)
+    member = Target(settings, fleet.admission, hub.side_client, fleet.clock,
+                    dialect=RouterModel(settings, side, router, model_id), client=hub.client,
+                    shared=None if fleet.shared is None
+                    else fleet.shared.account(settings.name, settings.url))
+    member.router.parent, member.router.model_id = hub, model_id
+    return member
+
+
+def with_members(fleet: Members, backends: dict[str, Target]) -> dict[str, Target]:
+    """``backends`` (a reload's configured ones) with the members of each router hub
+    among them, after their hub; the members of a hub not kept retire."""
+    out: dict[str, Target] = {}
+    for name, backend in backends.items():
+        out[name] = backend
+        if backend.router.hub is not None:
+            out.update((m.name, m) for m in backend.router.hub.members.values())
+    for backend in fleet.backends.values():
+        if backend.router.parent is not None and out.get(backend.name) is not backend:
+            fleet.retire(backend)
+    return out
+
+
+def router_rows(backends: Iterable[Target]) -> list[tuple[str, str, bool, int, float | None]]:
+    """Each router member's (name, model state, held, holds placed, learned load seconds
+    or ``None``), for metrics (:meth:`gateway.backends.router.RouterHub.rows`)."""
+    return [row for b in backends if b.router.hub is not None for row in b.router.hub.rows()]
