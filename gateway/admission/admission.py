@@ -43,6 +43,14 @@ from gateway.errors import (
 __all__ = ["GROWTH_HORIZON_S", "MIN_HISTORY", "Admission"]
 
 
+def _no_longer_fits(layout: Layout, charge: Charge) -> ContextLengthExceeded:
+    """The 400 of a queued request whose backend's layout shrank below it."""
+    return ContextLengthExceeded(
+        "The backend's capacity changed while this request was queued and it no longer "
+        f"fits one slot ({layout.ctx_per_slot} tokens).",
+        n_prompt_tokens=charge.prompt_tokens, n_ctx=layout.ctx_per_slot)
+
+
 def _never_fits(layout: Layout, charge: Charge) -> ContextLengthExceeded:
     """The 400 of a charge planned against a layout that changed meanwhile."""
     return ContextLengthExceeded(
@@ -197,11 +205,7 @@ class Admission:
         if layout is not None:
             for waiter in list(self._room):
                 if not capacity.fits_alone(layout, waiter.request.charge):
-                    self._room.fail(waiter, ContextLengthExceeded(
-                        "The backend's capacity changed while this request was queued "
-                        f"and it no longer fits one slot ({layout.ctx_per_slot} tokens).",
-                        n_prompt_tokens=waiter.request.charge.prompt_tokens,
-                        n_ctx=layout.ctx_per_slot))
+                    self._room.fail(waiter, _no_longer_fits(layout, waiter.request.charge))
         self._wake()
 
     def refuse_waiting(self, exc: Exception) -> None:

@@ -59,7 +59,7 @@ from gateway.wire.naming import served_name
 from gateway.wire.validation import ParsedRequest
 
 __all__ = ["OVERFLOW_BURST_S", "PENALTY_RECOVERY_S", "PREEMPTION_WATCH_S",
-           "RETRY_DISCOVERY_S", "Target"]
+           "RETRY_DISCOVERY_S", "Target", "upstream_body"]
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +178,7 @@ class Target:
     @property
     def timeout(self) -> httpx.Timeout:
         """Per-request timeout: connect, and longest silence while reading (seconds)."""
-        s = self.settings
-        return httpx.Timeout(s.read_timeout_s, connect=s.connect_timeout_s)
+        return httpx.Timeout(self.settings.read_timeout_s, connect=self.settings.connect_timeout_s)
 
     def url(self, path: str) -> str:
         """Absolute upstream URL for ``path``."""
@@ -209,21 +208,9 @@ class Target:
 
     @property
     def model_names(self) -> frozenset[str]:
-        """Every name that reaches this backend's model: the model, the name answers give
-        it (a file path's file name, :func:`gateway.wire.naming.served_name`) and its
-        aliases."""
+        """The model, its name in answers (:func:`gateway.wire.naming.served_name`) and
+        its aliases: every name that reaches this backend's model."""
         return frozenset((self.model, served_name(self.model), *self.settings.aliases))
-
-    def upstream_body(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``body`` with ``model`` set to the id the backend serves, when the client named
-        the model by the gateway's name or an alias of it: vLLM answers 404 to a name it
-        does not serve (its ``/tokenize`` too). Other names (a LoRA adapter's, say) pass
-        unchanged; the body is not copied when nothing changes."""
-        served = self.discovered.model_id if self.discovered is not None else None
-        asked = body.get("model")
-        if served and isinstance(asked, str) and asked != served and asked in self.model_names:
-            return {**body, "model": served}
-        return body
 
     @property
     def up(self) -> bool:
@@ -314,13 +301,13 @@ class Target:
     # -- requests ----------------------------------------------------------------------
 
     async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:
-        """Prompt tokens as the backend counts them, or ``None`` to estimate.
+        """Prompt tokens as the backend counts them (under the model id it serves), or
+        ``None`` to estimate.
 
         :raises GatewayError: as the dialect's ``count_prompt``; an unreachable backend is
-            also marked down and re-discovered, so the next requests get 503 at once.
-        """
+            also marked down and re-discovered, so the next requests get 503 at once."""
         try:
-            return await self.dialect.count_prompt(route, self.upstream_body(body))
+            return await self.dialect.count_prompt(route, upstream_body(self, body))
         except GatewayError as exc:
             if exc.upstream_kind == "connect":
                 self.reachable = False
@@ -408,3 +395,15 @@ def _marks(target: Target, shared: SharedAccount | None) -> BackendMarks | None:
             target.take(with_values(target.discovered, values))
     return BackendMarks(shared, lambda: target.settings.connect_timeout_s + 1.0,
                         lambda: target.admission.notify(), adopt)
+
+
+def upstream_body(target: Target, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with ``model`` set to the id ``target`` serves, when the client named the
+    model by the gateway's name or an alias of it: vLLM answers 404 to a name it does not
+    serve (its ``/tokenize`` too). Other names (a LoRA adapter's, say) pass unchanged;
+    the body is not copied when nothing changes."""
+    served = target.discovered.model_id if target.discovered is not None else None
+    asked = body.get("model")
+    if served and isinstance(asked, str) and asked != served and asked in target.model_names:
+        return {**body, "model": served}
+    return body

@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 from starlette.requests import Request
 
 from gateway.admission.tenants import PRIORITY_HEADER, Tenant, Tenants, TokenHold
-from gateway.backends.target import Target
+from gateway.backends.target import Target, upstream_body
 from gateway.backends.upstream import never_reached
 from gateway.clock import Clock
 from gateway.config import STRICT_DEFAULT_MAX_TOKENS, Settings
@@ -564,7 +564,7 @@ def _plan(state: Planning, backend: Target, req: ParsedRequest, route: str,
     if tracked:
         charge = replace(charge, predicted=backend.lengths.predict(charge.max_tokens))
     body, tag = backend.prepare(req, charge)
-    return Candidate(backend, charge, backend.upstream_body(body), tag, tracked)
+    return Candidate(backend, charge, upstream_body(backend, body), tag, tracked)
 
 
 def _answer_model(state: Planning, req: ParsedRequest, backend: Target) -> bytes | None:
