@@ -21,6 +21,8 @@ Usage::
 
     python bench/conformance.py [--files test_basic.py,test_tokenize.py] [--json FILE]
         [--mode both|direct|gateway] [--workers N] [--slow] [--timeout S] [-k EXPR]
+    python bench/conformance.py --direct-from FILE --json FILE2   # through the gateway
+        only the tests that passed directly in a saved run (about half the time)
     python bench/conformance.py --from-json FILE     # the report of a saved run again
 """
 
@@ -317,6 +319,16 @@ def ensure_deps(xdist: bool) -> Path:
     return deps
 
 
+def passed_ids(records: Iterable[dict[str, Any]]) -> list[str]:
+    """The node ids (``unit/test_x.py::test_y[param]``) of the records that passed, in
+    the run's order and each once: what a gateway run needs to repeat of a direct run."""
+    seen: dict[str, None] = {}
+    for record in records:
+        if record.get("outcome") in PASSED:
+            seen.setdefault(str(record["nodeid"]), None)
+    return list(seen)
+
+
 def default_files(tests: Path) -> list[str]:
     """Every unit file but those of :data:`UNAVAILABLE`."""
     return [f"unit/{p.name}" for p in sorted((tests / "unit").glob("test_*.py"))
@@ -386,7 +398,7 @@ def run_suite(mode: str, tests: Path, files: Sequence[str], opts: RunOptions,
     if opts.keyword:
         cmd += ["-k", opts.keyword]
     log = where / "pytest.log"
-    _say(f"{mode}: {len(files)} files; pytest output in {log}")
+    _say(f"{mode}: {len(files)} files or tests; pytest output in {log}")
     began = time.monotonic()
     with log.open("wb") as out:
         rc = subprocess.run([*cmd, *files], cwd=tests, env=env, stdout=out,
@@ -424,6 +436,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", choices=["both", "direct", "gateway"], default="both")
     parser.add_argument("--json", metavar="FILE", help="write the raw records and the comparison")
     parser.add_argument("--from-json", metavar="FILE", help="report a saved --json run again")
+    parser.add_argument("--direct-from", metavar="FILE",
+                        help="take the direct run from a saved --json run and run through "
+                        "the gateway only the tests that passed there")
     parser.add_argument("--workers", type=int, default=1, help="pytest-xdist workers (1: none)")
     parser.add_argument("--slow", action="store_true", help="also the tests marked slow")
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout, seconds")
@@ -442,12 +457,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         tests = ensure_suite()
-        files = chosen_files(tests, args.files)
         opts = RunOptions(args.workers, args.slow, args.timeout, args.keyword, args.repack)
         stamp = datetime.datetime.now(datetime.UTC)
         run_dir = work_root() / "runs" / stamp.strftime("%Y%m%d-%H%M%S")
-        modes = ["direct", "gateway"] if args.mode == "both" else [args.mode]
-        runs = {mode: run_suite(mode, tests, files, opts, run_dir) for mode in modes}
+        runs: dict[str, list[dict[str, Any]]] = {}
+        if args.direct_from:
+            runs["direct"] = json.loads(Path(args.direct_from).read_text())["direct"]
+            files = passed_ids(runs["direct"])
+            modes = ["gateway"]
+        else:
+            files = chosen_files(tests, args.files)
+            modes = ["direct", "gateway"] if args.mode == "both" else [args.mode]
+        runs.update({mode: run_suite(mode, tests, files, opts, run_dir) for mode in modes})
     except BuildError as exc:
         _say(f"error: {exc}")
         return 1

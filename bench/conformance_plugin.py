@@ -287,7 +287,7 @@ def _settings() -> _Settings:
     return _Settings(mode=os.environ.get("CONFORMANCE_MODE", "direct"),
                      model=os.environ["CONFORMANCE_MODEL"],
                      record=Path(os.environ["CONFORMANCE_RECORD"]), workdir=workdir,
-                     ready_timeout_s=float(os.environ.get("CONFORMANCE_READY_S", "10")))
+                     ready_timeout_s=float(os.environ.get("CONFORMANCE_READY_S", "60")))
 
 
 _SETTINGS: _Settings | None = None

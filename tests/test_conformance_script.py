@@ -181,3 +181,11 @@ def test_the_default_files_leave_out_what_needs_unavailable_models(tmp_path: Pat
     assert conformance.default_files(tmp_path) == ["unit/test_basic.py"]
     assert conformance.chosen_files(tmp_path, "test_lora, unit/test_basic.py") == [
         "unit/test_lora.py", "unit/test_basic.py"]
+
+
+def test_a_gateway_run_repeats_only_what_passed_directly() -> None:
+    direct = [record("unit/a.py::t[x y]", "passed"), record("unit/a.py::u", "failed"),
+              record("unit/b.py::v", "xpassed"), record("unit/a.py::t[x y]", "passed"),
+              record("unit/r.py::w", "passed", router=True), record("unit/b.py::s", "skipped")]
+    assert conformance.passed_ids(direct) == ["unit/a.py::t[x y]", "unit/b.py::v",
+                                              "unit/r.py::w"]
