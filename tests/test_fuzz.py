@@ -359,7 +359,11 @@ def check_error_shape(shape: str, out: Outcome) -> None:
         assert isinstance(err.get("type"), str), payload
         assert err.get("param") is None or isinstance(err["param"], str), payload
         assert err.get("code") is None or isinstance(err["code"], str), payload
-        if out.status == 400:
+        if out.status == 400 and err.get("code") == "context_length_exceeded":
+            # llama-server's own type for it (gateway.errors.ContextLengthExceeded)
+            assert err["type"] == "exceed_context_size_error", payload
+            assert isinstance(err["n_prompt_tokens"], int) and err["n_ctx"] > 0, payload
+        elif out.status == 400:
             assert err["type"] == "invalid_request_error", payload
     if out.status == 400:
         assert out.headers.get("x-should-retry") == "false", out.headers
