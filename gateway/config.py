@@ -123,6 +123,8 @@ def _sized_max_connections() -> int:
 class ServerSettings(_Strict):
     """Where the gateway listens and how much it will read from a client."""
 
+    # One address, or several separated by commas as llama-server's --host takes them
+    # ("127.0.0.1,::1"), each bound on the same port (gateway/http/serving.py).
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
@@ -181,6 +183,13 @@ class ServerSettings(_Strict):
     # allowed, llama-server's default); empty, the default: no CORS headers, no preflight.
     # Never on the status page or /admin.
     cors_origins: list[str] = Field(default_factory=list)
+
+    @field_validator("host")
+    @classmethod
+    def _hosts_not_blank(cls, value: str) -> str:
+        if any(not part.strip().strip("[]") for part in value.split(",")):
+            raise ValueError("an address must not be empty (several are separated by commas)")
+        return value
 
     @field_validator("cors_origins")
     @classmethod

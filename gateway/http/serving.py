@@ -39,7 +39,7 @@ from gateway.errors import GatewayError
 from gateway.fleet.reload import reload_config
 from gateway.http.app import uvicorn_options
 
-__all__ = ["DrainingServer", "serve", "serve_workers"]
+__all__ = ["DrainingServer", "listen_hosts", "serve", "serve_workers"]
 
 log = logging.getLogger(__name__)
 
@@ -129,12 +129,36 @@ def serve(app: Any, settings: Settings, *, host: str | None = None,
     app.state.gateway.config_path = config_path
     server = settings.server
     _raise_fd_limit(open_files_needed(server.max_connections))
+    addresses = listen_hosts(host or server.host)
     warn_if_open(settings, host or server.host)
+    port = port if port is not None else server.port
     config = uvicorn.Config(
-        app, host=host or server.host, port=port if port is not None else server.port,
-        log_level=server.log_level, loop="uvloop", log_config=None, access_log=False,
-        **uvicorn_options(settings))
-    DrainingServer(config).run()
+        app, host=addresses[0], port=port, log_level=server.log_level, loop="uvloop",
+        log_config=None, access_log=False, **uvicorn_options(settings))
+    if len(addresses) == 1:
+        DrainingServer(config).run()
+        return
+    sockets = [_listening_socket(a, port, server.max_connections, inherit=False)
+               for a in addresses]
+    log.info("listening on %s, port %d", ", ".join(addresses), port)
+    try:
+        DrainingServer(config).run(sockets=sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def listen_hosts(host: str) -> list[str]:
+    """The addresses of ``server.host``: one, or several separated by commas as
+    llama-server's ``--host`` takes them (``"127.0.0.1,::1"``), each bound on the same
+    port. Brackets around an IPv6 address are dropped.
+
+    :raises ValueError: an empty address in the list.
+    """
+    parts = [part.strip().strip("[]") for part in host.split(",")]
+    if not all(parts):
+        raise ValueError(f"server.host {host!r} has an empty address")
+    return parts
 
 
 def serve_workers(settings: Settings, workers: int, *, host: str, port: int,
@@ -162,7 +186,8 @@ def serve_workers(settings: Settings, workers: int, *, host: str, port: int,
         raise ValueError("serve_workers needs at least 2 workers")
     if settings.state.backend.value != "redis":
         raise ValueError('--workers needs [state] backend = "redis"')
-    sock = _listening_socket(host, port, settings.server.max_connections)
+    socks = [_listening_socket(a, port, settings.server.max_connections)
+             for a in listen_hosts(host)]
     metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     ctx = multiprocessing.get_context("spawn")
@@ -171,7 +196,7 @@ def serve_workers(settings: Settings, workers: int, *, host: str, port: int,
         signal.signal(sig, lambda sig, _frame: signals.append(sig))
 
     def start(index: int) -> multiprocessing.process.BaseProcess:
-        proc = ctx.Process(target=_worker_main, args=(config_path, host, port, sock, index),
+        proc = ctx.Process(target=_worker_main, args=(config_path, host, port, socks, index),
                            name=f"gateway-worker-{index}")
         proc.start()
         return proc
@@ -182,7 +207,8 @@ def serve_workers(settings: Settings, workers: int, *, host: str, port: int,
     try:
         _supervise(procs, start, signals)
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
         for name in os.listdir(metrics_dir):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(metrics_dir, name))
@@ -191,13 +217,19 @@ def serve_workers(settings: Settings, workers: int, *, host: str, port: int,
     return 0
 
 
-def _listening_socket(host: str, port: int, backlog: int) -> socket.socket:
-    """A socket bound to ``host:port`` and listening, that the workers inherit."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+def _listening_socket(host: str, port: int, backlog: int, *,
+                      inherit: bool = True) -> socket.socket:
+    """A socket bound to ``host:port`` and listening, that the workers inherit (unless
+    ``inherit`` is false). An IPv6 socket takes IPv6 only, so that ``::`` beside
+    ``0.0.0.0`` binds both, as llama-server's list of hosts does."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
     sock.bind((host, port))
     sock.listen(backlog)
-    sock.set_inheritable(True)
+    sock.set_inheritable(inherit)
     return sock
 
 
@@ -224,8 +256,8 @@ def _supervise(procs: list[multiprocessing.process.BaseProcess],
         time.sleep(0.2)
 
 
-def _worker_main(config_path: str | None, host: str, port: int, sock: socket.socket,
-                 index: int) -> None:
+def _worker_main(config_path: str | None, host: str, port: int,
+                 socks: list[socket.socket], index: int) -> None:
     """One worker of :func:`serve_workers`: its own settings, app and server."""
     from gateway.config import load_settings
     from gateway.http.app import create_app
@@ -240,13 +272,13 @@ def _worker_main(config_path: str | None, host: str, port: int, sock: socket.soc
     config = uvicorn.Config(
         app, host=host, port=port, log_level=server.log_level, loop="uvloop",
         log_config=None, access_log=False, **uvicorn_options(settings))
-    DrainingServer(config).run(sockets=[sock])
+    DrainingServer(config).run(sockets=socks)
 
 
 def warn_if_open(settings: Settings, host: str) -> bool:
     """Log a warning when the gateway has no tenant (anyone may use it) and listens
     beyond loopback; returns whether it did."""
-    if settings.tenants or _loopback(host):
+    if settings.tenants or all(_loopback(a) for a in listen_hosts(host)):
         return False
     log.warning("no [[tenants]] configured and listening on %s: anyone who can reach this "
                 "port may use every backend (docs/tenants.md)", host)
