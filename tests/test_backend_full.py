@@ -22,7 +22,7 @@ from gateway.http.app import create_app
 from tests.conftest import Harness
 from tests.fake_vllm import FakeVllm
 from tests.fakes import ManualClock
-from tests.test_vllm import MODEL, build, chat, drive, until
+from tests.test_vllm import build, chat, drive, until
 
 pytestmark = pytest.mark.anyio
 CHAT = "/v1/chat/completions"
@@ -235,8 +235,9 @@ async def test_a_drain_waits_for_a_request_pausing_between_refusals() -> None:
     assert idle(h)
 
 
-async def test_model_name_in_metrics_labels_stays_bounded() -> None:
-    # The cause label comes from the gateway's own list, never from vLLM's text.
+async def test_the_cause_label_is_the_gateways_own_word() -> None:
+    # gateway_backend_full_total{cause} comes from the gateway's list of vLLM's limits,
+    # never from the text vLLM sent: its label values stay bounded.
     vllm = FakeVllm()
     h = await build([("vllm", vllm)])
     target = h.state.fleet.backends["vllm"]
@@ -245,4 +246,26 @@ async def test_model_name_in_metrics_labels_stays_bounded() -> None:
                      "param": None, "code": 503}}
     exc = target.translate_error(503, json.dumps(odd).encode(), None)
     assert exc.cause == "prefill_backlog"
-    assert MODEL  # (the model the fake serves)
+
+
+async def test_the_busy_cap_is_relaxed_by_later_discoveries_and_never_stops_an_idle_one(
+        ) -> None:
+    clock = ManualClock()
+    vllm = FakeVllm(max_num_queued_reqs=1, hold=asyncio.Event())
+    h = await build([("vllm", vllm)], clock=clock)
+    backend = h.state.fleet.backends["vllm"]
+    first = asyncio.ensure_future(h.client.post(CHAT, json=chat(max_tokens=3)))
+    await until(lambda: len(vllm.generations) == 1, "the first reached vLLM")
+    second = asyncio.ensure_future(h.client.post(CHAT, json=chat(max_tokens=3)))
+    await until(lambda: backend.admission.layout.busy_cap == 1, "capped at one")
+    vllm.hold.set()
+    assert [r.status_code for r in await asyncio.gather(first, second)] == [200, 200]
+    assert idle(h)
+    # Idle, the capped backend takes a request at once (the cap binds only what is busy).
+    assert (await h.client.post(CHAT, json=chat(max_tokens=3))).status_code == 200
+    caps = []
+    for _ in range(5):
+        clock.advance(60.0)
+        await backend.discover()
+        caps.append(backend.admission.layout.busy_cap)
+    assert caps == [2, 4, 8, None, None]  # doubled a minute at a time, gone at 16 slots
