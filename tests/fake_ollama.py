@@ -26,8 +26,10 @@ Shapes follow Ollama's sources (ollama/ollama, 2026-08 snapshot):
   too long is refused with 400 ``the input length exceeds the context length``;
 * ``openai/openai.go``: ``/v1/chat/completions`` (``max_tokens`` → ``num_predict``,
   ``usage.prompt_tokens`` = ``prompt_eval_count``, errors ``{"error": {"message",
-  "type", "param", "code"}}``; each ``image_url``/``input_audio`` part becomes a message
-  with one image).
+  "type", "param", "code"}}``; each ``image_url`` part becomes a message with one image,
+  ``FromChatRequest``; an http(s) URL, a data URL of another type than jpeg, jpg, png or
+  webp, bad base64, or a part of another type, ``input_audio`` included, is refused by
+  ``middleware/openai.go`` with 400 before the model is looked up).
 
 The recorded payloads (``/api/ps``, the error bodies) are in ``tests/data/ollama/``.
 
@@ -39,6 +41,7 @@ time is :attr:`FakeOllama.time`, seconds a test moves (no test waits on the cloc
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 from collections.abc import AsyncIterator
@@ -80,6 +83,38 @@ def go_value(value: Any) -> str:
     """``value`` as Go's ``%#v`` prints a Modelfile option (strings quoted)."""
     return json.dumps(value) if isinstance(value, str) else str(value).lower() \
         if isinstance(value, bool) else str(value)
+
+
+_IMAGE_PREFIXES = ("data:;base64,", *(f"data:image/{t};base64,"
+                                      for t in ("jpeg", "jpg", "png", "webp")))
+
+
+def parts_refused(body: dict[str, Any]) -> str | None:
+    """Why Ollama's ``/v1`` refuses a chat's content parts (``openai/openai.go``
+    ``FromChatRequest`` and ``decodeImageURL``), or ``None``."""
+    for message in body.get("messages") or []:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                continue
+            if kind != "image_url":
+                return "invalid message format"
+            given = part.get("image_url")
+            url = given.get("url") if isinstance(given, dict) else given
+            if not isinstance(url, str):
+                return "invalid message format"
+            if url.startswith(("http://", "https://")):
+                return ("image URLs are not currently supported, please use base64 "
+                        "encoded data instead")
+            prefix = next((p for p in _IMAGE_PREFIXES if url.startswith(p)), None)
+            if prefix is None:
+                return "invalid image input"
+            try:
+                base64.b64decode(url[len(prefix):], validate=True)
+            except ValueError:
+                return "invalid image input"
+    return None
 
 
 @dataclass
@@ -238,6 +273,9 @@ class FakeOllama:
         body = json.loads(request.content)
         self.generations.append(body)
         openai = path.startswith("/v1/")
+        refused = parts_refused(body) if path == "/v1/chat/completions" else None
+        if refused is not None:
+            return self._error(400, refused, openai)
         if body.get("model") != self.model:
             msg = ERRORS["not_found"]["native"]["error"].replace("{model}",
                                                                   str(body.get("model")))

@@ -1156,7 +1156,18 @@ def test_almost_valid_requests(route: Route, data: st.DataObject) -> None:
     raw = _encode(sent, data.draw)
     policy = data.draw(st.sampled_from(route.policies), label="policy")
     counts = data.draw(st.booleans(), label="backend counts")
+    if label == VALID and not counts and _has_image_part(sent):
+        # Where the prompt is estimated, each image part is charged 1,600 tokens: a chat
+        # with images may not fit the fake's 2,048-token slot, and only a count tells.
+        label = EITHER
     check(route, sent, label, send(route.kind, route.path, raw, policy, counts), policy)
+
+
+def _has_image_part(body: Any) -> bool:
+    messages = body.get("messages") if isinstance(body, dict) else None
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list) and IMAGE_PART in m["content"]
+        for m in messages)
 
 
 def test_every_generation_route_is_fuzzed() -> None:

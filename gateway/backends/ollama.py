@@ -18,9 +18,11 @@
   ``server/routes.go``).
 * **Counting.** Ollama has no tokenize endpoint: prompts are estimated
   (:mod:`gateway.request.tokens`), images at :data:`gateway.wire.validation.IMAGE_TOKENS`
-  each on every route (``images`` natively, ``image_url`` and ``input_audio`` parts on
-  ``/v1``, which ``openai/openai.go`` turns into images), and the estimate is calibrated
-  per model from the ``prompt_eval_count`` of finished requests (:class:`Calibration`).
+  each on every route (``images`` natively, ``image_url`` parts on ``/v1``, which
+  ``openai/openai.go`` turns into images; it refuses an ``input_audio`` part, or an
+  http URL, with its own 400, which is relayed), and the estimate is calibrated per
+  model from the ``prompt_eval_count`` of finished requests without media
+  (:class:`Calibration`; what an image takes is the projector's, not the estimate's).
 * **Never truncated silently.** Ollama drops the oldest messages of a chat that does not
   fit, and shifts a long completion prompt, and answers 200 (``server/prompt.go``,
   ``llm/llama_server.go``). The gateway refuses what its estimate puts over the slot,
@@ -122,7 +124,7 @@ def shown_context(show: dict[str, Any], default: int = DEFAULT_NUM_CTX
     details = show.get("details")
     family = details.get("family") if isinstance(details, dict) else None
     single = (bool(capabilities) and "completion" not in capabilities) or (
-        family in SINGLE_PARALLEL_FAMILIES)
+        isinstance(family, str) and family in SINGLE_PARALLEL_FAMILIES)
     return ctx, single
 
 
@@ -258,20 +260,20 @@ class Ollama(WithoutSlots):
     async def _show(self, model: str) -> None:
         """Read ``model``'s ``POST /api/show`` (:func:`shown_context`) once: its context
         until it is seen loaded, and whether it runs one request at a time. An answer
-        that cannot be read leaves both to the defaults (and is asked again at the next
-        discovery).
-
-        :raises UpstreamUnavailable: Ollama cannot be reached.
-        """
-        with map_upstream_errors(self.name):
-            resp = await self.side.post("/api/show", {"model": model})
+        that cannot be read, a refusal (404: the model is not pulled) or no answer in
+        time (Ollama reading a large model's file) leaves both to the defaults, and it
+        is asked again at the next discovery: ``/api/version`` and ``/api/ps`` have
+        answered, so the backend is ready on what they say. Never raises."""
         try:
+            with map_upstream_errors(self.name):
+                resp = await self.side.post("/api/show", {"model": model})
             if resp.status_code != 200:
                 raise ValueError(f"HTTP {resp.status_code}: {error_message(resp.content)}")
             ctx, single = shown_context(resp.json())
-        except ValueError as exc:
+        except (GatewayError, ValueError) as exc:
             log.info("backend %s: /api/show of %s unreadable (%s); its context is "
-                     "learnt once it is loaded", self.name, model, exc)
+                     "learnt once it is loaded", self.name, model,
+                     exc.message if isinstance(exc, GatewayError) else exc)
             return
         self._shown.add(model)
         self.contexts.setdefault(model, ctx)  # once seen loaded, /api/ps is the truth

@@ -148,6 +148,7 @@ class Target:
         # The prompt each slot last held, for slot affinity (gateway.core.slots).
         self._prompts = PromptIndex()
         self.draining = False  # takes no new requests; those in flight finish
+        self.pausing = 0  # requests it refused, pausing before they wait again: in hand
         self.owned_clients: list[httpx.AsyncClient] = []  # closed when it is retired
         # The predictive policy needs a server whose answers the gateway can cancel and
         # continue (llama-server); other kinds are charged as under strict.

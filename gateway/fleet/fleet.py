@@ -331,9 +331,11 @@ class Fleet:
             waiting.refuse_waiting(exc)
 
     def busy(self) -> bool:
-        """A request waits in a queue, or holds a lease for a client (reservations the
-        slot watch holds for abandoned requests are not counted)."""
+        """A request waits in a queue, pauses before it waits again (a backend refused
+        it for want of room), or holds a lease for a client (reservations the slot watch
+        holds for abandoned requests are not counted)."""
         return (any(s.queued or s.inflight - s.abandoned_held for _, s, _r in self.stats())
+                or any(b.pausing for b in self.backends.values())
                 or any(q.waiting for q in (*self._queues.values(), *self._old_queues)))
 
 

@@ -94,7 +94,7 @@ class ProxyResponse(Response):
         finally:
             await watcher.stop()
             self.parts.admitter.leave()
-            self.parts.usage.settle(self.parts.tries.forwarded)
+            self.parts.usage.settle(self.parts.tries.charged)
             self._record(scope, failed)
 
     def _record(self, scope: Scope, failed: bool) -> None:

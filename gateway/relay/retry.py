@@ -118,7 +118,12 @@ async def requeue(parts: RelayParts, watcher: DisconnectWatcher, send: Send
                 f"queue wait of {limit:g} s; retry after the Retry-After delay.",
                 retry_after_s=full.retry_after_s)
         if delay:
-            await watcher.race(clock.sleep(delay))
+            paused = x.backend
+            paused.pausing += 1  # work in hand for a drain, though it holds no lease
+            try:
+                await watcher.race(clock.sleep(delay))
+            finally:
+                paused.pausing -= 1
         x.party = replace(x.party, max_wait_s=left - delay)
         return await watcher.race(x.admit(front=True))
     except ClientDisconnected:

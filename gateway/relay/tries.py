@@ -27,7 +27,8 @@ class Tries:
 
     :ivar current: the upstream try under way, or the last one (``None`` before the
         first).
-    :ivar forwarded: some attempt went upstream (the tenant is charged its tokens).
+    :ivar forwarded: some attempt went upstream.
+    :ivar sends: attempts that went upstream.
     :ivar full_refusals: times a backend refused it for want of room
         (:func:`gateway.relay.retry.hold_for_room`).
     :ivar full_deadline: after such a refusal, the clock time (seconds) past which it
@@ -40,8 +41,17 @@ class Tries:
         self.clock = clock
         self.current: Attempt | None = None
         self.forwarded = False
+        self.sends = 0
         self.full_refusals = 0
         self.full_deadline: float | None = None
+
+    @property
+    def charged(self) -> bool:
+        """Some attempt went upstream and was not refused for want of room: the tenant
+        is charged the request's tokens. A refusal for want of room ran nothing (vLLM
+        refuses before it renders the prompt), so a request that had only those costs
+        its tenant nothing, as one the gateway's own queue timed out."""
+        return self.sends > self.full_refusals
 
     @property
     def now(self) -> Attempt:
@@ -64,6 +74,7 @@ class Tries:
         """The attempt's request is going upstream now."""
         self.now.sent()
         self.forwarded = True
+        self.sends += 1
 
     def upstream_request(self) -> httpx.Request:
         """The request the current attempt sends (pinned to its lease's slot)."""

@@ -177,11 +177,11 @@ async def count_prompt(state: Planning, backend: Target, req: ParsedRequest,
                        note: AccessRecord | None = None,
                        ) -> tuple[int, int | None, Callable[[], None] | None]:
     """Prompt tokens as the backend counts them (the longest prompt of a batch), else a
-    local estimate; as (charged, raw estimate or ``None`` when counted exactly, and for
-    a single prompt counted exactly, how to drop its kept count should the backend's
-    usage disagree with it). ``note`` (the request's
-    :class:`~gateway.observe.record.AccessRecord`), if given, gets the count's source as
-    ``count_source``, for the access line.
+    local estimate; as (charged, raw estimate or ``None`` when counted exactly or when
+    the prompt carries media (``ParsedRequest.media``), and for a single prompt counted
+    exactly, how to drop its kept count should the backend's usage disagree with it).
+    ``note`` (the request's :class:`~gateway.observe.record.AccessRecord`), if given,
+    gets the count's source as ``count_source``, for the access line.
 
     A prompt the backend already counted is not sent again: its count comes from the
     backend's :class:`~gateway.backends.countcache.CountCache` (``source="cache"`` in
@@ -229,7 +229,10 @@ async def count_prompt(state: Planning, backend: Target, req: ParsedRequest,
     if note is not None:
         note.count_source = source
     key = keys[0] if raw is None and len(keys) == 1 else None
-    return counted, raw, None if key is None else partial(backend.counts.forget, key)
+    forget = None if key is None else partial(backend.counts.forget, key)
+    # Media are charged a guess (a projector takes 256 to ~1,600 an image): the backend's
+    # count of them neither calibrates the text estimate nor can show a truncation.
+    return counted, None if req.media else raw, forget
 
 
 def _prompt_floor(req: ParsedRequest) -> int:

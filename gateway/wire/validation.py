@@ -57,8 +57,9 @@ MAX_DEPTH = 64  # objects and arrays nested deeper than this are refused
 # truncation heuristic counts 768 per image (server/prompt.go); projectors of larger
 # models use up to ~1,600.
 IMAGE_TOKENS = 1600
-# Chat content parts that carry media: Ollama's /v1 makes each one an image of its
-# message (openai/openai.go FromChatRequest), as OpenAI's API reads them.
+# Chat content parts that carry media, as OpenAI's API reads them: Ollama's /v1 makes
+# each image_url part an image of its message (openai/openai.go FromChatRequest) and
+# refuses input_audio; llama-server reads both (tools/server/server-common.cpp).
 _MEDIA_PARTS = frozenset({"image_url", "input_audio"})
 
 
@@ -76,7 +77,10 @@ class ParsedRequest:
     :param prompts: for completions, the prompts (one, or a batch); empty for chat. Each
         is a string, or a tuple of token ids that may mix in strings.
     :param extra_prompt_tokens: prompt tokens given as ids besides the text (Ollama's
-        ``context`` array on ``/api/generate``).
+        ``context`` array on ``/api/generate``), and :data:`IMAGE_TOKENS` for each media
+        item.
+    :param media: how many media items (images, audio clips) the prompt carries: their
+        share of ``extra_prompt_tokens`` is a guess, not a count.
     :param texts: for routes without ``messages`` or ``prompt`` (Anthropic messages,
         Responses, infill, rerank), the texts a local estimate reads.
     :param queued_batch: the backend runs the batch's items a slot at a time and queues
@@ -91,6 +95,7 @@ class ParsedRequest:
     cap_field: str = "max_tokens"
     prompts: tuple[str | tuple[int | str, ...], ...] = ()
     extra_prompt_tokens: int = 0
+    media: int = 0
     texts: tuple[str, ...] = ()
     queued_batch: bool = False
 
@@ -422,11 +427,11 @@ def _parse_openai(spec: RouteSpec, raw: bytes, *, chat: bool) -> ParsedRequest:
     cap_field = next((k for k, v in zip(cap_keys, caps, strict=True) if v is not None),
                      "max_tokens")
     n = _same(("n", "n_cmpl"), [_int_field(body, "n", 1), _int_field(body, "n_cmpl", 1)])
+    media = _chat_media(body) if chat else _media_of(body.get("prompt"))
     return ParsedRequest(
         spec=spec, body=body, max_tokens=max_tokens, n=n or 1,
         stream=bool(body.get("stream")), cap_field=cap_field, prompts=prompts,
-        extra_prompt_tokens=(_chat_media(body) if chat else _media_of(body.get("prompt")))
-        * IMAGE_TOKENS,
+        extra_prompt_tokens=media * IMAGE_TOKENS, media=media,
     )
 
 
@@ -515,13 +520,15 @@ def _ollama_common(raw: bytes) -> tuple[dict[str, Any], int | None]:
 
 
 def _ollama_request(spec: RouteSpec, body: dict[str, Any], num_predict: int | None,
-                    prompts: tuple[str, ...], extra_tokens: int) -> ParsedRequest:
+                    prompts: tuple[str, ...], extra_tokens: int, images: int
+                    ) -> ParsedRequest:
     """The cap is ``options.num_predict`` (``-1``/``-2``, "no limit"/"fill the context",
-    count as none); ``stream`` defaults to true, as in Ollama."""
+    count as none); ``stream`` defaults to true, as in Ollama; ``images`` of them."""
     return ParsedRequest(
         spec=spec, body=body, max_tokens=None if num_predict in (None, -1, -2, 0)
         else num_predict, n=1, stream=body.get("stream") is not False,
-        cap_field="options.num_predict", prompts=prompts, extra_prompt_tokens=extra_tokens,
+        cap_field="options.num_predict", prompts=prompts,
+        extra_prompt_tokens=extra_tokens + images * IMAGE_TOKENS, media=images,
     )
 
 
@@ -536,7 +543,7 @@ def parse_ollama_chat(spec: RouteSpec, raw: bytes) -> ParsedRequest:
     body, num_predict = _ollama_common(raw)
     _ollama_messages(body)
     images = sum(len(m.get("images") or []) for m in body.get("messages") or [])
-    return _ollama_request(spec, body, num_predict, (), images * IMAGE_TOKENS)
+    return _ollama_request(spec, body, num_predict, (), 0, images)
 
 
 def parse_ollama_generate(spec: RouteSpec, raw: bytes) -> ParsedRequest:
@@ -562,8 +569,7 @@ def parse_ollama_generate(spec: RouteSpec, raw: bytes) -> ParsedRequest:
         context_tokens = len(context)
     images = _ollama_images(body.get("images"), "images")
     prompts = ("\n".join(t for t in texts if t) or " ",)
-    return _ollama_request(spec, body, num_predict, prompts,
-                           context_tokens + images * IMAGE_TOKENS)
+    return _ollama_request(spec, body, num_predict, prompts, context_tokens, images)
 
 
 _MEDIA_KEYS = frozenset({"data", "image_url", "file_data", "source"})
@@ -658,10 +664,11 @@ def _anthropic_messages(body: dict[str, Any]) -> None:
 
 
 def _generated(body: dict[str, Any], spec: RouteSpec, texts: list[str], *,
-               cap: int | None, cap_field: str, extra_tokens: int = 0) -> ParsedRequest:
+               cap: int | None, cap_field: str, media: int = 0) -> ParsedRequest:
     return ParsedRequest(spec=spec, body=body, max_tokens=cap, n=_n(body),
                          stream=bool(body.get("stream")), cap_field=cap_field,
-                         texts=tuple(texts), extra_prompt_tokens=extra_tokens)
+                         texts=tuple(texts), extra_prompt_tokens=media * IMAGE_TOKENS,
+                         media=media)
 
 
 def parse_messages(spec: RouteSpec, raw: bytes) -> ParsedRequest:
@@ -678,8 +685,7 @@ def parse_messages(spec: RouteSpec, raw: bytes) -> ParsedRequest:
     if spec.generates and cap is None:
         raise InvalidRequest("max_tokens is required.", param="max_tokens")
     texts, images = _texts_of([body.get("system"), body["messages"], body.get("tools")])
-    return _generated(body, spec, texts, cap=cap, cap_field=cap_field,
-                      extra_tokens=images * IMAGE_TOKENS)
+    return _generated(body, spec, texts, cap=cap, cap_field=cap_field, media=images)
 
 
 def parse_responses(spec: RouteSpec, raw: bytes) -> ParsedRequest:
@@ -696,8 +702,7 @@ def parse_responses(spec: RouteSpec, raw: bytes) -> ParsedRequest:
     _check_sampling(body, bool)
     cap, cap_field = _cap(body, spec.cap_keys)
     texts, images = _texts_of([body.get("instructions"), given, body.get("tools")])
-    return _generated(body, spec, texts, cap=cap, cap_field=cap_field,
-                      extra_tokens=images * IMAGE_TOKENS)
+    return _generated(body, spec, texts, cap=cap, cap_field=cap_field, media=images)
 
 
 def parse_embeddings(spec: RouteSpec, raw: bytes) -> ParsedRequest:
@@ -715,7 +720,8 @@ def parse_embeddings(spec: RouteSpec, raw: bytes) -> ParsedRequest:
                              "or an array of those.", param="input") from None
     return ParsedRequest(spec=spec, body=body, max_tokens=0, n=1, stream=False,
                          prompts=items, queued_batch=True,
-                         extra_prompt_tokens=_media_of(given) * IMAGE_TOKENS)
+                         extra_prompt_tokens=_media_of(given) * IMAGE_TOKENS,
+                         media=_media_of(given))
 
 
 def parse_rerank(spec: RouteSpec, raw: bytes) -> ParsedRequest:
