@@ -190,6 +190,22 @@ def _hash_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_users_arguments(plan: argparse.ArgumentParser) -> None:
+    """``gateway plan``'s sizing from users (:mod:`gateway.planner.users`)."""
+    users = plan.add_argument_group(
+        "sizing from users (docs/planner.md: in flight = users x turn-s / think-s)")
+    users.add_argument("--users", type=int, help="people using the model")
+    users.add_argument("--turn-s", type=float,
+                       help="seconds of generation per turn (prefill + answer)")
+    users.add_argument("--think-s", type=float,
+                       help="seconds from one turn's request to the same user's next, the "
+                            "turn included")
+    users.add_argument("--prompt-tokens", type=int, help="tokens of a turn's prompt")
+    users.add_argument("--answer-tokens", type=int, help="tokens of a turn's answer")
+    users.add_argument("--headroom", type=float, default=0.25,
+                       help="slots = ceil(in flight x (1 + headroom)); default 0.25")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gateway`` argument parser."""
     parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
@@ -226,18 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="size from a gateway's /metrics (URL, or a file of its text)")
     plan.add_argument("--margin", type=float, default=0.1,
                       help="safety margin over the p95 (with --from-metrics)")
-    users = plan.add_argument_group(
-        "sizing from users (docs/planner.md: in flight = users x turn-s / think-s)")
-    users.add_argument("--users", type=int, help="people using the model")
-    users.add_argument("--turn-s", type=float,
-                       help="seconds of generation per turn (prefill + answer)")
-    users.add_argument("--think-s", type=float,
-                       help="seconds from one turn's request to the same user's next, the "
-                            "turn included")
-    users.add_argument("--prompt-tokens", type=int, help="tokens of a turn's prompt")
-    users.add_argument("--answer-tokens", type=int, help="tokens of a turn's answer")
-    users.add_argument("--headroom", type=float, default=0.25,
-                       help="slots = ceil(in flight x (1 + headroom)); default 0.25")
+    _add_users_arguments(plan)
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
     probe = sub.add_parser("probe", help="detect a backend and read its capacity")
