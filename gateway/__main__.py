@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.config import (
     BackendSettings,
@@ -20,6 +20,9 @@ from gateway.config import (
     redact_url,
     settings_toml,
 )
+
+if TYPE_CHECKING:
+    from gateway.planner.planning import ModelShape
 
 __all__ = ["main"]
 
@@ -164,13 +167,16 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2) if args.json else render_sizing(result))  # noqa: T201
         return 0
     try:
+        shape = None
         if args.gguf:
             shape = modelshape.from_gguf(args.gguf)
         elif args.hf_config:
             shape = modelshape.from_hf_config(args.hf_config)
         elif args.layers and args.kv_heads and args.head_dim:
             shape = modelshape.from_dims(args.layers, args.kv_heads, args.head_dim)
-        else:
+        if args.users is not None:
+            return _plan_users(args, shape)
+        if shape is None:
             raise ValueError("give --gguf, --hf-config, or --layers/--kv-heads/--head-dim")
         report = build_report(
             shape, type_k=args.cache_type_k, type_v=args.cache_type_v,
@@ -182,6 +188,25 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"gateway plan: {exc}", file=sys.stderr)  # noqa: T201
         return 2
     print(json.dumps(report, indent=2) if args.json else render_report(report))  # noqa: T201
+    return 0
+
+
+def _plan_users(args: argparse.Namespace, shape: ModelShape | None) -> int:
+    """``gateway plan --users N --turn-s S --think-s T``: sizing from users
+    (:mod:`gateway.planner.users`); ``shape`` is the model, if one was given."""
+    from gateway.planner.planning import parse_bytes
+    from gateway.planner.users import UserLoad, render_users, size_from_users
+
+    if args.turn_s is None or args.think_s is None:
+        raise ValueError("--users needs --turn-s and --think-s")
+    load = UserLoad(args.users, args.turn_s, args.think_s, args.prompt_tokens,
+                    args.answer_tokens)
+    report = size_from_users(
+        load, headroom=args.headroom, ctx=args.ctx, shape=shape,
+        kv_budget=parse_bytes(args.kv_memory) if args.kv_memory else None,
+        memory=parse_bytes(args.memory) if args.memory else None,
+        unified=args.layout == "unified", type_k=args.cache_type_k, type_v=args.cache_type_v)
+    print(json.dumps(report, indent=2) if args.json else render_users(report))  # noqa: T201
     return 0
 
 
@@ -227,6 +252,22 @@ def _backend_option(parser: argparse.ArgumentParser) -> None:
              "asked of the server")
 
 
+def _add_users_arguments(plan: argparse.ArgumentParser) -> None:
+    """``gateway plan``'s sizing from users (:mod:`gateway.planner.users`)."""
+    users = plan.add_argument_group(
+        "sizing from users (docs/planner.md: in flight = users x turn-s / think-s)")
+    users.add_argument("--users", type=int, help="people using the model")
+    users.add_argument("--turn-s", type=float,
+                       help="seconds of generation per turn (prefill + answer)")
+    users.add_argument("--think-s", type=float,
+                       help="seconds from one turn's request to the same user's next, the "
+                            "turn included")
+    users.add_argument("--prompt-tokens", type=int, help="tokens of a turn's prompt")
+    users.add_argument("--answer-tokens", type=int, help="tokens of a turn's answer")
+    users.add_argument("--headroom", type=float, default=0.25,
+                       help="slots = ceil(in flight x (1 + headroom)); default 0.25")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gateway`` argument parser."""
     parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
@@ -269,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="size from a gateway's /metrics (URL, or a file of its text)")
     plan.add_argument("--margin", type=float, default=0.1,
                       help="safety margin over the p95 (with --from-metrics)")
+    _add_users_arguments(plan)
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
     probe = sub.add_parser("probe", help="detect a backend and read its capacity")

@@ -353,6 +353,11 @@ class ClassSettings(_Strict):
     # The longest a request of this class waits in the queue, seconds; unset:
     # admission.max_queue_wait_s. A batch class can wait far longer than an interactive one.
     max_queue_wait_s: float | None = Field(None, gt=0)
+    # Latency targets of this class, seconds (docs/latency.md): the 95th percentile of
+    # time to first token and of inter-token latency its requests should see. Unset: no
+    # target, the class is admitted as far as memory allows (as without them).
+    ttft_p95_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    itl_p95_s: float | None = Field(None, gt=0, allow_inf_nan=False)
 
 
 _HEX = frozenset("0123456789abcdef")

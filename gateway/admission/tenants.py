@@ -457,6 +457,7 @@ class Tenants:
         classes = self.settings.classes
         self.ranks = {c.name: i for i, c in enumerate(classes)}
         self._waits = {c.name: c.max_queue_wait_s for c in classes}
+        self._targets = {c.name: (c.ttft_p95_s, c.itl_p95_s) for c in classes}
         # Tenants of the running registry, and removed ones still holding requests.
         old = ({**self.previous.retired, **self.previous.by_name}
                if self.previous is not None else {})
@@ -513,7 +514,7 @@ class Tenants:
     def party(self, tenant: Tenant, asked: object = None) -> Party:
         """The :class:`Party` of a request of ``tenant`` asking for class ``asked``
         (a class name, or ``None`` for the tenant's own); its ``max_wait_s`` is the
-        class's, else ``admission.max_queue_wait_s``.
+        class's, else ``admission.max_queue_wait_s``, and its latency targets the class's.
 
         :raises InvalidRequest: ``asked`` is not a class name.
         :raises Forbidden: ``asked`` is a class above the tenant's.
@@ -532,4 +533,6 @@ class Tenants:
                                 "only ask for a lower class.", param="priority")
             name = asked
         wait = self._waits[name] or self.settings.admission.max_queue_wait_s
-        return Party(tenant.name, self.ranks[name], name, tenant.weight, wait)
+        ttft, itl = self._targets[name]
+        return Party(tenant.name, self.ranks[name], name, tenant.weight, wait,
+                     ttft_target_s=ttft, itl_target_s=itl)

@@ -52,6 +52,11 @@ class Party:
     :param weight: the tenant's share weight (> 0).
     :param max_wait_s: the longest it may wait in the queue, seconds, or ``None`` for the
         queue's own limit.
+    :param ttft_target_s: its class's TTFT p95 target, seconds (``None``: none);
+        ``itl_target_s`` its class's ITL p95 target, seconds. Carried, not yet acted on
+        (``docs/latency.md``).
+    :param ttft_deadline_s: the request's own TTFT deadline, seconds after its arrival
+        (:func:`gateway.wire.slo.parse_ttft_deadline`), or ``None``.
     """
 
     tenant: str = ANONYMOUS
@@ -59,6 +64,9 @@ class Party:
     priority: str = "default"
     weight: float = 1.0
     max_wait_s: float | None = None
+    ttft_target_s: float | None = None
+    itl_target_s: float | None = None
+    ttft_deadline_s: float | None = None
 
 
 @dataclass(eq=False)

@@ -43,6 +43,7 @@ from gateway.request.tokens import chat_text, content_texts, estimate_tokens, to
 from gateway.wire.naming import answer_name, served_name
 from gateway.wire.resume import resumable
 from gateway.wire.routes import BY_NAME, Api
+from gateway.wire.slo import parse_ttft_deadline
 from gateway.wire.validation import ParsedRequest, check_content_type
 
 __all__ = ["Backends", "Planning", "count_prompt", "estimate_prompt", "prepare_exchange",
@@ -457,7 +458,11 @@ def _party(state: Planning, request: Request, tenant: Tenant, body: dict[str, An
     ``x-priority`` header or a string ``priority`` field (taken out of the body: the
     backend never sees it; an integer ``priority``, vLLM's own, is left as it is).
 
-    :raises InvalidRequest: the class named does not exist.
+    Its TTFT deadline, if the request carries one (``x-gateway-slo-ttft-ms``,
+    :mod:`gateway.wire.slo`), is carried on the party.
+
+    :raises InvalidRequest: the class named does not exist, or the deadline header is
+        not a number of milliseconds.
     :raises Forbidden: it is above the tenant's class.
     """
     asked: object = request.headers.get(PRIORITY_HEADER)
@@ -471,6 +476,9 @@ def _party(state: Planning, request: Request, tenant: Tenant, body: dict[str, An
         raise InvalidRequest("priority must be a class name (a string) or, for vLLM's "
                              "own priority scheduling, an integer.", param="priority")
     party = state.tenants.party(tenant, asked.strip() if isinstance(asked, str) else asked)
+    deadline = parse_ttft_deadline(request.scope["headers"])
+    if deadline is not None:
+        party = replace(party, ttft_deadline_s=deadline)
     record_of(request.scope).priority = party.priority
     return party
 
