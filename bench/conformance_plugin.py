@@ -233,12 +233,10 @@ def _patch(utils: Any, settings: _Settings) -> None:
             return
         from gateway.dev.localbackend import free_port
 
-        host = self.server_host.split(",")[0].strip()
-        if "," in self.server_host:
-            _current.notes.append(f"llama-server listens on {self.server_host}; "
-                                  f"the gateway on {host} only")
+        host = self.server_host.split(",")[0].strip()  # where the gateway finds the server
         port = free_port()
-        toml = gateway_toml(port, f"http://{host}:{self.server_port}", host=host,
+        # the gateway listens on every address llama-server does (server.host's list)
+        toml = gateway_toml(port, f"http://{host}:{self.server_port}", host=self.server_host,
                             api_key=self.api_key,
                             kv_unified=bool(self.kv_unified) or not self.n_slots)
         gateway = GatewayProcess(toml, port, settings.workdir)
