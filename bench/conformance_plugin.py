@@ -60,7 +60,8 @@ def _toml_str(value: str) -> str:
 
 
 def gateway_toml(port: int, backend_url: str, *, host: str = "127.0.0.1",
-                 api_key: str | None = None, kv_unified: bool = True) -> str:
+                 api_key: str | None = None, kv_unified: bool = True,
+                 default_max_tokens: int | None = None) -> str:
     """The gateway's configuration in front of one llama-server: the defaults, the
     listen address, JSON logs at debug (so that every access line, probes and
     ``/metrics`` too, is written), CORS for every origin (``server.cors_origins =
@@ -72,6 +73,9 @@ def gateway_toml(port: int, backend_url: str, *, host: str = "127.0.0.1",
     :param api_key: llama-server's ``--api-key``: sent upstream as the backend's key, and
         required of clients as the key of the one tenant (as llama-server requires it).
     :param kv_unified: llama-server's KV layout (``true`` without ``-np``).
+    :param default_max_tokens: llama-server's ``--n-predict``, the cap of a request that
+        sets none; the gateway cannot read it (``/props`` shows -1 whatever it is), so it
+        is given as ``admission.default_max_tokens``.
     """
     lines = [
         "[server]", f"host = {_toml_str(host)}", f"port = {port}",
@@ -83,6 +87,8 @@ def gateway_toml(port: int, backend_url: str, *, host: str = "127.0.0.1",
         digest = hashlib.sha256(api_key.encode()).hexdigest()
         lines += [f"api_key = {_toml_str(api_key)}", "",
                   "[[tenants]]", 'name = "suite"', f"key_hashes = [{_toml_str(digest)}]"]
+    if default_max_tokens:  # a table of its own, after the backend's keys
+        lines += ["", "[admission]", f"default_max_tokens = {int(default_max_tokens)}"]
     return "\n".join(lines) + "\n"
 
 
@@ -238,7 +244,8 @@ def _patch(utils: Any, settings: _Settings) -> None:
         # the gateway listens on every address llama-server does (server.host's list)
         toml = gateway_toml(port, f"http://{host}:{self.server_port}", host=self.server_host,
                             api_key=self.api_key,
-                            kv_unified=bool(self.kv_unified) or not self.n_slots)
+                            kv_unified=bool(self.kv_unified) or not self.n_slots,
+                            default_max_tokens=self.n_predict)
         gateway = GatewayProcess(toml, port, settings.workdir)
         self._conformance = (gateway, self.server_port)
         self.server_port = port

@@ -141,6 +141,13 @@ def test_the_generated_config_is_one_the_gateway_loads(tmp_path: Path) -> None:
     assert settings.tenants[0].key_hashes == [hashlib.sha256(b"sk-test").hexdigest()]
     path.write_text(plugin.gateway_toml(18001, "http://127.0.0.1:18080"))
     assert load_settings(path).tenants == []
+    # llama-server's --n-predict, which /props does not show, with a key and without
+    for key in ("sk-test", None):
+        path.write_text(plugin.gateway_toml(18001, "http://127.0.0.1:18080", api_key=key,
+                                            default_max_tokens=64))
+        loaded = load_settings(path)
+        assert loaded.admission.default_max_tokens == 64
+        assert (loaded.backends[0].api_key is not None) is (key is not None)
 
 
 def test_the_gateway_log_read_back() -> None:
