@@ -175,6 +175,23 @@ def test_print_leaves_secrets_out_and_says_so(
     assert "state.redis_url holds a password" in err
 
 
+def test_a_password_in_a_backend_url_is_never_printed(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # http://user:PW@host is sent as HTTP Basic (httpx reads a URL's userinfo).
+    arg = "http://user:s3cret@h:8080,kind=llama.cpp"
+    assert main(["check-config", "--backend", arg, "--print"]) == 0
+    out, err = capsys.readouterr()
+    assert "s3cret" not in out and 'url = "http://user:***@h:8080"' in out
+    assert "backends[0].url holds a password" in err
+    assert main(["check-config", "--backend", arg]) == 0
+    out, _ = capsys.readouterr()
+    assert "s3cret" not in out
+    assert json.loads(out)["backends"][0]["url"] == "http://user:***@h:8080"
+    assert main(["check-config", "--backend", arg, "--backend",
+                 "http://user:s3cret@h:8080,kind=vllm"]) == 2  # the same server twice
+    assert "s3cret" not in capsys.readouterr().err
+
+
 def test_check_config_without_a_file_or_backend_prints_the_defaults_as_json(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-config"]) == 0
