@@ -129,3 +129,14 @@ async def test_many_models_are_each_a_backend() -> None:
     assert r.status_code == 200, r.text
     data = (await h.client.get("/v1/models")).json()["data"]
     assert len(data) == 150 and "/srv/models" not in json.dumps(data)
+
+
+async def test_a_failed_load_gives_every_reservation_back() -> None:
+    router = two_models(loaded={"a"}, fail={"b"})
+    h = await harness(router)
+    for stream in (False, True):
+        r = await h.chat("b", stream=stream)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "backend_unavailable"
+        assert _idle(h.member("b")) and _idle(h.member("a"))
+    assert (await h.chat("a")).status_code == 200 and _idle(h.member("a"))

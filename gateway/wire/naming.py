@@ -38,9 +38,9 @@ _KEY = b'"model"'
 _SPACE = b" \t\r\n"
 _QUOTE, _COLON, _BACKSLASH = 0x22, 0x3A, 0x5C
 _DRIVE = re.compile(r"^[A-Za-z]:[\\/]")
-# A JSON string (escapes and all) or a bracket: what the depth of a member is read from.
-_TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[][{}]', re.S)
-_OPENERS, _ARRAY = b"{[", 0x5B
+# A JSON string, escapes and all: taken out of the text before a member, whose brackets
+# then give its depth.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 
 
 def served_name(model: str) -> str:
@@ -75,40 +75,33 @@ def rename_model(raw: bytes, name: bytes) -> bytes:
         ``raw``, so feed whole events).
     :param name: the new value, a JSON string with its quotes (:func:`answer_name`).
     :returns: ``raw`` itself when it names no model or only ``name`` already (no copy),
-        else a new buffer of the same bytes but for the values replaced. About 5 µs for
+        else a new buffer of the same bytes but for the values replaced. About 4 µs for
         a llama-server chat chunk (twice :func:`gateway.wire.events.quick_token`'s time:
-        the brackets before its ``model``, which follows ``choices``, are read for its
-        depth).
+        the text before its ``model``, which follows ``choices``, is read for its
+        depth); about 30 ms a megabyte of a whole answer with logprobs.
     """
     at = raw.find(_KEY)
     if at < 0:
         return raw
     parts: list[bytes] = []
-    last = 0
+    last = scanned = 0
     size = len(raw)
-    final = raw.rfind(_KEY)
-    opened: list[int] = []  # the brackets open at this point, outside strings
-    for token in _TOKENS.finditer(raw):
-        at = token.start()
-        if at > final:
-            break
-        byte = raw[at]
-        if byte != _QUOTE:
-            if byte in _OPENERS:
-                opened.append(byte)
-            elif opened:
-                opened.pop()
-            continue
-        if (token.end() - at != 7 or not raw.startswith(_KEY, at) or len(opened) > 2
-                or _ARRAY in opened):
-            continue
+    objects = arrays = 0  # the objects and arrays open at ``scanned``
+    while at >= 0:
         found = _value_at(raw, at, size)
         if found is None:
+            at = raw.find(_KEY, at + 7)
             continue
         begin, end = found
-        if raw[begin:end] != name:
+        # In nested JSON, what is open of each kind is its openings less its closings.
+        between = _STRING.sub(b"", raw[scanned:at])
+        objects += between.count(b"{") - between.count(b"}")
+        arrays += between.count(b"[") - between.count(b"]")
+        scanned = end  # the name, the colon and the string value hold no bracket
+        if objects <= 2 and arrays <= 0 and raw[begin:end] != name:
             parts += (raw[last:begin], name)
             last = end
+        at = raw.find(_KEY, end)
     if not parts:
         return raw
     parts.append(raw[last:])
