@@ -241,3 +241,17 @@ async def test_the_model_list_names_a_path_by_its_file_name(answer_model: str) -
     assert [m["id"] for m in listed] == [expected] and listed[0]["meta"]["n_vocab"] == 1000
     # The name the list and the answers give reaches the backend, as its path does.
     assert {SERVED, PATH} <= app.state.gateway.fleet.backends["local"].model_names
+
+
+async def test_a_huge_model_name_is_not_copied_into_every_event() -> None:
+    # A 100 KB name repeated in each chunk would turn one request into 100 KB x chunks.
+    client, _ = await gateway()
+    async with client:
+        for stream in (False, True):
+            r = await client.post("/v1/chat/completions", json={
+                **BODIES["/v1/chat/completions"], "model": "x" * 100_000, "stream": stream})
+            assert r.status_code == 200, r.text[:300]
+            assert set(models_in(r.text)) == {SERVED} and len(r.content) < 10_000
+        r = await client.post("/v1/chat/completions", json={
+            **BODIES["/v1/chat/completions"], "model": "y" * 256})
+        assert set(models_in(r.text)) == {"y" * 256}  # up to the bound, echoed

@@ -32,7 +32,11 @@ from __future__ import annotations
 import json
 import re
 
-__all__ = ["answer_name", "rename_model", "served_name"]
+__all__ = ["ECHOED_NAME_MAX", "answer_name", "rename_model", "served_name"]
+
+#: The longest name a client asks for that answers repeat, characters (every streamed
+#: event carries it); a longer one is answered with the served model's name.
+ECHOED_NAME_MAX = 256
 
 _KEY = b'"model"'
 _SPACE = b" \t\r\n"
