@@ -282,6 +282,16 @@ class BackendSettings(_Strict):
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"must start with http:// or https://, got {value!r}")
         value = value.rstrip("/")
+        parts = urlsplit(value)
+        try:
+            parts.port  # noqa: B018 - raises on a port that is not one
+        except ValueError:
+            raise ValueError(f"has no valid port (1-65535): {value!r}") from None
+        if not parts.hostname:
+            raise ValueError(f"names no host: {value!r}")
+        if parts.query or parts.fragment or "?" in value or "#" in value:
+            raise ValueError(f"is the server's base URL, without a query or fragment (each "
+                             f"route's path is added to it): {value!r}")
         if value.endswith("/v1"):
             raise ValueError(f"is the server's base URL, without /v1 (the gateway adds each "
                              f"route's path): {value[:-3]!r}, not {value!r}")

@@ -79,6 +79,11 @@ def test_an_argument_gives_its_url_and_any_keys_in_any_order() -> None:
     ("kind=ollama", "no URL"),
     ("http://h:8080/v1", "url: is the server's base URL, without /v1"),
     ("http://h:8080,slots=zero", "slots: Input should be a valid integer"),
+    ("http://", "url: names no host"),
+    ("http://:8080", "url: names no host"),
+    ("http://h:99999", "url: has no valid port"),
+    ("http://h:8080?x=1", "url: is the server's base URL, without a query"),
+    ("http://h:8080/#top", "url: is the server's base URL, without a query"),
     ("http://h:8080,kind=ollama,kv_unified=true", "contradicts a ollama backend"),
 ])
 def test_a_bad_argument_is_refused_naming_it(arg: str, needle: str) -> None:
