@@ -24,7 +24,7 @@ from gateway.clock import Clock
 from gateway.config import AdmissionSettings, BackendSettings, RoutingSettings
 from gateway.errors import BackendNotReady, ModelNotFound, RouteNotFound
 from gateway.fleet.pool import ModelQueue
-from gateway.fleet.routers import sync_members, with_members
+from gateway.fleet.routers import refuse_for_routers, sync_members, with_members
 from gateway.fleet.shared_pool import SharedModelQueue
 from gateway.fleet.tasks import TaskSet
 
@@ -204,10 +204,8 @@ class Fleet:
 
         :raises RouteNotFound: no backend of ``kind`` serving ``route`` is configured (404).
         :raises ModelNotFound: no backend serves ``model``, there is no
-            ``routing.default_model``, and the backends serve more than one model (404);
-            or the only backends are llama-server routers that list no model.
-        :raises BackendNotReady: the only backends are routers, one of whose ``/models``
-            could not be read (503).
+            ``routing.default_model``, and the backends serve more than one model (404).
+        :raises BackendNotReady: as :func:`~gateway.fleet.routers.refuse_for_routers`.
         """
         def fits(backend: Target) -> bool:
             return ((kind is None or backend.kind == kind)
@@ -233,19 +231,7 @@ class Fleet:
                                         "route.")
                 return pool
         if not eligible:
-            hubs = [b for b in self.backends.values() if b.router.hub is not None
-                    and (kind is None or b.kind == kind)]
-            if hubs and route is not None and route not in hubs[0].dialect.route_paths:
-                hubs = []
-            unread = [b for b in hubs if b.problem or not b.ready]
-            if unread:  # a router whose /models cannot be read: its models are unknown
-                raise BackendNotReady(
-                    f"Backend {unread[0].name!r} (a llama-server router) is not ready "
-                    f"({unread[0].problem or 'its models are not known yet'}); retry "
-                    "after the Retry-After delay.", retry_after_s=1.0)
-            if hubs:
-                raise ModelNotFound(f"The llama-server router {hubs[0].name!r} lists no "
-                                    "models (see GET /v1/models).", param="model")
+            refuse_for_routers(self.backends.values(), kind, route)
             if kind is not None:
                 raise RouteNotFound(f"This route needs a backend of kind {kind!r}; none "
                                     "is configured.")
