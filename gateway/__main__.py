@@ -46,11 +46,11 @@ def _cli_backends(args: argparse.Namespace) -> list[dict[str, Any]] | None:
         key = BackendSettings(**entry).api_key  # read from api_key_file, when given
         found = probe(entry["url"], api_key=key.get_secret_value() if key else None)
         if found["kind"] == "unknown":
-            raise ConfigError(f"--backend {entry['url']}: the kind of server cannot be "
-                              f"told: {found['error']}. Start the server first, or give "
+            raise ConfigError(f"--backend {redact_url(entry['url'])}: the kind of server "
+                              f"cannot be told: {found['error']}. Start the server first, or give "
                               "kind=llama.cpp, kind=ollama or kind=vllm")
         entry["kind"] = found["kind"]
-        print(f"gateway: backend {entry['name']!r} at {entry['url']} is "  # noqa: T201
+        print(f"gateway: backend {entry['name']!r} at {redact_url(entry['url'])} is "  # noqa: T201
               f"{found['kind']} (detected; kind= skips the detection)", file=sys.stderr)
     return entries
 
@@ -102,6 +102,7 @@ def _check(args: argparse.Namespace) -> int:
     effective = settings.model_dump(mode="json")
     effective["state"]["redis_url"] = redact_url(settings.state.redis_url)  # no password
     for shown, backend in zip(effective["backends"], settings.backends, strict=True):
+        shown["url"] = redact_url(backend.url)
         if backend.kind == "llama.cpp":
             shown["kv_unified"] = backend.unified  # unset means true
         else:

@@ -291,6 +291,16 @@ class BackendSettings(_Strict):
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"must start with http:// or https://, got {value!r}")
         value = value.rstrip("/")
+        parts = urlsplit(value)
+        try:
+            parts.port  # noqa: B018 - raises on a port that is not one
+        except ValueError:
+            raise ValueError(f"has no valid port (1-65535): {value!r}") from None
+        if not parts.hostname:
+            raise ValueError(f"names no host: {value!r}")
+        if parts.query or parts.fragment or "?" in value or "#" in value:
+            raise ValueError(f"is the server's base URL, without a query or fragment (each "
+                             f"route's path is added to it): {value!r}")
         if value.endswith("/v1"):
             raise ValueError(f"is the server's base URL, without /v1 (the gateway adds each "
                              f"route's path): {value[:-3]!r}, not {value!r}")
@@ -606,8 +616,8 @@ class Settings(BaseSettings):
             other = servers.setdefault(backend.url, backend.name)
             if other != backend.name:
                 raise ValueError(f"backends {other!r} and {backend.name!r} share the url "
-                                 f"{backend.url}: each would count that server's whole KV "
-                                 "pool as its own; list it once")
+                                 f"{redact_url(backend.url)}: each would count that "
+                                 "server's whole KV pool as its own; list it once")
         owner: dict[str, str] = {}  # model name or alias -> the model it stands for
         for backend in value:
             if backend.model is None:
@@ -787,7 +797,8 @@ def settings_toml(settings: Settings) -> tuple[str, list[str]]:
 
     Secrets are left out, each with a note: ``server.admin_key`` and an inline
     ``backends[].api_key`` (one read from ``api_key_file`` is not printed; the file's
-    name is); a password in ``state.redis_url`` is shown as ``***``.
+    name is); a password in ``state.redis_url`` or a ``backends[].url``
+    (``http://user:PW@host``, sent as HTTP Basic) is shown as ``***``.
 
     :returns: the TOML text, and the notes (one line each) on what it leaves out.
     """
@@ -800,6 +811,9 @@ def settings_toml(settings: Settings) -> tuple[str, list[str]]:
         if backend.pop("api_key", None) is not None:
             notes.append(f"backends[{i}].api_key is set and not printed: add it back, or "
                          "give api_key_file")
+        if "url" in backend and (shown := redact_url(backend["url"])) != backend["url"]:
+            backend["url"] = shown
+            notes.append(f"backends[{i}].url holds a password, printed as ***: add it back")
     if "redis_url" in data.get("state", {}):
         shown = redact_url(settings.state.redis_url)
         if shown != settings.state.redis_url:

@@ -241,3 +241,48 @@ async def test_the_model_list_names_a_path_by_its_file_name(answer_model: str) -
     assert [m["id"] for m in listed] == [expected] and listed[0]["meta"]["n_vocab"] == 1000
     # The name the list and the answers give reaches the backend, as its path does.
     assert {SERVED, PATH} <= app.state.gateway.fleet.backends["local"].model_names
+
+
+async def test_a_huge_model_name_is_not_copied_into_every_event() -> None:
+    # A 100 KB name repeated in each chunk would turn one request into 100 KB x chunks.
+    client, _ = await gateway()
+    async with client:
+        for stream in (False, True):
+            r = await client.post("/v1/chat/completions", json={
+                **BODIES["/v1/chat/completions"], "model": "x" * 100_000, "stream": stream})
+            assert r.status_code == 200, r.text[:300]
+            assert set(models_in(r.text)) == {SERVED} and len(r.content) < 10_000
+        r = await client.post("/v1/chat/completions", json={
+            **BODIES["/v1/chat/completions"], "model": "y" * 256})
+        assert set(models_in(r.text)) == {"y" * 256}  # up to the bound, echoed
+
+
+async def test_an_event_that_is_not_json_does_not_hide_the_next_ones_model() -> None:
+    # An event that is not JSON (a stray bracket and quote), then chunks, in one read.
+    chunk = {"choices": [{"index": 0, "delta": {"content": "h"}}], "created": 1,
+             "id": "c", "model": PATH, "object": "chat.completion.chunk"}
+    last = {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+            "usage": {"completion_tokens": 1, "prompt_tokens": 5, "total_tokens": 6}}
+    raw = (b'data: [{"oops\n\n' + b"data: " + json.dumps(chunk).encode() + b"\n\n"
+           + b"data: " + json.dumps(last).encode() + b"\n\ndata: [DONE]\n\n")
+
+    async def one_read(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions":
+            events = _Events(b"")
+            events.events = [raw]  # every event in one read
+            return httpx.Response(200, stream=events,
+                                  headers={"content-type": "text/event-stream"})
+        return await upstream(request)
+
+    settings = load_settings(admission={"disconnect_grace_s": 0.0},
+                             backends=[{"name": "local", "url": "http://llama:8080"}])
+    app = create_app(settings, http_client=httpx.AsyncClient(
+        transport=httpx.MockTransport(one_read)), registry=CollectorRegistry(),
+        discover=False)
+    await app.state.gateway.fleet.backends["local"].discover()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://gateway") as client:
+        r = await client.post("/v1/chat/completions",
+                              json={**BODIES["/v1/chat/completions"], "stream": True})
+    assert r.status_code == 200, r.text
+    assert PATH not in r.text and set(models_in(r.text)) == {SERVED}

@@ -79,6 +79,11 @@ def test_an_argument_gives_its_url_and_any_keys_in_any_order() -> None:
     ("kind=ollama", "no URL"),
     ("http://h:8080/v1", "url: is the server's base URL, without /v1"),
     ("http://h:8080,slots=zero", "slots: Input should be a valid integer"),
+    ("http://", "url: names no host"),
+    ("http://:8080", "url: names no host"),
+    ("http://h:99999", "url: has no valid port"),
+    ("http://h:8080?x=1", "url: is the server's base URL, without a query"),
+    ("http://h:8080/#top", "url: is the server's base URL, without a query"),
     ("http://h:8080,kind=ollama,kv_unified=true", "contradicts a ollama backend"),
 ])
 def test_a_bad_argument_is_refused_naming_it(arg: str, needle: str) -> None:
@@ -173,6 +178,23 @@ def test_print_leaves_secrets_out_and_says_so(
     assert "server.admin_key is set and not printed" in err
     assert "backends[0].api_key is set and not printed" in err
     assert "state.redis_url holds a password" in err
+
+
+def test_a_password_in_a_backend_url_is_never_printed(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # http://user:PW@host is sent as HTTP Basic (httpx reads a URL's userinfo).
+    arg = "http://user:s3cret@h:8080,kind=llama.cpp"
+    assert main(["check-config", "--backend", arg, "--print"]) == 0
+    out, err = capsys.readouterr()
+    assert "s3cret" not in out and 'url = "http://user:***@h:8080"' in out
+    assert "backends[0].url holds a password" in err
+    assert main(["check-config", "--backend", arg]) == 0
+    out, _ = capsys.readouterr()
+    assert "s3cret" not in out
+    assert json.loads(out)["backends"][0]["url"] == "http://user:***@h:8080"
+    assert main(["check-config", "--backend", arg, "--backend",
+                 "http://user:s3cret@h:8080,kind=vllm"]) == 2  # the same server twice
+    assert "s3cret" not in capsys.readouterr().err
 
 
 def test_check_config_without_a_file_or_backend_prints_the_defaults_as_json(

@@ -1,6 +1,7 @@
 """The ``model`` of answers set from their bytes (gateway/wire/naming.py): every member
-named ``model`` with a string value is rewritten, nothing else changes, and a name inside
-a string is never taken for a member."""
+named ``model`` with a string value at the top of the answer or one object below is
+rewritten, nothing else changes (a tool call's own ``model`` argument is kept), and a name
+inside a string is never taken for a member."""
 
 from __future__ import annotations
 
@@ -78,13 +79,32 @@ def test_answer_name_is_a_json_string() -> None:
     assert json.loads(raw) == {"model": 'a "b"'}
 
 
-def _renamed(value: Any, name: str) -> Any:
-    """The reference: every "model" member with a string value set to ``name``."""
+def test_a_tool_calls_own_model_argument_is_kept() -> None:
+    # Ollama's native chat: arguments as an object (api/types.go ToolCallFunction);
+    # Anthropic's tool_use block: input as an object. Both are the answer's content.
+    ollama = (b'{"model":"llama3.2","message":{"role":"assistant","content":"","tool_calls":'
+              b'[{"function":{"name":"car","arguments":{"model":"civic"}}}]},"done":true}\n')
+    anthropic = json.dumps({"content": [{"type": "tool_use", "id": "t", "name": "car",
+                                         "input": {"model": "civic", "deep": {"model": "x"}}}],
+                            "id": "m", "model": PATH, "type": "message"}).encode()
+    assert json.loads(rename_model(ollama, NAME))["message"]["tool_calls"][0][
+        "function"]["arguments"] == {"model": "civic"}
+    out = json.loads(rename_model(anthropic, NAME))
+    assert out["model"] == "gemma" and out["content"][0]["input"] == {
+        "model": "civic", "deep": {"model": "x"}}
+    # Three objects deep is content too, in an event as in a whole answer.
+    event = b'data: {"message":{"meta":{"model":"keep"},"model":"' + PATH.encode() + b'"}}\n\n'
+    assert rename_model(event, NAME) == event.replace(PATH.encode(), b"gemma")
+
+
+def _renamed(value: Any, name: str, depth: int = 0) -> Any:
+    """The reference: every "model" member with a string value, in the top object or an
+    object directly in it, set to ``name``."""
     if isinstance(value, dict):
-        return {k: name if k == "model" and isinstance(v, str) else _renamed(v, name)
-                for k, v in value.items()}
+        return {k: name if k == "model" and isinstance(v, str) and depth < 2
+                else _renamed(v, name, depth + 1) for k, v in value.items()}
     if isinstance(value, list):
-        return [_renamed(v, name) for v in value]
+        return [_renamed(v, name, 99) for v in value]
     return value
 
 

@@ -24,7 +24,7 @@ from gateway.clock import Clock
 from gateway.config import AdmissionSettings, BackendSettings, RoutingSettings
 from gateway.errors import BackendNotReady, ModelNotFound, RouteNotFound
 from gateway.fleet.pool import ModelQueue
-from gateway.fleet.routers import sync_members, with_members
+from gateway.fleet.routers import refuse_for_routers, sync_members, with_members
 from gateway.fleet.shared_pool import SharedModelQueue
 from gateway.fleet.tasks import TaskSet
 
@@ -205,6 +205,7 @@ class Fleet:
         :raises RouteNotFound: no backend of ``kind`` serving ``route`` is configured (404).
         :raises ModelNotFound: no backend serves ``model``, there is no
             ``routing.default_model``, and the backends serve more than one model (404).
+        :raises BackendNotReady: as :func:`~gateway.fleet.routers.refuse_for_routers`.
         """
         def fits(backend: Target) -> bool:
             return ((kind is None or backend.kind == kind)
@@ -230,6 +231,7 @@ class Fleet:
                                         "route.")
                 return pool
         if not eligible:
+            refuse_for_routers(self.backends.values(), kind, route)
             if kind is not None:
                 raise RouteNotFound(f"This route needs a backend of kind {kind!r}; none "
                                     "is configured.")

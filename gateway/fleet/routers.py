@@ -19,8 +19,10 @@ from gateway.backends.router import RouterModel, RouterSideCalls, member_setting
 from gateway.backends.target import Target
 from gateway.clock import Clock
 from gateway.config import AdmissionSettings, BackendSettings
+from gateway.errors import BackendNotReady, ModelNotFound
 
-__all__ = ["Members", "member_target", "router_rows", "sync_members", "with_members"]
+__all__ = ["Members", "member_target", "refuse_for_routers", "router_rows", "sync_members",
+           "with_members"]
 
 
 class Members(Protocol):
@@ -105,3 +107,26 @@ def router_rows(backends: Iterable[Target]) -> list[tuple[str, str, bool, int, f
     """Each router member's (name, model state, held, holds placed, learned load seconds
     or ``None``), for metrics (:meth:`gateway.backends.router.RouterHub.rows`)."""
     return [row for b in backends if b.router.hub is not None for row in b.router.hub.rows()]
+
+
+def refuse_for_routers(backends: Iterable[Target], kind: str | None, route: str | None
+                       ) -> None:
+    """When no backend but a llama-server router's hub could serve a request (of
+    ``kind``, on ``route``): why not, as the error to answer.
+
+    :raises BackendNotReady: a router's ``/models`` could not be read (503: its models
+        are not known).
+    :raises ModelNotFound: the routers list no model (404).
+    """
+    hubs = [b for b in backends if b.router.hub is not None
+            and (kind is None or b.kind == kind)
+            and (route is None or route in b.dialect.route_paths)]
+    unread = [b for b in hubs if b.problem or not b.ready]
+    if unread:
+        raise BackendNotReady(
+            f"Backend {unread[0].name!r} (a llama-server router) is not ready "
+            f"({unread[0].problem or 'its models are not known yet'}); retry after the "
+            "Retry-After delay.", retry_after_s=1.0)
+    if hubs:
+        raise ModelNotFound(f"The llama-server router {hubs[0].name!r} lists no models "
+                            "(see GET /v1/models).", param="model")

@@ -164,19 +164,22 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """200 while every model has a backend that can take a request (ready, up and
-    not draining) and the gateway is not draining; 503 otherwise. Load balancers
-    read the status; the body shows each backend (:func:`gateway.http.views.ready_row`)
-    and, with shared state, whether Redis answered the last call (``state.up``). A Redis
-    that cannot be reached does not turn it 503: every replica shares that Redis, and a
-    balancer left with no ready replica answers with errors of its own, where the
-    gateway answers 503 ``state_unavailable`` with ``Retry-After``."""
+    """200 while there is a model and every model has a backend that can take a request
+    (ready, up and not draining) and the gateway is not draining; 503 otherwise. Load
+    balancers read the status; the body shows each backend
+    (:func:`gateway.http.views.ready_row`) and, with shared state, whether Redis
+    answered the last call (``state.up``). A Redis that cannot be reached does not turn
+    it 503: every replica shares that Redis, and a balancer left with no ready replica
+    answers with errors of its own, where the gateway answers 503 ``state_unavailable``
+    with ``Retry-After``."""
     state = _state(request)
     fleet, now = state.fleet, state.clock.now()
     rows = {name: ready_row(b, now) for name, b in fleet.backends.items()}
     served = fleet.models()
     serving = {m: any(b.usable(now) for b in members) for m, members in served.items()}
-    ok = all(serving.values()) and not state.draining
+    # No model at all (a llama-server router whose /models cannot be read, or lists
+    # none) is not ready: nothing would be served.
+    ok = bool(serving) and all(serving.values()) and not state.draining
     body: dict[str, Any] = {"ready": ok, "backends": rows}
     if len(served) > 1 or not ok:
         body["models"] = serving
@@ -261,8 +264,8 @@ def register_routes(app: FastAPI) -> dict[str, ASGIApp]:
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ready", ready, methods=["GET"])
     app.add_api_route("/admin/backends", admin_backends, methods=["GET"])
-    app.add_api_route("/admin/backends/{name}/drain", drain, methods=["POST"])
-    app.add_api_route("/admin/backends/{name}/undrain", undrain, methods=["POST"])
+    app.add_api_route("/admin/backends/{name:path}/drain", drain, methods=["POST"])
+    app.add_api_route("/admin/backends/{name:path}/undrain", undrain, methods=["POST"])
     app.add_api_route("/admin/reload", reload, methods=["POST"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/v1/health", health, methods=["GET"])

@@ -8,7 +8,7 @@ out with the first event, so that a backend dying before it can still be failed 
 line), and no ``[DONE]`` is invented. A stream that ended whole has its unread tail
 drained in the background (:func:`close_after_drain`), so that its connection is reused.
 The ``model`` of the events relayed is the served model's name
-(:func:`gateway.wire.naming.rename_model`), set in the bytes of each read.
+(:func:`gateway.wire.naming.rename_model`), set in the bytes of each event.
 """
 
 from __future__ import annotations
@@ -112,11 +112,13 @@ class StreamRelay:
                 async for chunk in chunks:
                     # The events of one upstream read go out in one write: one ASGI
                     # message and one socket write, not one per event.
-                    out = [relayed for raw in splitter.feed(chunk)
+                    # Each event renamed on its own: one that is not JSON (a comment
+                    # with a stray bracket or quote) cannot hide the next one's model.
+                    out = [relayed if named is None else rename_model(relayed, named)
+                           for raw in splitter.feed(chunk)
                            if (relayed := self._inspected(raw, state, times)) is not None]
                     if out:
-                        data = out[0] if len(out) == 1 else b"".join(out)
-                        await self._emit(data if named is None else rename_model(data, named))
+                        await self._emit(out[0] if len(out) == 1 else b"".join(out))
                     if state.whole:
                         # The last event is relayed: the answer is whole. A client that
                         # closes now (the OpenAI SDK does, at [DONE]) has not left early.

@@ -40,7 +40,7 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import AccessRecord, record_of
 from gateway.request.exchange import Exchange
 from gateway.request.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
-from gateway.wire.naming import answer_name, served_name
+from gateway.wire.naming import ECHOED_NAME_MAX, answer_name, served_name
 from gateway.wire.resume import resumable
 from gateway.wire.routes import BY_NAME, Api
 from gateway.wire.slo import parse_ttft_deadline
@@ -580,10 +580,12 @@ def _plan(state: Planning, backend: Target, req: ParsedRequest, route: str,
 
 def _answer_model(state: Planning, req: ParsedRequest, backend: Target) -> bytes | None:
     """What the ``model`` of the answers says (``routing.answer_model``): the name the
-    client asked for, else the backend's model (a file path by its file name); ``None``
-    keeps the backend's own value."""
+    client asked for (at most :data:`~gateway.wire.naming.ECHOED_NAME_MAX` characters:
+    a longer one would be copied into every streamed event, a request of 100 KB making
+    an answer of 100 MB), else the backend's model (a file path by its file name);
+    ``None`` keeps the backend's own value."""
     if state.settings.routing.answer_model == "backend":
         return None
     asked = req.body.get("model")
-    return answer_name(asked if isinstance(asked, str) and asked
+    return answer_name(asked if isinstance(asked, str) and 0 < len(asked) <= ECHOED_NAME_MAX
                        else served_name(backend.model))
