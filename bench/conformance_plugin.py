@@ -250,9 +250,7 @@ def _patch(utils: Any, settings: _Settings) -> None:
         self._conformance = (gateway, self.server_port)
         self.server_port = port
         try:
-            # Router mode is issue 27's: no need to wait long for what cannot come.
-            gateway.start(min(5.0, settings.ready_timeout_s) if _current.router
-                          else settings.ready_timeout_s)
+            gateway.start(settings.ready_timeout_s)
         except RuntimeError as exc:
             _current.gateway_errors.append(str(exc))
             raise
