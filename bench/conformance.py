@@ -459,7 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tests = ensure_suite()
         opts = RunOptions(args.workers, args.slow, args.timeout, args.keyword, args.repack)
         stamp = datetime.datetime.now(datetime.UTC)
-        run_dir = work_root() / "runs" / stamp.strftime("%Y%m%d-%H%M%S")
+        # the pid too: two runs started within a second must not share a directory
+        run_dir = work_root() / "runs" / f"{stamp.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         runs: dict[str, list[dict[str, Any]]] = {}
         if args.direct_from:
             runs["direct"] = json.loads(Path(args.direct_from).read_text())["direct"]
