@@ -148,7 +148,7 @@ class Target:
         # The prompt each slot last held, for slot affinity (gateway.core.slots).
         self._prompts = PromptIndex()
         self.draining = False  # takes no new requests; those in flight finish
-        self.pausing = 0  # requests it refused, pausing before they wait again: in hand
+        self.pausing, self.router = 0, RouterRole()  # refused ones pausing; router mode role
         self.owned_clients: list[httpx.AsyncClient] = []  # closed when it is retired
         # The predictive policy needs a server whose answers the gateway can cancel and
         # continue (llama-server); other kinds are charged as under strict.
@@ -172,7 +172,6 @@ class Target:
                                        self.clock)
         self.sizing = Sizing(self.name, settings, self.dialect, self.pool, self.admission,
                              self.slot_watch, self.clock, self.counts)
-        self.router = RouterRole()  # its part in llama-server's router mode, if any
 
     # -- addressing --------------------------------------------------------------------
 

@@ -94,8 +94,7 @@ class Fleet:
 
     def build(self, entry: BackendSettings) -> Target:
         """A new backend for ``entry`` (not yet part of the fleet)."""
-        target = self.make_target(entry, self.admission)
-        target.router.on_sync = self.sync_router
+        (target := self.make_target(entry, self.admission)).router.on_sync = self.sync_router
         return target
 
     def sync_router(self, hub: Target) -> None:
@@ -333,9 +332,8 @@ class Fleet:
             waiting.refuse_waiting(exc)
 
     def busy(self) -> bool:
-        """A request waits in a queue, pauses before it waits again (a backend refused
-        it for want of room), or holds a lease for a client (reservations the slot watch
-        holds for abandoned requests are not counted)."""
+        """Work in hand: a request queued or pausing (a backend refused it for want of
+        room), or a client's lease (not the slot watch's, held for abandoned requests)."""
         return (any(s.queued or s.inflight - s.abandoned_held for _, s, _r in self.stats())
                 or any(b.pausing for b in self.backends.values())
                 or any(q.waiting for q in (*self._queues.values(), *self._old_queues)))
