@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from gateway.dev.localbackend import LlamaServer
+from gateway.wire.naming import served_name
 from tests.integration.conftest import GatewayThread, long_prompt
 
 pytestmark = [pytest.mark.llama, pytest.mark.anyio]
@@ -137,8 +138,10 @@ async def test_a_whole_answer_rebuilt_from_the_stream_matches_llama_server(
                 direct = (await client.post(default_server.url + path, json=sent)).json()
                 rebuilt = (await client.post(gw.url + path, json=sent)).json()
                 assert list(rebuilt) == list(direct)  # the same keys in the same order
-                for key in ("object", "model", "system_fingerprint"):
+                for key in ("object", "system_fingerprint"):
                     assert rebuilt[key] == direct[key]
+                # the model file's path, named by its file name (routing.answer_model)
+                assert rebuilt["model"] == served_name(direct["model"]) != direct["model"]
                 assert rebuilt["choices"] == direct["choices"]
                 for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
                     assert rebuilt["usage"][key] == direct["usage"][key]
