@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from typing import Any
 
 import httpx
 import pytest
@@ -22,6 +21,7 @@ from gateway.http.app import create_app
 from tests.conftest import Harness
 from tests.fake_vllm import FakeVllm
 from tests.fakes import ManualClock
+from tests.test_shared_attack import RawCall
 from tests.test_vllm import build, chat, drive, until
 
 pytestmark = pytest.mark.anyio
@@ -33,40 +33,6 @@ def idle(h: Harness) -> bool:
     return all(s.inflight == 0 and s.reserved_tokens == 0 and s.queued == 0
                and s.busy_slots == 0 for s in (b.admission.stats()
                                                for b in h.state.fleet.backends.values()))
-
-
-class RawCall:
-    """One chat driven through the app's ASGI interface; its client leaves (``receive``
-    answers ``http.disconnect``) when :meth:`leave` is called."""
-
-    def __init__(self, h: Harness, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.sent: list[dict[str, Any]] = []
-        self._gone = asyncio.Event()
-        self._body_sent = False
-
-        async def receive() -> dict[str, Any]:
-            if not self._body_sent:
-                self._body_sent = True
-                return {"type": "http.request", "body": data, "more_body": False}
-            await self._gone.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, Any]) -> None:
-            if self._gone.is_set():
-                raise OSError("client gone")
-            self.sent.append(message)
-
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": CHAT,
-                 "raw_path": CHAT.encode(), "query_string": b"", "root_path": "",
-                 "client": ("127.0.0.1", 1), "server": ("gateway", 80),
-                 "headers": [(b"content-type", b"application/json"),
-                             (b"content-length", str(len(data)).encode())]}
-        self.task = asyncio.ensure_future(h.app(scope, receive, send))
-
-    def leave(self) -> None:
-        self._gone.set()
 
 
 async def test_a_client_leaving_while_its_request_waits_for_room_leaves_nothing() -> None:
