@@ -135,6 +135,33 @@ async def test_an_untracked_lease_counts_as_its_charge_and_is_never_chosen() -> 
     assert tracked.used_tokens + 1500 <= 2048
 
 
+async def test_a_request_still_in_its_prefill_is_not_chosen() -> None:
+    """llama-server cannot cancel a request during its prefill (it notices a closed
+    stream at its next write), so the victim is a decoding stream even with more
+    progress; once the newcomer's first token arrives, it is the least-progress victim
+    again."""
+    clock = ManualClock()
+    adm = _admission(clock)
+    preempted: list[Lease] = []
+    decoding = _tracked(adm.try_admit(Charge(700, 1300, predicted=5)), preempted)
+    prefilling = _tracked(adm.try_admit(Charge(700, 1300, predicted=5)), preempted)
+    for step in range(1, 700):
+        clock.advance(0.01)
+        adm.observe(decoding, step)
+        if preempted:
+            break
+    assert preempted == [decoding] and prefilling.first_token_at is None
+    adm.release(decoding, served=False)
+    other = _tracked(adm.try_admit(Charge(700, 1300, predicted=5)), preempted)
+    for step in range(1, 700):
+        clock.advance(0.01)
+        adm.observe(other, 300 + step)
+        adm.observe(prefilling, step)
+        if len(preempted) > 1:
+            break
+    assert preempted[1] is prefilling  # now decoding, with the least progress
+
+
 events = st.lists(st.tuples(st.sampled_from(["admit", "token", "finish", "cancel"]),
                             st.integers(0, 7), st.integers(1, 40)), max_size=120)
 

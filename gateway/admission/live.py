@@ -108,7 +108,7 @@ class LiveAccounting:
         others: list[LiveUse] = []
         caps: int | None = 0
         if self.shared is not None:
-            if not any(lease.preemptible and lease.tracked for lease in mine.values()):
+            if not any(self.can_free(lease) for lease in mine.values()):
                 return []  # nothing of this process's could be chosen
             others, caps = self.shared.others(now, self.shared.rule().fresh_growth)
         if caps is not None and caps + sum(replace(lease.charge, predicted=None).tokens
@@ -128,8 +128,17 @@ class LiveAccounting:
             sent = self.shared.sent.get(lease.shared_id or "")
             progress = progress if sent is None else sent.progress
             since = self.shared.store.score_ms(lease.granted_at) / 1000
-        return LiveUse(key, used, growth, progress, lease.preemptible and lease.tracked,
-                       since)
+        return LiveUse(key, used, growth, progress, self.can_free(lease), since)
+
+    @staticmethod
+    def can_free(lease: Lease) -> bool:
+        """``lease`` may be chosen as a victim: it is tracked, preemptible, and its
+        answer has begun in this attempt. llama-server cancels a stream at its next
+        write, and writes nothing during a prefill (``shared/design/backends.md`` §1.5,
+        :mod:`gateway.admission.slotwatch`), so a request still in its prefill would keep
+        its cells for the rest of that prefill, far past the growth horizon: cancelling
+        it would free nothing in time while the streams it spared kept growing."""
+        return lease.preemptible and lease.tracked and lease.first_token_at is not None
 
     def _pressure(self) -> None:
         """The others' figures arrived: preempt this process's victims, if any."""
@@ -183,7 +192,7 @@ class LiveAccounting:
         does not grow past it."""
         progress = lease.earlier + lease.generated
         state = PREEMPTED if lease.preempted is not None else (
-            PREEMPTIBLE if lease.preemptible and lease.tracked else KEPT)
+            PREEMPTIBLE if self.can_free(lease) else KEPT)
         if not lease.tracked:
             return LiveFigures(lease.charge.tokens, 0, 0, progress, state, since_ms)
         rate = self._rate_of(lease, now)

@@ -118,6 +118,15 @@ def upstream_overflows(gws: list[Gateway]) -> float:
                for gw in gws)
 
 
+def story(gws: list[Gateway]) -> str:
+    """Each process's log lines about preemptions, overflows and chats: printed when an
+    assertion on them fails, so that a failure on another machine can be read."""
+    words = ("preempt", "overflow", "exceeded", "resum", "/v1/chat")
+    return "\n".join(f"gw{i}: {line}" for i, gw in enumerate(gws)
+                     for line in gw.log.read_text(errors="replace").splitlines()
+                     if any(w in line for w in words))
+
+
 def preemptions(gws: list[Gateway]) -> float:
     return sum(gw.metric("gateway_preemptions_total", reason=reason)
                for gw in gws for reason in ("pool_pressure", "overflow"))
@@ -158,7 +167,7 @@ async def test_short_answers_under_caps_that_do_not_fit_run_together_across_proc
         assert max(busy) >= 2  # strict charges 1,024 + prompt each: one at a time
         assert sampler.samples > 10
         assert sampler.peak_live <= POOL and sampler.peak_reserved <= POOL
-        assert upstream_overflows(gws) == 0
+        assert upstream_overflows(gws) == 0, story(gws)
 
 
 async def test_long_answers_predicted_short_are_preempted_before_the_pool_overflows(
@@ -204,7 +213,7 @@ async def test_long_answers_predicted_short_are_preempted_before_the_pool_overfl
         assert answer["choices"][0]["message"]["content"]
         assert sampler.samples > 10 and sampler.published > 0
         assert sampler.peak_live <= POOL, sampler.peak_live
-        assert preemptions(gws) >= 1
-        assert upstream_overflows(gws) == 0
+        assert preemptions(gws) >= 1, story(gws)
+        assert upstream_overflows(gws) == 0, story(gws)
         for gw in gws:
             assert gw.metric("gateway_resumes_total", outcome="failed") == 0
