@@ -368,6 +368,10 @@ class ClassSettings(_Strict):
     # target, the class is admitted as far as memory allows (as without them).
     ttft_p95_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     itl_p95_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # A request predicted to get its first token after its deadline (its
+    # x-gateway-slo-ttft-ms header, else ttft_p95_s): "refuse" answers 503
+    # slo_unattainable with Retry-After at once; "serve" queues it anyway.
+    late: Literal["refuse", "serve"] = "refuse"
 
 
 _HEX = frozenset("0123456789abcdef")

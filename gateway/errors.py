@@ -107,6 +107,7 @@ class RejectionReason(StrEnum):
     shed = "shed"  # dropped from a full queue for a higher class
     queue_timeout = "queue_timeout"  # waited longer than max_queue_wait_s
     queue_wait_predicted = "queue_wait_predicted"  # would wait longer, refused at once
+    slo_unattainable = "slo_unattainable"  # its first token would come after its deadline
     backend_unavailable = "backend_unavailable"  # not ready, or cannot be reached
     shutting_down = "shutting_down"  # the gateway drains before it stops
     state_unavailable = "state_unavailable"  # the shared admission state cannot be reached
@@ -356,6 +357,26 @@ class QueueWaitPredicted(Overloaded):
 
     code = "queue_wait_too_long"
     rejection_reason = RejectionReason.queue_wait_predicted
+
+
+class SloUnattainable(Overloaded):
+    """Raised at arrival when a request's predicted time to first token is past its
+    deadline (its ``x-gateway-slo-ttft-ms`` header, else its class's ``ttft_p95_s``):
+    refused at once rather than served late (:mod:`gateway.admission.slo`). The error
+    object carries ``predicted_ttft_ms`` and ``deadline_ms``.
+
+    :param predicted_s: the predicted TTFT, seconds.
+    :param deadline_s: the deadline it misses, seconds.
+    """
+
+    code = "slo_unattainable"
+    rejection_reason = RejectionReason.slo_unattainable
+
+    def __init__(self, message: str, *, retry_after_s: float, predicted_s: float,
+                 deadline_s: float) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.details = {"predicted_ttft_ms": round(predicted_s * 1000),
+                        "deadline_ms": round(deadline_s * 1000)}
 
 
 class BackendNotReady(Overloaded):

@@ -101,6 +101,10 @@ class FakeLlamaServer:
     # As llama-server's task queue: at most ``slots`` generations run, the rest wait.
     queue_slots: bool = False
     prefill_s_per_token: float = 0.0  # prefill time per prompt token, seconds
+    # A synthetic decode cost (not measured on llama-server): each token of a stream also
+    # waits this many seconds per generation in flight, so the ITL grows with the batch
+    # as a decode step's cost does.
+    itl_per_stream: float = 0.0
     _free_slots: asyncio.Semaphore | None = None
 
     def transport(self) -> httpx.MockTransport:
@@ -329,7 +333,7 @@ class _Stream(httpx.AsyncByteStream):
                 await asyncio.sleep(fake.prefill_s_per_token * self.prompt)
             yield _chunk({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
             for i in range(self.n):
-                await asyncio.sleep(fake.token_delay)
+                await asyncio.sleep(fake.token_delay + fake.itl_per_stream * fake.active)
                 if i == 2 and fake.mode == "midstream":
                     raise httpx.ReadError("connection reset")
                 if (i == 2 and fake.mode == "midstream_overflow") or self._overflowed():

@@ -5,8 +5,7 @@ A request asks for a :class:`~gateway.admission.lease.Lease` on a backend with i
 charge fits; otherwise it waits in a strict FIFO queue (a charge that does not fit blocks
 the ones behind it, so no request starves behind later, smaller ones). The queue is bounded
 by ``max_queue`` and each wait by ``max_wait_s``. A lease is given back with
-:meth:`Admission.release`, or by leaving ``async with admission.lease(charge)``; both are
-idempotent.
+:meth:`Admission.release` (idempotent), in the relay's ``finally``.
 
 Modelled on anyio's ``CapacityLimiter``: a waiter cancelled after it was granted a lease
 gives it back and wakes the next one (:class:`gateway.admission.waitroom.Waitroom`). The
@@ -17,14 +16,14 @@ wait predictions (:class:`gateway.core.waits.WaitPredictor`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 
 from gateway.admission.forecast import WaitForecast
 from gateway.admission.lease import AdmissionStats, Lease
 from gateway.admission.live import GROWTH_HORIZON_S, LiveAccounting
 from gateway.admission.pump import QueuedAsk, SharedPump
 from gateway.admission.shared import SharedAccount
+from gateway.admission.slo import SloGuard
 from gateway.admission.waitroom import Waitroom, shed_error
 from gateway.clock import Clock, MonotonicClock
 from gateway.core import capacity
@@ -137,6 +136,8 @@ class Admission:
             self._clock, age_s=age_s, max_queue=max_queue, full=self._queue_full,
             give_back=self.release, on_leave=self._wake,
             counted=None if shared is None else (lambda w: w.request.seen))
+        self.slo = SloGuard(self._clock, active=self._active, waiting=lambda: len(self._room),
+                            wake=self._wake)  # latency targets (gateway.admission.slo)
         self._forecast = WaitForecast(
             self._room, WaitPredictor(),
             lambda: (self._layout, self._budget, self._active.values()),
@@ -235,7 +236,7 @@ class Admission:
             admitted=self._admitted,
             live_tokens=sum(lease.live_tokens for lease in self._active.values()),
             queue_capacity=self._max_queue,
-            oldest_wait_s=self.oldest_wait_s() if self._room else 0.0,
+            oldest_wait_s=self.oldest_wait_s() if self._room else 0.0, slo=self.slo,
         )
 
     def oldest_wait_s(self) -> float:
@@ -297,6 +298,8 @@ class Admission:
         :raises BackendNotReady: the layout is not known yet.
         :raises ContextLengthExceeded: the charge can never fit the current layout (it
             was planned against a layout that changed meanwhile); nothing waits for it.
+        :raises SloUnattainable: its first token would come after its deadline
+            (:meth:`SloGuard.check_ttft <gateway.admission.slo.SloGuard.check_ttft>`).
         """
         layout = self._require_layout()
         if not capacity.fits_alone(layout, charge):
@@ -305,6 +308,8 @@ class Admission:
             return None  # the shared queue decides (SharedPump)
         if (self._room and not front) or not self._fits(layout, charge):
             return None
+        if not front:  # (a preempted request coming back is never refused)
+            self.slo.check_ttft(charge, party or Party(), 0.0)
         self._room.charge(party or Party(), charge.tokens)
         return self._grant(charge, waited_s=0.0, prefer=prefer)
 
@@ -336,6 +341,8 @@ class Admission:
         predicted = None if front else self.predict_wait_s(charge, party)
         if self._reject_doomed and predicted is not None and predicted > max_wait:
             raise _doomed(predicted, max_wait)
+        if not front:
+            self.slo.check_ttft(charge, party, predicted)
         if victim is not None:
             self._room.fail(victim, shed_error(
                 f"The queue for this backend is full ({self._max_queue} waiting).",
@@ -350,15 +357,6 @@ class Admission:
             f"The request waited {max_wait:g} s in the queue without room on "
             "the backend; retry after the Retry-After delay.",
             retry_after_s=self.retry_after_s()))
-
-    @asynccontextmanager
-    async def lease(self, charge: Charge) -> AsyncIterator[Lease]:
-        """``async with`` form of :meth:`admit`; releases in ``finally``."""
-        granted = await self.admit(charge)
-        try:
-            yield granted
-        finally:
-            self.release(granted)
 
     def release(self, lease: Lease, *, served: bool = True) -> None:
         """Give a lease back and wake waiters that now fit. Idempotent.
@@ -477,5 +475,6 @@ class Admission:
 
     def _fits(self, layout: Layout, charge: Charge) -> bool:
         """:func:`gateway.core.capacity.fits` against what is reserved, with the leases in
-        flight as live accounting counts them."""
-        return self._live.fits(layout, self._budget, self._active.values(), charge)
+        flight as live accounting counts them, under the SLO limit while it binds."""
+        return self._live.fits(self.slo.limited(layout), self._budget, self._active.values(),
+                               charge)

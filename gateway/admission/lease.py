@@ -5,9 +5,13 @@ and budget, as anyio's ``CapacityLimiterStatistics``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gateway.core.capacity import Charge
+
+if TYPE_CHECKING:
+    from gateway.admission.slo import SloGuard
 
 __all__ = ["AdmissionStats", "Lease"]
 
@@ -41,6 +45,9 @@ class Lease:
     on_preempt: Callable[[str], None] | None = None
     # Its id in the shared state (gateway.admission.shared), when admission is shared.
     shared_id: str | None = None
+    # Its class's ITL p95 target, seconds, set by the relay when an attempt starts: the
+    # SLO limit follows the tightest of the leases in flight (gateway.admission.slo).
+    itl_target_s: float | None = None
 
     @property
     def pinned(self) -> bool:
@@ -77,3 +84,5 @@ class AdmissionStats:
     up: bool = True  # filled in by the backend: not marked down after a failure
     queue_capacity: int = 0  # most requests that may wait (max_queue)
     oldest_wait_s: float = 0.0  # how long the longest waiter has waited so far, seconds
+    # Its latency model and SLO limit, read at scrape time (not part of the snapshot).
+    slo: SloGuard | None = field(default=None, compare=False, repr=False)

@@ -457,7 +457,8 @@ class Tenants:
         classes = self.settings.classes
         self.ranks = {c.name: i for i, c in enumerate(classes)}
         self._waits = {c.name: c.max_queue_wait_s for c in classes}
-        self._targets = {c.name: (c.ttft_p95_s, c.itl_p95_s) for c in classes}
+        self._targets = {c.name: (c.ttft_p95_s, c.itl_p95_s, c.late == "serve")
+                         for c in classes}
         # Tenants of the running registry, and removed ones still holding requests.
         old = ({**self.previous.retired, **self.previous.by_name}
                if self.previous is not None else {})
@@ -533,6 +534,6 @@ class Tenants:
                                 "only ask for a lower class.", param="priority")
             name = asked
         wait = self._waits[name] or self.settings.admission.max_queue_wait_s
-        ttft, itl = self._targets[name]
+        ttft, itl, late = self._targets[name]
         return Party(tenant.name, self.ranks[name], name, tenant.weight, wait,
-                     ttft_target_s=ttft, itl_target_s=itl)
+                     ttft_target_s=ttft, itl_target_s=itl, serve_late=late)

@@ -53,10 +53,11 @@ class Party:
     :param max_wait_s: the longest it may wait in the queue, seconds, or ``None`` for the
         queue's own limit.
     :param ttft_target_s: its class's TTFT p95 target, seconds (``None``: none);
-        ``itl_target_s`` its class's ITL p95 target, seconds. Carried, not yet acted on
-        (``docs/latency.md``).
+        ``itl_target_s`` its class's ITL p95 target, seconds (``docs/latency.md``).
     :param ttft_deadline_s: the request's own TTFT deadline, seconds after its arrival
         (:func:`gateway.wire.slo.parse_ttft_deadline`), or ``None``.
+    :param serve_late: its class serves a request predicted to miss its TTFT deadline
+        rather than refuse it (``late = "serve"``).
     """
 
     tenant: str = ANONYMOUS
@@ -67,6 +68,7 @@ class Party:
     ttft_target_s: float | None = None
     itl_target_s: float | None = None
     ttft_deadline_s: float | None = None
+    serve_late: bool = False
 
 
 @dataclass(eq=False)

@@ -2,7 +2,7 @@
 TTFT prediction (issue 26, items 2, 3, 5 and 7). Pure: numbers in, numbers out; no I/O,
 no event loop, no clock of its own (every call that needs time is given ``now``).
 
-**Not yet wired:** nothing in admission feeds or reads these yet (``docs/latency.md``).
+Wired into admission by :mod:`gateway.admission.slo` (``docs/latency.md``).
 
 The model (:class:`LatencyModel`), one per backend:
 

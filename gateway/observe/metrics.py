@@ -76,6 +76,41 @@ _BACKEND_GAUGES: dict[str, tuple[str, Callable[[AdmissionStats], float]]] = {
 }
 
 
+def _slo_families(rows: list[tuple[str, AdmissionStats, bool]]) -> Iterator[Metric]:
+    """Each backend's latency model and SLO limit (:mod:`gateway.admission.slo`)."""
+    limit = GaugeMetricFamily(
+        "gateway_slo_limit", "Sequences admitted at once under the latency targets: the SLO "
+        "limit while it binds, else the memory limit (slots, or a learnt busy cap).",
+        labels=["backend"])
+    target = GaugeMetricFamily(
+        "gateway_slo_itl_target_seconds", "The tightest ITL p95 target of the requests in "
+        "flight (absent when none has one).", labels=["backend"])
+    p95 = GaugeMetricFamily(
+        "gateway_latency_itl_p95_seconds", "Learned ITL p95 with `level` slots busy (absent "
+        "until the level has its minimum of samples).", labels=["backend", "level"])
+    samples = GaugeMetricFamily(
+        "gateway_latency_itl_samples", "ITL samples learned with `level` slots busy "
+        "(since the level was last cleared by a probe).", labels=["backend", "level"])
+    prefill = GaugeMetricFamily(
+        "gateway_latency_prefill_tokens_per_second", "Learned prefill throughput, prompt "
+        "tokens per second (absent until learned).", labels=["backend"])
+    for name, stats, _ready in rows:
+        slo = stats.slo
+        if slo is None:
+            continue
+        memory = min(stats.slots, slo.memory_limit or stats.slots)
+        limit.add_metric([name], float(slo.limit if slo.limit is not None else memory))
+        if (tightest := slo.target()) is not None:
+            target.add_metric([name], tightest)
+        for row in slo.model.table():
+            samples.add_metric([name, str(row.level)], float(row.samples))
+            if row.samples >= slo.params.min_samples and row.p95_s is not None:
+                p95.add_metric([name, str(row.level)], row.p95_s)
+        if (tps := slo.model.prefill_tps()) is not None:
+            prefill.add_metric([name], tps)
+    yield from (limit, target, p95, samples, prefill)
+
+
 class _AdmissionCollector(Collector):
     def __init__(self, source: StatsSource, pools: PoolSource | None = None) -> None:
         self._source = source
@@ -120,6 +155,7 @@ class _AdmissionCollector(Collector):
         for name, stats, _ready in rows:
             preempted.add_metric([name], float(stats.preemptions))
         yield preempted
+        yield from _slo_families(rows)
         yield from self._pool_families()
 
     def _pool_families(self) -> Iterator[Metric]:

@@ -266,7 +266,7 @@ class Follower:
         if cont.finished or cont.total_tokens >= self.cap:
             lease.preemptible = False  # over: let it end
         if cont.total_tokens > before:
-            self.parts.usage.token_seen(self.times)
+            self.parts.usage.token_seen(self.times, lease, first=lease.first_token_at is None)
             lease.preemptible = lease.preemptible and cont.faithful
             x.backend.admission.observe(lease, cont.attempt_tokens)
         if isinstance(obj.get("usage"), dict):

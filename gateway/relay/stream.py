@@ -177,7 +177,8 @@ class StreamRelay:
         output, the upstream error's count); return what to relay, or ``None``."""
         relayed, token, error = inspector.feed(raw)
         if token:
-            self.parts.usage.token_seen(times)
+            self.parts.usage.token_seen(times, self.parts.tries.now.lease,
+                                        first=times.last_token is None)
         if error is not None:
             self.parts.tries.upstream_error(error)
             if error == "context_overflow":

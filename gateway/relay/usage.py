@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from gateway.admission.lease import Lease
 from gateway.clock import Clock
 from gateway.observe.metrics import GatewayMetrics
 from gateway.relay.inspect import TokenTimes
@@ -38,15 +39,26 @@ class UsageBook:
         self._itl: Any = None  # gateway_itl_seconds for the backend named _itl_of
         self._itl_of: str | None = None
 
-    def token_seen(self, times: TokenTimes) -> None:
+    def token_seen(self, times: TokenTimes, lease: Lease | None = None, *,
+                   first: bool = False) -> None:
         """An output token was relayed now: count it, and observe the request's TTFT
         (its first token) or the inter-token latency since ``times.last_token``, under
         the backend that sent it. A whole answer followed token by token upstream (the
-        predictive policy) has no TTFT or ITL: its client sees no first token."""
+        predictive policy) has no TTFT or ITL: its client sees no first token.
+
+        The backend's latency model (:mod:`gateway.admission.slo`) learns from it too:
+        ``first`` (the first token of an attempt on ``lease``) is a prefill of the
+        lease's prompt tokens in the seconds since its grant; any later token of a
+        stream is an ITL sample (the gap before an attempt's first token, which holds a
+        queue wait and a prefill, is not).
+        """
         self.streamed += 1
+        now = self.clock.now()
+        slo = self.x.backend.admission.slo
+        if first and lease is not None:
+            slo.observe_prefill(lease.charge.prompt_tokens, now - lease.granted_at)
         if not self.x.stream:
             return
-        now = self.clock.now()
         if times.last_token is None:
             ttft = now - self.x.started
             if self.x.ttft_s is None:  # a resumed answer's first token is not its first
@@ -56,7 +68,10 @@ class UsageBook:
             name = self.x.backend.name
             if self._itl_of != name:  # the labelled child, looked up once per backend
                 self._itl, self._itl_of = self.metrics.itl.labels(name), name
-            self._itl.observe(now - times.last_token)
+            itl = now - times.last_token
+            self._itl.observe(itl)
+            if not first:
+                slo.observe_itl(itl, self.x.backend.admission.layout)
         times.last_token = now
 
     def all_choices(self, usage: Any, reasons: list[Any]) -> Any:

@@ -7,9 +7,9 @@ endpoint picker reads ``x-slo-ttft-ms`` (the ``slodeadline`` ordering and SLO-aw
 routing of the Gateway API inference extension), and ``x-llm-d-slo-ttft-ms`` is
 accepted as well. With several of them, the tightest wins.
 
-What is done with the deadline (ordering within a class, refusing at arrival a request
-that cannot make it) is issue 26's items 5 and 7; the parsed value is carried on the
-request's :class:`~gateway.core.fairness.Party` (``ttft_deadline_s``) and not yet acted on.
+The parsed value is carried on the request's :class:`~gateway.core.fairness.Party`
+(``ttft_deadline_s``); admission refuses at arrival a request predicted to miss it
+(:meth:`gateway.admission.slo.SloGuard.check_ttft`).
 """
 
 from __future__ import annotations

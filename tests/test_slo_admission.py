@@ -1,0 +1,176 @@
+"""Latency targets in admission (gateway.admission.slo): the SLO limit learnt from ITL
+samples holds requests in the queue below the memory limit while a lease with a target
+is in flight, and a request whose predicted TTFT misses its deadline is refused at
+arrival (503 slo_unattainable)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.admission.admission import Admission
+from gateway.admission.lease import Lease
+from gateway.core.capacity import Charge, Layout
+from gateway.core.fairness import Party
+from gateway.errors import SloUnattainable
+from tests.fakes import ManualClock
+
+LAYOUT = Layout(slots=4, ctx_per_slot=4096, pool_tokens=16384)
+CHAT = Party(priority="chat", itl_target_s=0.025, ttft_target_s=1.0)
+
+
+def _admission(clock: ManualClock) -> Admission:
+    return Admission(LAYOUT, max_queue=16, max_wait_s=60.0, clock=clock)
+
+
+def _feed(adm: Admission, clock: ManualClock, per_stream_s: float, samples: int) -> None:
+    """ITL samples from a backend whose decode step costs ``per_stream_s`` per busy slot,
+    at the busy count of the leases in flight."""
+    for _ in range(samples):
+        clock.advance(0.01)
+        adm.slo.observe_itl(per_stream_s * adm.slo.busy(), adm.layout)
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def _grant(adm: Admission, party: Party = CHAT) -> Lease:
+    lease = adm.try_admit(Charge(100, 100), party=party)
+    assert lease is not None
+    lease.itl_target_s = party.itl_target_s  # as the relay does when an attempt starts
+    return lease
+
+
+async def test_the_limit_holds_requests_below_memory_while_a_target_is_in_flight() -> None:
+    clock = ManualClock()
+    adm = _admission(clock)
+    leases = [_grant(adm) for _ in range(4)]  # memory takes all four
+    _feed(adm, clock, 0.01, 120)  # 40 ms at 4 busy: over the 25 ms target
+    assert adm.slo.limit == 3
+    adm.release(leases.pop())
+    _feed(adm, clock, 0.01, 120)  # 30 ms at 3 busy: still over
+    assert adm.slo.limit == 2
+    # Memory has room for two more, the SLO limit for none: they wait, in order.
+    assert adm.try_admit(Charge(100, 100), party=CHAT) is None
+    first = asyncio.ensure_future(adm.admit(Charge(100, 100), party=CHAT))
+    second = asyncio.ensure_future(adm.admit(Charge(100, 100), party=CHAT))
+    await _settle()
+    assert not first.done() and adm.stats().queued == 2
+    adm.release(leases.pop())  # 2 busy: at the limit still
+    await _settle()
+    assert not first.done()
+    adm.release(leases.pop())  # 1 busy: one may go, the first in line
+    await _settle()
+    assert first.done() and not second.done()
+    adm.release(first.result())
+    await _settle()
+    adm.release(second.result())
+    adm.release(leases.pop())
+    assert adm.stats().busy_slots == 0 and adm.stats().queued == 0
+
+
+async def test_the_limit_binds_only_while_a_lease_with_a_target_is_in_flight() -> None:
+    clock = ManualClock()
+    adm = _admission(clock)
+    chat = _grant(adm)
+    batch = [_grant(adm, Party(priority="batch")) for _ in range(3)]
+    _feed(adm, clock, 0.01, 120)
+    assert adm.slo.limit is not None and adm.slo.limit < 4
+    adm.release(batch.pop())
+    assert adm.try_admit(Charge(100, 100), party=Party(priority="batch")) is None
+    waiting = asyncio.ensure_future(adm.admit(Charge(100, 100), party=Party(priority="batch")))
+    await _settle()
+    assert not waiting.done()
+    adm.release(chat)  # no target in flight: memory alone decides again
+    await _settle()
+    assert waiting.done()
+    for lease in [*batch, waiting.result()]:
+        adm.release(lease)
+
+
+async def test_without_targets_samples_are_learnt_and_nothing_is_held() -> None:
+    clock = ManualClock()
+    adm = _admission(clock)
+    leases = [_grant(adm, Party()) for _ in range(3)]
+    _feed(adm, clock, 0.05, 200)
+    assert adm.slo.limit is None and adm.slo.model.itl_p95(3) == pytest.approx(0.15, rel=0.1)
+    assert adm.try_admit(Charge(100, 100)) is not None  # the fourth, as memory allows
+    for lease in leases:
+        adm.release(lease)
+
+
+async def test_the_limit_rises_again_when_the_backend_is_fast() -> None:
+    clock = ManualClock()
+    adm = _admission(clock)
+    leases = [_grant(adm) for _ in range(4)]
+    _feed(adm, clock, 0.01, 120)
+    assert adm.slo.limit == 3
+    adm.release(leases.pop())
+    waiting = asyncio.ensure_future(adm.admit(Charge(100, 100), party=CHAT))
+    await _settle()
+    assert not waiting.done()
+    clock.advance(31)  # the hold on level 4 is over; the backend is fast now
+    _feed(adm, clock, 0.002, 120)
+    await _settle()
+    assert waiting.done(), adm.slo.limit  # the limit rose, and the rise woke the queue
+    for lease in [*leases, waiting.result()]:
+        adm.release(lease)
+
+
+def _learn_prefill(adm: Admission, tokens_per_s: float) -> None:
+    for _ in range(3):
+        adm.slo.observe_prefill(1000, 1000 / tokens_per_s)
+
+
+async def test_a_request_that_would_start_too_late_is_refused_at_once() -> None:
+    clock = ManualClock()
+    adm = _admission(clock)
+    prompt = Charge(3000, 100)  # 3 s of prefill at 1,000 tokens/s
+    deadline = Party(ttft_deadline_s=1.0)
+    first = adm.try_admit(prompt, party=deadline)
+    assert first is not None  # nothing learnt yet: nothing is refused on a guess
+    adm.release(first)
+    _learn_prefill(adm, 1000.0)
+    with pytest.raises(SloUnattainable) as refused:
+        adm.try_admit(prompt, party=deadline)
+    err = refused.value
+    assert err.status_code == 503 and err.code == "slo_unattainable"
+    assert err.details == {"predicted_ttft_ms": 3000, "deadline_ms": 1000}
+    assert err.retry_after_s == pytest.approx(2.0)
+    with pytest.raises(SloUnattainable):
+        await adm.admit(prompt, party=Party(ttft_target_s=2.0))  # the class's target
+    assert adm.stats().queued == 0
+    assert adm.try_admit(Charge(500, 100), party=deadline) is not None  # 0.5 s: in time
+    assert adm.try_admit(prompt, party=Party(ttft_deadline_s=1.0, serve_late=True))
+    assert adm.try_admit(prompt, front=True, party=deadline)  # a resumed one is kept
+
+
+async def test_the_predicted_wait_counts_towards_the_deadline() -> None:
+    clock = ManualClock()
+    adm = Admission(Layout(slots=1, ctx_per_slot=4096), max_queue=4, max_wait_s=60.0,
+                    clock=clock)
+    _learn_prefill(adm, 10_000.0)  # a 1,000-token prompt: 0.1 s
+    for _ in range(8):  # served leases of 10 s each: the wait is predicted
+        lease = adm.try_admit(Charge(100, 100))
+        assert lease is not None
+        clock.advance(10.0)
+        adm.record_duration(10.0, lease.charge)
+        adm.release(lease)
+    held = adm.try_admit(Charge(100, 100))
+    assert held is not None
+    wait = adm.predict_wait_s(Charge(1000, 100))
+    assert wait is not None and wait > 2.0
+    with pytest.raises(SloUnattainable) as refused:
+        await asyncio.wait_for(adm.admit(Charge(1000, 100),
+                                         party=Party(ttft_deadline_s=2.0)), 1.0)
+    assert refused.value.details["predicted_ttft_ms"] > 2000
+    waiting = asyncio.ensure_future(adm.admit(Charge(1000, 100),
+                                              party=Party(ttft_deadline_s=60.0)))
+    await _settle()
+    assert not waiting.done()
+    adm.release(held)
+    await _settle()
+    adm.release(waiting.result())

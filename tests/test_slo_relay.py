@@ -1,0 +1,119 @@
+"""Latency targets through the whole gateway, against the fake llama-server at the
+transport level (tests/fakes.py): its decode cost per token grows with the generations
+in flight (``itl_per_stream``, a synthetic curve, not llama-server's measured one), and
+its prefill takes a fixed time per prompt token (``prefill_s_per_token``). Real time:
+these tests sleep for a few seconds."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.config import load_settings
+from gateway.http.app import create_app
+from tests.conftest import Harness
+from tests.fakes import FakeLlamaServer
+
+
+async def _harness(fake: FakeLlamaServer, classes: list[dict[str, Any]]) -> Harness:
+    settings = load_settings(
+        admission={"disconnect_grace_s": 0.0, "max_queue": 64, "max_queue_wait_s": 120},
+        backends=[{"name": "local", "url": "http://upstream:8080"}], classes=classes)
+    app = create_app(settings, http_client=fake.client(), registry=CollectorRegistry(),
+                     discover=False)
+    h = Harness(app, fake)
+    await h.backend.discover()
+    return h
+
+
+async def _stream(h: Harness, tokens: int, words: int = 5,
+                  headers: dict[str, str] | None = None) -> httpx.Response:
+    return await h.client.post("/v1/chat/completions", headers=headers or {}, json={
+        "messages": [{"role": "user", "content": " ".join(["word"] * words)}],
+        "max_tokens": tokens, "stream": True})
+
+
+async def _wave(h: Harness, streams: int, tokens: int) -> int:
+    """``streams`` streams at once; returns the most generations the backend ran at once."""
+    h.fake.peak = 0
+    answers = await asyncio.gather(*(_stream(h, tokens) for _ in range(streams)))
+    assert all(r.status_code == 200 and "[DONE]" in r.text for r in answers)
+    return h.fake.peak
+
+
+async def test_an_itl_target_holds_concurrency_where_the_curve_meets_it() -> None:
+    """ITL is 10 ms per generation in flight; the target 25 ms holds up to two. The
+    first wave runs four at once (memory allows it, nothing is learnt); the limit then
+    comes down, and later waves never run more than two at once."""
+    fake = FakeLlamaServer(itl_per_stream=0.01, tokens=1000)
+    h = await _harness(fake, [{"name": "chat", "itl_p95_s": 0.025}])
+    try:
+        assert await _wave(h, 6, 60) == 4
+        for _ in range(2):
+            await _wave(h, 6, 60)
+        assert await _wave(h, 6, 40) <= 2
+        limit = h.sample("gateway_slo_limit", backend="local")
+        assert 1 <= limit <= 2
+        assert h.sample("gateway_latency_itl_p95_seconds", backend="local",
+                        level="4") > 0.025
+        assert h.sample("gateway_slo_itl_target_seconds", backend="local") == 0.0  # idle
+    finally:
+        await h.client.aclose()
+
+
+async def test_without_a_target_memory_alone_decides() -> None:
+    fake = FakeLlamaServer(itl_per_stream=0.01, tokens=1000)
+    h = await _harness(fake, [{"name": "chat"}])
+    try:
+        for _ in range(2):
+            assert await _wave(h, 6, 60) == 4
+        assert h.sample("gateway_slo_limit", backend="local") == 4
+        assert h.sample("gateway_latency_itl_samples", backend="local", level="4") > 50
+    finally:
+        await h.client.aclose()
+
+
+async def test_a_request_that_cannot_start_in_time_is_refused_at_once() -> None:
+    """Prefill is 1 ms per prompt token here. Once three prefills are learnt, a
+    2,000-word prompt with a 500 ms deadline is a 503 ``slo_unattainable`` with
+    Retry-After, never forwarded; a short one with the same deadline is served, and so
+    is the long one in a class that serves late."""
+    fake = FakeLlamaServer(prefill_s_per_token=0.001, tokens=1000)
+    h = await _harness(fake, [{"name": "chat"}, {"name": "bulk", "late": "serve"}])
+    try:
+        for _ in range(3):
+            assert (await _stream(h, 2, words=300)).status_code == 200
+        assert h.sample("gateway_latency_prefill_tokens_per_second", backend="local") > 0
+        sent = len(fake.generations)
+        deadline = {"x-gateway-slo-ttft-ms": "500"}
+        refused = await _stream(h, 2, words=2000, headers=deadline)
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "slo_unattainable" and error["deadline_ms"] == 500
+        assert error["predicted_ttft_ms"] > 1500
+        assert 1 <= int(refused.headers["retry-after"]) <= 60
+        assert len(fake.generations) == sent  # not forwarded
+        assert h.sample("gateway_rejections_total", backend="local",
+                        reason="slo_unattainable") == 1
+        assert (await _stream(h, 2, words=50, headers=deadline)).status_code == 200
+        late = await _stream(h, 2, words=2000, headers={**deadline, "x-priority": "bulk"})
+        assert late.status_code == 200
+    finally:
+        await h.client.aclose()
+
+
+@pytest.mark.parametrize("header", ["x-gateway-slo-ttft-ms", "x-llm-d-slo-ttft-ms"])
+async def test_the_llm_d_header_is_a_deadline_too(header: str) -> None:
+    fake = FakeLlamaServer(prefill_s_per_token=0.001, tokens=1000)
+    h = await _harness(fake, [{"name": "chat"}])
+    try:
+        for _ in range(3):
+            await _stream(h, 2, words=300)
+        r = await _stream(h, 2, words=1500, headers={header: "200"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "slo_unattainable"
+    finally:
+        await h.client.aclose()
