@@ -236,6 +236,12 @@ async def test_v1_models_lists_the_routers_models_and_states_but_no_paths() -> N
     assert [(m["id"], m["status"]["value"]) for m in data] == [("a", "loaded"),
                                                                ("b", "unloaded")]
     assert "/srv/models" not in json.dumps(data) and "args" not in data[0]["status"]
+    # llama-server's own GET /models too: the router's list holds the children's
+    # command lines, and sent to one model it is not found.
+    plain = await h.client.get("/models")
+    assert plain.status_code == 200, plain.text
+    assert [m["id"] for m in plain.json()["data"]] == ["a", "b"]
+    assert "/srv/models" not in plain.text
 
 
 # -- what is not the client's mistake ---------------------------------------------------

@@ -27,7 +27,7 @@ from gateway.errors import RouteNotFound
 from gateway.fleet.reload import reload_config
 from gateway.fleet.state import GatewayState
 from gateway.http.auth import Access, authorize
-from gateway.http.side import register_side_routes
+from gateway.http.side import register_side_routes, side_route
 from gateway.http.views import admin_row, ready_row
 from gateway.observe.record import record_of
 from gateway.relay.response import ProxyResponse
@@ -121,6 +121,16 @@ async def _listed(backend: Target) -> list[dict[str, Any]]:
         return [e for e in resp.json().get("data", []) if isinstance(e, dict)]
     except Exception:  # an unreachable or odd backend lists nothing
         return []
+
+
+async def router_models(request: Request) -> Response:
+    """``GET /models``: relayed as a side route, but in front of a llama-server router
+    answered as :func:`models`. The router's own ``/models`` lists each child's command
+    line (model paths), and sent to one model (``?model=ID``) it is not found."""
+    fleet = _state(request).fleet.backends.values()
+    if any(b.router.hub is not None or b.router.model_id is not None for b in fleet):
+        return await models(request)
+    return await side_route(request)
 
 
 async def models(request: Request) -> Response:
@@ -269,6 +279,7 @@ def register_routes(app: FastAPI) -> dict[str, ASGIApp]:
     app.add_api_route("/admin/reload", reload, methods=["POST"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/v1/health", health, methods=["GET"])
+    app.add_api_route("/models", router_models, methods=["GET", "HEAD"])  # before SIDE's
     register_side_routes(app)
     app.add_exception_handler(StarletteHTTPException, not_served)  # type: ignore[arg-type]
     return dict.fromkeys(GENERATION_ROUTES, serve_direct)

@@ -1,0 +1,171 @@
+"""Latency targets side by side on the real llama-server: memory alone against an ITL
+target, the same workload through two gateways, one after the other, in one run.
+
+The backend is the cached llama-server build with Gemma 3 270M, ``-c 2048`` (4 slots
+sharing one pool of 2048 cells), on this machine's CPU. The workload is ``--clients``
+streamed completions of ``--tokens`` tokens each (``ignore_eos``), all sent at once,
+``--rounds`` times.
+
+1. **memory**: the gateway without targets; it also learns the server's ITL by busy
+   slots, which gives the target: ``--target`` times the learned ITL p95 with two slots
+   busy (1.1 by default: what two streams get, with a tenth to spare).
+2. **target**: a fresh gateway whose one class has that ``itl_p95_s``; one unmeasured
+   round first, so that its limit has learnt where the target breaks.
+
+For each it prints wall time, output tokens per second, the client-side ITL p50 / p95 /
+max and TTFT p50 / p95 (queue wait included), the gaps over twice the median ITL (the
+stalls a chat window shows), and the SLO limit at the end; then the ratios target /
+memory.
+
+Usage: python bench/slo.py [--clients 6] [--tokens 120] [--rounds 2] [--target 1.1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from gateway.config import load_settings  # noqa: E402
+from gateway.dev.localbackend import LlamaServer, free_port  # noqa: E402
+from gateway.http.app import create_app, uvicorn_options  # noqa: E402
+
+
+@dataclass
+class Run:
+    """What one gateway's measured rounds gave."""
+
+    wall_s: float = 0.0
+    tokens: int = 0
+    gaps: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    limit: float = 0.0
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+async def one(client: httpx.AsyncClient, url: str, i: int, tokens: int, run: Run) -> None:
+    sent = time.monotonic()
+    last: float | None = None
+    body = {"prompt": f"Story number {i}: once upon a time", "max_tokens": tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {") or '"text":""' in line.replace(" ", ""):
+                continue
+            now = time.monotonic()
+            if last is None:
+                run.ttfts.append(now - sent)
+            else:
+                run.gaps.append(now - last)
+            last = now
+            run.tokens += 1
+
+
+async def rounds(url: str, clients: int, tokens: int, count: int) -> Run:
+    run = Run()
+    async with httpx.AsyncClient(timeout=900) as client:
+        start = time.monotonic()
+        for _ in range(count):
+            await asyncio.gather(*(one(client, url, i, tokens, run) for i in range(clients)))
+        run.wall_s = time.monotonic() - start
+    return run
+
+
+@contextmanager
+def gateway(backend_url: str, classes: list[dict[str, Any]]
+            ) -> Iterator[tuple[str, CollectorRegistry]]:
+    """The gateway on a free port in a thread (its own event loop)."""
+    settings = load_settings(admission={"max_queue_wait_s": 600.0, "max_queue": 64},
+                             backends=[{"name": "local", "url": backend_url}],
+                             classes=classes)
+    registry = CollectorRegistry()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(settings, registry=registry), host="127.0.0.1", port=port,
+        log_level="warning", **uvicorn_options(settings)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", registry
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    for family in registry.collect():
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
+
+
+def row(name: str, run: Run) -> str:
+    median = statistics.median(run.gaps)
+    stalls = sum(1 for g in run.gaps if g > 2 * median) / len(run.gaps)
+    return (f"{name:8} {run.wall_s:8.1f} {run.tokens / run.wall_s:9.1f} "
+            f"{median * 1000:8.1f} {quantile(run.gaps, 0.95) * 1000:8.1f} "
+            f"{max(run.gaps) * 1000:8.1f} {statistics.median(run.ttfts):8.2f} "
+            f"{quantile(run.ttfts, 0.95):8.2f} {stalls:7.1%} {run.limit:6.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--tokens", type=int, default=120)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--target", type=float, default=1.1,
+                        help="the ITL target as a multiple of the learned p95 at 2 busy")
+    args = parser.parse_args()
+    with LlamaServer(["-c", "2048"]).running() as server:
+        with gateway(server.url, [{"name": "chat"}]) as (url, registry):
+            asyncio.run(rounds(url, args.clients, args.tokens, 1))  # warm-up
+            memory = asyncio.run(rounds(url, args.clients, args.tokens, args.rounds))
+            memory.limit = sample(registry, "gateway_slo_limit", backend="local") or 0
+            two = sample(registry, "gateway_latency_itl_p95_seconds", backend="local",
+                         level="2")
+            four = sample(registry, "gateway_latency_itl_p95_seconds", backend="local",
+                          level="4")
+        if two is None:
+            sys.exit("no ITL learnt with 2 slots busy: raise --clients or --rounds")
+        target = args.target * two
+        with gateway(server.url, [{"name": "chat", "itl_p95_s": target}]) as (url, registry):
+            asyncio.run(rounds(url, args.clients, args.tokens, 1))  # the limit learns
+            held = asyncio.run(rounds(url, args.clients, args.tokens, args.rounds))
+            held.limit = sample(registry, "gateway_slo_limit", backend="local") or 0
+    print(f"learned ITL p95: 2 busy {two * 1000:.1f} ms, 4 busy "
+          f"{(four or 0) * 1000:.1f} ms; target {target * 1000:.1f} ms")
+    print(f"{'run':8} {'wall s':>8} {'tok/s':>9} {'ITL p50':>8} {'ITL p95':>8} "
+          f"{'ITL max':>8} {'TTFT p50':>8} {'TTFT p95':>8} {'stalls':>7} {'limit':>6}")
+    print(row("memory", memory))
+    print(row("target", held))
+    print(f"ratios target/memory: ITL p95 "
+          f"{quantile(held.gaps, 0.95) / quantile(memory.gaps, 0.95):.2f}, "
+          f"tok/s {(held.tokens / held.wall_s) / (memory.tokens / memory.wall_s):.2f}, "
+          f"TTFT p95 {quantile(held.ttfts, 0.95) / quantile(memory.ttfts, 0.95):.2f}")
+
+
+if __name__ == "__main__":
+    main()
