@@ -8,7 +8,7 @@ streamed completions of ``--tokens`` tokens each (``ignore_eos``), all sent at o
 
 1. **memory**: the gateway without targets; it also learns the server's ITL by busy
    slots, which gives the target: ``--target`` times the learned ITL p95 with two slots
-   busy (1.1 by default: what two streams get, with a tenth to spare).
+   busy (1.25 by default: what two streams get, with a quarter to spare).
 2. **target**: a fresh gateway whose one class has that ``itl_p95_s``; one unmeasured
    round first, so that its limit has learnt where the target breaks.
 
@@ -17,7 +17,7 @@ max and TTFT p50 / p95 (queue wait included), the gaps over twice the median ITL
 stalls a chat window shows), and the SLO limit at the end; then the ratios target /
 memory.
 
-Usage: python bench/slo.py [--clients 6] [--tokens 120] [--rounds 2] [--target 1.1]
+Usage: python bench/slo.py [--clients 6] [--tokens 120] [--rounds 2] [--target 1.25]
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=120)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--target", type=float, default=1.1,
+    parser.add_argument("--target", type=float, default=1.25,
                         help="the ITL target as a multiple of the learned p95 at 2 busy")
     args = parser.parse_args()
     with LlamaServer(["-c", "2048"]).running() as server:

@@ -11,6 +11,7 @@ import pytest
 
 from gateway.admission.admission import Admission
 from gateway.admission.lease import Lease
+from gateway.admission.slo import TARGET_MEMORY_S
 from gateway.core.capacity import Charge, Layout
 from gateway.core.fairness import Party
 from gateway.errors import SloUnattainable
@@ -72,22 +73,27 @@ async def test_the_limit_holds_requests_below_memory_while_a_target_is_in_flight
     assert adm.stats().busy_slots == 0 and adm.stats().queued == 0
 
 
-async def test_the_limit_binds_only_while_a_lease_with_a_target_is_in_flight() -> None:
+async def test_the_limit_binds_while_a_target_was_in_flight_recently() -> None:
     clock = ManualClock()
     adm = _admission(clock)
     chat = _grant(adm)
     batch = [_grant(adm, Party(priority="batch")) for _ in range(3)]
     _feed(adm, clock, 0.01, 120)
-    assert adm.slo.limit is not None and adm.slo.limit < 4
+    assert adm.slo.limit == 3
     adm.release(batch.pop())
-    assert adm.try_admit(Charge(100, 100), party=Party(priority="batch")) is None
-    waiting = asyncio.ensure_future(adm.admit(Charge(100, 100), party=Party(priority="batch")))
+    bulk = Party(priority="batch")
+    first = asyncio.ensure_future(adm.admit(Charge(100, 100), party=bulk))
+    second = asyncio.ensure_future(adm.admit(Charge(100, 100), party=bulk))
     await _settle()
-    assert not waiting.done()
-    adm.release(chat)  # no target in flight: memory alone decides again
+    assert not first.done()
+    adm.release(chat)  # one place under the limit; the chat users are still there
     await _settle()
-    assert waiting.done()
-    for lease in [*batch, waiting.result()]:
+    assert first.done() and not second.done()
+    clock.advance(TARGET_MEMORY_S + 1)  # none came back: memory alone decides again
+    _feed(adm, clock, 0.01, 1)  # (at the next step, on a batch stream's next token)
+    await _settle()
+    assert second.done() and adm.slo.limit is None
+    for lease in [*batch, first.result(), second.result()]:
         adm.release(lease)
 
 

@@ -60,7 +60,8 @@ async def test_an_itl_target_holds_concurrency_where_the_curve_meets_it() -> Non
         assert 1 <= limit <= 2
         assert h.sample("gateway_latency_itl_p95_seconds", backend="local",
                         level="4") > 0.025
-        assert h.sample("gateway_slo_itl_target_seconds", backend="local") == 0.0  # idle
+        # idle, but the class's users were here a moment ago: their target still binds
+        assert h.sample("gateway_slo_itl_target_seconds", backend="local") == 0.025
     finally:
         await h.client.aclose()
 

@@ -11,7 +11,8 @@ get its first token in time. :class:`SloGuard`, one per
 * **The limit.** At most every :data:`STEP_S` seconds of samples the AIMD controller
   (:class:`~gateway.core.latency.SloLimit`) takes one step against the tightest ITL
   target of the leases in flight (each lease carries its class's ``itl_p95_s`` from the
-  relay, :attr:`~gateway.admission.lease.Lease.itl_target_s`). While one is in flight,
+  relay, :attr:`~gateway.admission.lease.Lease.itl_target_s`), or in flight within the
+  last :data:`TARGET_MEMORY_S`. While one is,
   :meth:`SloGuard.limited` gives admission the layout with ``busy_cap`` lowered to the
   limit: requests over it wait in the same queue, in the same order, exactly as for
   want of memory. With no target in flight, or before a level has its samples, the
@@ -40,7 +41,13 @@ from gateway.core.fairness import Party
 from gateway.core.latency import LatencyModel, LatencyParams, SloLimit, predict_ttft, tightest
 from gateway.errors import SloUnattainable
 
-__all__ = ["STEP_S", "SloGuard"]
+__all__ = ["STEP_S", "TARGET_MEMORY_S", "SloGuard"]
+
+#: Seconds a target still binds after its last lease ended: the class's users are still
+#: there between two turns, and a burst of their requests must not all be let in before
+#: the first lease of the burst is seen (measured: four streams at once on llama-server
+#: under a limit of one, at each new round, when a target ended with its last lease).
+TARGET_MEMORY_S = 30.0
 
 #: Seconds between two steps of the controller (it steps on an ITL sample once this much
 #: has passed since the last): often enough to follow a load change within a second,
@@ -75,14 +82,23 @@ class SloGuard:
         self.memory_limit = 0
         self._next_step = 0.0
         self._capped: tuple[Layout, int, Layout] | None = None  # (layout, cap) -> limited
+        self._seen: dict[float, float] = {}  # ITL target -> when last seen in flight
 
     def busy(self) -> int:
         """Slots held by the leases in flight: the level a sample is filed under."""
         return sum(lease.charge.slots for lease in self._active.values())
 
     def target(self) -> float | None:
-        """The tightest ITL p95 target of the leases in flight, seconds, or ``None``."""
-        return tightest(lease.itl_target_s for lease in self._active.values())
+        """The tightest ITL p95 target of the leases in flight or in flight within the
+        last :data:`TARGET_MEMORY_S`, seconds, or ``None``."""
+        now = self._clock.now()
+        for lease in self._active.values():
+            if lease.itl_target_s is not None:
+                self._seen[lease.itl_target_s] = now
+        for target, at in list(self._seen.items()):
+            if now - at > TARGET_MEMORY_S:
+                del self._seen[target]
+        return tightest(self._seen)
 
     def observe_itl(self, itl_s: float, layout: Layout | None) -> None:
         """One inter-token latency of a stream on this backend, seconds; steps the
