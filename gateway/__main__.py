@@ -154,7 +154,7 @@ def _plan(args: argparse.Namespace) -> int:
     from gateway.planner.planning import parse_bytes
     from gateway.planner.sizing import recommend, render_sizing
 
-    if args.from_metrics:
+    if args.from_metrics and args.users is None:
         try:
             source = args.from_metrics
             if source.startswith(("http://", "https://")):
@@ -207,8 +207,31 @@ def _plan_users(args: argparse.Namespace, shape: ModelShape | None) -> int:
         kv_budget=parse_bytes(args.kv_memory) if args.kv_memory else None,
         memory=parse_bytes(args.memory) if args.memory else None,
         unified=args.layout == "unified", type_k=args.cache_type_k, type_v=args.cache_type_v)
+    if args.from_metrics:
+        report["latency"] = _learned_latency(args.from_metrics, report)
     print(json.dumps(report, indent=2) if args.json else render_users(report))  # noqa: T201
     return 0
+
+
+def _learned_latency(source: str, report: dict[str, Any]) -> dict[str, Any]:
+    """What each backend's learned curve (:mod:`gateway.planner.curve`), read from a
+    gateway's ``/metrics`` at ``source`` (a URL or a file), gives the plan's busy slots
+    at the p95 of the load.
+
+    :raises ValueError: the source could not be read or parsed.
+    """
+    import httpx
+
+    from gateway.planner.curve import expected, parse_curves
+
+    try:
+        text = (httpx.get(source, timeout=10).text if source.startswith(("http://", "https://"))
+                else Path(source).read_text())
+    except (httpx.HTTPError, OSError) as exc:
+        raise ValueError(f"--from-metrics {source}: {exc}") from exc
+    level = min(report["slots"], report["busy_p95"])
+    return {name: expected(curve, max(1, level), report["prompt_tokens"])
+            for name, curve in parse_curves(text).items()}
 
 
 def _probe(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import tomllib
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -126,3 +127,41 @@ def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--users", "20", "--turn-s", "12"]) == 2
     assert "--think-s" in capsys.readouterr().err
     assert main(["plan", "--users", "20", "--turn-s", "12", "--think-s", "5"]) == 2
+
+
+def test_users_with_a_learned_curve_say_what_latency_they_will_see(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """--from-metrics with --users reads the curve a gateway learnt: the ITL p95 at the
+    plan's busy slots (the nearest learned level above, else below as a lower bound)
+    and the TTFT of a turn that does not wait."""
+    from gateway.planner.curve import Curve, expected, parse_curves
+
+    text = "\n".join([
+        "# TYPE gateway_latency_itl_p95_seconds gauge",
+        'gateway_latency_itl_p95_seconds{backend="gpu",level="1"} 0.02',
+        'gateway_latency_itl_p95_seconds{backend="gpu",level="4"} 0.05',
+        "# TYPE gateway_latency_prefill_tokens_per_second gauge",
+        'gateway_latency_prefill_tokens_per_second{backend="gpu"} 1000',
+        "# TYPE gateway_slots gauge", 'gateway_slots{backend="gpu"} 4', ""])
+    curves = parse_curves(text)
+    assert curves == {"gpu": Curve({1: 0.02, 4: 0.05}, 1000.0)}
+    seen = expected(curves["gpu"], 3, 500)
+    assert (seen["from_level"], seen["itl_p95_s"], seen["at_least"]) == (4, 0.05, False)
+    assert seen["ttft_s"] == pytest.approx(0.55)
+    assert expected(curves["gpu"], 6, None)["at_least"] is True
+    assert expected(Curve(), 2, 100) == {"level": 2, "from_level": None, "itl_p95_s": None,
+                                        "at_least": False, "ttft_s": None}
+    metrics = tmp_path / "metrics.txt"
+    metrics.write_text(text)
+    assert main(["plan", "--users", "20", "--turn-s", "12", "--think-s", "90",
+                 "--prompt-tokens", "500", "--answer-tokens", "300",
+                 "--from-metrics", str(metrics), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    level = min(report["slots"], report["busy_p95"])
+    assert report["latency"]["gpu"] == expected(curves["gpu"], level, 500)
+    assert main(["plan", "--users", "20", "--turn-s", "12", "--think-s", "90",
+                 "--prompt-tokens", "500", "--answer-tokens", "300",
+                 "--from-metrics", str(metrics)]) == 0
+    assert "learned        gpu: ITL p95" in capsys.readouterr().out
+    assert main(["plan", "--users", "20", "--turn-s", "12", "--think-s", "90",
+                 "--from-metrics", str(tmp_path / "missing.txt")]) == 2

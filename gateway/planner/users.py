@@ -289,6 +289,15 @@ def render_users(r: dict[str, Any]) -> str:
         lines.append(f"decode         {d['tokens_per_s_per_stream']:.1f} tokens/s per stream "
                      f"(ITL {d['itl_needed_s'] * 1000:.0f} ms), "
                      f"{d['tokens_per_s_all_slots']:.1f} tokens/s with all slots busy")
+    for name, seen in (r.get("latency") or {}).items():
+        if seen["itl_p95_s"] is None:
+            lines.append(f"learned        {name}: no ITL learnt yet")
+            continue
+        bound = "at least " if seen["at_least"] else ""
+        ttft = "" if seen["ttft_s"] is None else \
+            f", TTFT {seen['ttft_s']:.2f} s for a turn that does not wait"
+        lines.append(f"learned        {name}: ITL p95 {bound}{seen['itl_p95_s'] * 1000:.0f} ms "
+                     f"with {seen['level']} busy (learnt with {seen['from_level']}){ttft}")
     kv = r["kv"]
     if kv["fits"] is None:
         lines.append("KV memory      not checked (give the model and --kv-memory or --memory)"
