@@ -214,3 +214,30 @@ def test_a_first_request_waits_at_most_one_admission(costs: list[int], served: i
     q.push(Req("b"), B, cost_b, now=1)
     names = [r.name for r in q.order(1)]
     assert names.index("b") <= 1
+
+
+def test_within_a_tenants_class_the_earliest_due_goes_first() -> None:
+    """Due = arrival + TTFT deadline, or + the longest wait without one: deadlines pass
+    requests that can wait longer, and a request without one is not passed for ever."""
+    q: FairQueue[str] = FairQueue()
+    q.push("patient", Party(max_wait_s=60.0), 10, 0.0)
+    q.push("urgent", Party(max_wait_s=60.0, ttft_deadline_s=1.0), 10, 0.1)
+    q.push("soon", Party(max_wait_s=60.0, ttft_deadline_s=5.0), 10, 0.2)
+    assert q.order(0.3) == ["urgent", "soon", "patient"]
+    q2: FairQueue[str] = FairQueue()
+    q2.push("old", Party(max_wait_s=2.0), 10, 0.0)  # due at 2.0
+    q2.push("later", Party(max_wait_s=2.0, ttft_deadline_s=5.0), 10, 0.5)  # due at 5.5
+    q2.push("next", Party(max_wait_s=2.0), 10, 0.6)  # due at 2.6
+    assert q2.order(1.0) == ["old", "next", "later"]
+
+
+def test_a_request_due_sooner_does_not_slow_the_ageing_of_an_older_one() -> None:
+    """A batch lane whose head is a fresh request due sooner still competes at the rank
+    its oldest waiter has aged to."""
+    q: FairQueue[str] = FairQueue(age_s=30.0)
+    q.push("old batch", Party(tenant="a", rank=1, max_wait_s=600.0), 10, 0.0)
+    q.push("new batch", Party(tenant="a", rank=1, max_wait_s=600.0, ttft_deadline_s=1.0),
+           10, 29.0)
+    q.push("interactive", Party(tenant="b", rank=0, max_wait_s=600.0), 10, 29.5)
+    assert q.order(29.9)[0] == "interactive"  # nothing has aged a class yet
+    assert q.order(31.0)[0] == "new batch"  # its lane aged to rank 0 with "old batch"

@@ -20,7 +20,11 @@ and serve them in the order it gives. Its rule:
    Two tenants that both wait are thus served KV tokens in proportion to their
    weights, within one reservation of each other; a tenant's first request waits behind
    at most one request of a tenant already waiting.
-4. Then arrival order. A tenant's requests of one class are served first-in, first-out.
+4. Then, among one tenant's requests of one class, the earliest **due time** first: a
+   request's arrival plus its TTFT deadline (``x-gateway-slo-ttft-ms``), or plus its
+   longest queue wait when it has none (so that requests without a deadline are never
+   passed for ever); ties, and a class whose requests carry no deadlines, in arrival
+   order (first-in, first-out).
 
 A waiter that does not fit yet keeps its place: the queues do not let later waiters past
 it on the backends it could use (head-of-line), so the order above is the admission order.
@@ -78,6 +82,7 @@ class _Entry(Generic[T]):
     cost: int  # KV tokens its admission will charge
     since: float  # clock time it started waiting, seconds
     seq: int
+    due: float = float("inf")  # since + its TTFT deadline (or its longest wait), seconds
 
 
 @dataclass
@@ -117,8 +122,14 @@ class FairQueue(Generic[T]):
         self._where[id(item)] = entry
         if front:
             self._front.append(entry)
-        else:
-            self._lanes.setdefault((party.tenant, party.rank), deque()).append(entry)
+            return
+        limit = party.ttft_deadline_s if party.ttft_deadline_s is not None else party.max_wait_s
+        entry.due = now + limit if limit is not None else float("inf")
+        lane = self._lanes.setdefault((party.tenant, party.rank), deque())
+        place = len(lane)
+        while place and lane[place - 1].due > entry.due:  # earliest due first, else FIFO
+            place -= 1
+        lane.insert(place, entry)
 
     def remove(self, item: T) -> bool:
         """Take a waiter out (admitted elsewhere, timed out, gone); False if absent."""
@@ -221,6 +232,13 @@ class FairQueue(Generic[T]):
         """``entry``'s class rank less one per ``age_s`` waited, at least 0."""
         return max(0, entry.party.rank - int(max(0.0, now - entry.since) // self.age_s))
 
+    def _lane_rank(self, lane: deque[_Entry[T]], i: int, now: float) -> int:
+        """The effective rank of a lane from its ``i``-th entry on: that of the longest
+        waiting of them (a request due sooner may stand before an older one, which must
+        not age more slowly for it)."""
+        oldest = min(range(i, len(lane)), key=lambda j: lane[j].since)
+        return self.effective_rank(lane[oldest], now)
+
     def _ordered(self, now: float) -> Iterator[T]:
         for entry in self._front:
             yield entry.item
@@ -228,7 +246,7 @@ class FairQueue(Generic[T]):
         heap = []
         for lane in self._lanes.values():
             head = lane[0]
-            heapq.heappush(heap, (self.effective_rank(head, now),
+            heapq.heappush(heap, (self._lane_rank(lane, 0, now),
                                   vtime[head.party.tenant], head.seq, 0, lane))
         # A lane's entries after its head; the tuple carries the index in the lane.
         while heap:
@@ -244,7 +262,7 @@ class FairQueue(Generic[T]):
             heapq.heapify(heap)
             if i + 1 < len(lane):
                 nxt = lane[i + 1]
-                heapq.heappush(heap, (self.effective_rank(nxt, now), vtime[tenant],
+                heapq.heappush(heap, (self._lane_rank(lane, i + 1, now), vtime[tenant],
                                       nxt.seq, i + 1, lane))
 
     def __iter__(self) -> Iterator[T]:
