@@ -58,6 +58,13 @@ async def test_an_itl_target_holds_concurrency_where_the_curve_meets_it() -> Non
         assert await _wave(h, 6, 40) <= 2
         limit = h.sample("gateway_slo_limit", backend="local")
         assert 1 <= limit <= 2
+        # Attainment: the first wave's four at once broke the 25 ms ITL target (40 ms
+        # gaps), the last wave's did not.
+        def attained(outcome: str) -> float:
+            return h.sample("gateway_slo_requests_total", backend="local", priority="chat",
+                            target="itl", outcome=outcome)
+        assert attained("missed") >= 4 and attained("met") >= 4
+        assert attained("met") + attained("missed") == 24
         assert h.sample("gateway_latency_itl_p95_seconds", backend="local",
                         level="4") > 0.025
         # idle, but the class's users were here a moment ago: their target still binds
@@ -101,6 +108,8 @@ async def test_a_request_that_cannot_start_in_time_is_refused_at_once() -> None:
         assert h.sample("gateway_rejections_total", backend="local",
                         reason="slo_unattainable") == 1
         assert (await _stream(h, 2, words=50, headers=deadline)).status_code == 200
+        assert h.sample("gateway_slo_requests_total", backend="local", target="ttft",
+                        outcome="met") == 1  # 50 words: about 50 ms, by its 500 ms deadline
         late = await _stream(h, 2, words=2000, headers={**deadline, "x-priority": "bulk"})
         assert late.status_code == 200
     finally:

@@ -367,6 +367,13 @@ class GatewayMetrics:
             "gateway_itl_seconds", "Time between generated tokens of a stream.",
             ["backend"], buckets=_ITL_BUCKETS, registry=registry,
         )
+        self.slo_requests = Counter(
+            "gateway_slo_requests", "Streamed requests of a class with a latency target, by "
+            "whether they met it: target ttft (the first token by the request's deadline or "
+            "the class's ttft_p95_s) or itl (at most 5% of its gaps over itl_p95_s, i.e. "
+            "its own ITL p95 within the target); outcome met or missed.",
+            ["backend", "priority", "target", "outcome"], registry=registry,
+        )
         self.duration = Histogram(
             "gateway_request_duration_seconds", "Time from arrival to the end of the response.",
             ["backend"], buckets=_LATENCY_BUCKETS, registry=registry,

@@ -95,6 +95,7 @@ class ProxyResponse(Response):
             await watcher.stop()
             self.parts.admitter.leave()
             self.parts.usage.settle(self.parts.tries.charged)
+            self.parts.usage.attained()
             self._record(scope, failed)
 
     def _record(self, scope: Scope, failed: bool) -> None:

@@ -38,6 +38,8 @@ class UsageBook:
         self.streamed = 0
         self._itl: Any = None  # gateway_itl_seconds for the backend named _itl_of
         self._itl_of: str | None = None
+        self.gaps = 0  # gaps between the stream's tokens, as its client saw them
+        self.late_gaps = 0  # of them, over its class's itl_p95_s
 
     def token_seen(self, times: TokenTimes, lease: Lease | None = None, *,
                    first: bool = False) -> None:
@@ -70,6 +72,10 @@ class UsageBook:
                 self._itl, self._itl_of = self.metrics.itl.labels(name), name
             itl = now - times.last_token
             self._itl.observe(itl)
+            self.gaps += 1
+            target = self.x.party.itl_target_s
+            if target is not None and itl > target:
+                self.late_gaps += 1
             if not first:
                 slo.observe_itl(itl, self.x.backend.admission.layout)
         times.last_token = now
@@ -91,6 +97,24 @@ class UsageBook:
         cap = self.x.charge.max_tokens
         total = sum(cap if reason == "length" else min(one, cap) for reason in reasons)
         return {**usage, "completion_tokens": total}
+
+    def attained(self) -> None:
+        """Count a streamed answer of a class with targets in ``gateway_slo_requests_total``:
+        TTFT met when its first token came by its deadline (its header's, else the class's
+        ``ttft_p95_s``), ITL met when at most 5 % of its gaps were over ``itl_p95_s`` (its
+        own ITL p95 within the target). A request with no first token is not counted."""
+        x = self.x
+        if not x.stream or x.ttft_s is None:
+            return
+        party, name = x.party, x.backend.name
+        deadline = party.ttft_deadline_s if party.ttft_deadline_s is not None \
+            else party.ttft_target_s
+        if deadline is not None:
+            met = "met" if x.ttft_s <= deadline else "missed"
+            self.metrics.slo_requests.labels(name, party.priority, "ttft", met).inc()
+        if party.itl_target_s is not None and self.gaps:
+            met = "met" if self.late_gaps <= 0.05 * self.gaps else "missed"
+            self.metrics.slo_requests.labels(name, party.priority, "itl", met).inc()
 
     def settle(self, forwarded: bool) -> None:
         """Count the request in its tenant's tokens: prompt + completion once it went
