@@ -11,10 +11,10 @@ import pytest
 
 from gateway.admission.admission import Admission
 from gateway.admission.lease import Lease
-from gateway.admission.slo import TARGET_MEMORY_S
+from gateway.admission.slo import FIRST_SAMPLES, TARGET_MEMORY_S
 from gateway.core.capacity import Charge, Layout
 from gateway.core.fairness import Party
-from gateway.errors import SloUnattainable
+from gateway.errors import QueueWaitPredicted, SloUnattainable
 from tests.fakes import ManualClock
 
 LAYOUT = Layout(slots=4, ctx_per_slot=4096, pool_tokens=16384)
@@ -180,3 +180,28 @@ async def test_the_predicted_wait_counts_towards_the_deadline() -> None:
     adm.release(held)
     await _settle()
     adm.release(waiting.result())
+
+
+async def test_a_fresh_gateway_refuses_a_doomed_request_from_the_first_tokens() -> None:
+    """No served lease is timed yet, so the old prediction said nothing and a doomed
+    request waited its whole max wait. The first stream's tokens give the decode pace
+    (30 ms a token here): two 900-token answers hold the one slot for about 27 s each,
+    so a third is refused at once with a Retry-After near when it could start."""
+    clock = ManualClock()
+    adm = Admission(Layout(slots=1, ctx_per_slot=4096), max_queue=4, max_wait_s=6.0,
+                    clock=clock, reject_doomed=True)
+    first = adm.try_admit(Charge(800, 900))
+    assert first is not None
+    second = asyncio.ensure_future(adm.admit(Charge(800, 900)))
+    await _settle()
+    assert not second.done()  # nothing learnt: it queues, as before
+    second.cancel()
+    await asyncio.gather(second, return_exceptions=True)
+    for _ in range(FIRST_SAMPLES):
+        clock.advance(0.03)
+        adm.slo.observe_itl(0.03, adm.layout)
+    assert adm.slo.seconds_per_token() == pytest.approx(0.03, rel=0.1)
+    with pytest.raises(QueueWaitPredicted) as doomed:
+        await asyncio.wait_for(adm.admit(Charge(800, 900)), 1.0)
+    assert 20 <= doomed.value.retry_after_s <= 60  # it could start after about 27 s
+    adm.release(first)

@@ -142,7 +142,7 @@ class Admission:
             self._room, WaitPredictor(),
             lambda: (self._layout, self._budget, self._active.values()),
             lambda: self._max_wait_s,
-            self._clock)
+            self._clock, first_rate=self.slo.seconds_per_token)
         self._delayed: set[asyncio.Task[None]] = set()
         #: Which slot each pinned lease holds, least recently used free first.
         self.slots = SlotMap(layout.slots if layout else 0)

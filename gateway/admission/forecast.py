@@ -33,10 +33,15 @@ class WaitForecast:
     :param max_wait_s: the queue's wait bound now, seconds (a waiter's deadline without a
         class limit).
     :param clock: the injected time source.
+    :param first_rate: seconds per output token to replay with before served leases are
+        timed (the learned ITL at the busy slots,
+        :meth:`~gateway.admission.slo.SloGuard.seconds_per_token`), or ``None`` then.
     """
 
     def __init__(self, room: Waitroom[QueuedAsk, Lease], waits: WaitPredictor,
-                 in_flight: InFlight, max_wait_s: Callable[[], float], clock: Clock) -> None:
+                 in_flight: InFlight, max_wait_s: Callable[[], float], clock: Clock,
+                 first_rate: Callable[[], float | None] | None = None) -> None:
+        self._first_rate = first_rate
         self._room = room
         self.waits = waits
         self._in_flight = in_flight
@@ -85,4 +90,6 @@ class WaitForecast:
     def _replay(self, charges: list[tuple[Charge, float | None]]) -> float | None:
         layout, budget, leases = self._in_flight()
         in_flight = [(lease.granted_at, lease.charge) for lease in leases]
-        return self.waits.replay(layout, budget, self._clock.now(), in_flight, charges)
+        first = None if self._first_rate is None else self._first_rate()
+        return self.waits.replay(layout, budget, self._clock.now(), in_flight, charges,
+                                 first_rate=first)

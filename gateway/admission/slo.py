@@ -49,6 +49,10 @@ __all__ = ["STEP_S", "TARGET_MEMORY_S", "SloGuard"]
 #: under a limit of one, at each new round, when a target ended with its last lease).
 TARGET_MEMORY_S = 30.0
 
+#: ITL samples a level needs before its mean paces the wait prediction of a fresh
+#: gateway (a stream's first tokens: fewer than the controller's 50).
+FIRST_SAMPLES = 10
+
 #: Seconds between two steps of the controller (it steps on an ITL sample once this much
 #: has passed since the last): often enough to follow a load change within a second,
 #: rarely enough that a step sees tens of new samples.
@@ -110,6 +114,21 @@ class SloGuard:
         if layout is not None and now >= self._next_step:
             self._next_step = now + STEP_S
             self.step(layout)
+
+    def seconds_per_token(self) -> float | None:
+        """The decode pace at the slots busy now, seconds per output token, for the wait
+        prediction of a gateway that has not yet timed :data:`~gateway.core.waits.
+        MIN_HISTORY` served leases: the learned mean ITL at that level, or at the nearest
+        level above it (else below) with at least :data:`FIRST_SAMPLES` samples;
+        ``None`` before any has."""
+        busy = max(1, self.busy())
+        known = [(level, h) for level, h in self.model.levels.items()
+                 if h.samples >= FIRST_SAMPLES]
+        if not known:
+            return None
+        above = [k for k in known if k[0] >= busy]
+        _, hist = min(above, key=lambda k: k[0]) if above else max(known, key=lambda k: k[0])
+        return hist.mean()
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """One attempt's prefill: ``tokens`` prompt tokens before its first token came,

@@ -70,9 +70,17 @@ class WaitPredictor:
             return min(60.0, max(1.0, mean * ahead / slots))
         return 1.0
 
+    def _pace(self, first_rate: float | None) -> float | None:
+        """Seconds a lease holds per token of its cap: the median of the served leases'
+        once :data:`MIN_HISTORY` are timed, else ``first_rate`` (if positive)."""
+        if len(self._per_cap_token) >= MIN_HISTORY:
+            return statistics.median(self._per_cap_token)
+        return first_rate if first_rate is not None and first_rate > 0 else None
+
     def replay(self, layout: Layout | None, budget: Budget, now: float,
                in_flight: Iterable[tuple[float, Charge]],
-               charges: Sequence[tuple[Charge, float | None]]) -> float | None:
+               charges: Sequence[tuple[Charge, float | None]], *,
+               first_rate: float | None = None) -> float | None:
         """When the last of ``charges`` starts if they start in order after the leases in
         flight, seconds from ``now``; ``None`` until :data:`MIN_HISTORY` served leases
         have been timed, while the layout is unknown, or when one can never fit.
@@ -91,10 +99,13 @@ class WaitPredictor:
         :param charges: each with the clock time after which it would have left the queue
             (``None``: it stays); one replayed to start after that is left out, since it
             will time out holding nothing.
+        :param first_rate: seconds per token of cap to use before :data:`MIN_HISTORY`
+            served leases are timed (the decode pace learnt from the first streams'
+            tokens), so that a fresh gateway refuses a doomed request at arrival too.
         """
-        if layout is None or len(self._per_cap_token) < MIN_HISTORY:
+        rate = self._pace(first_rate)  # seconds held per token of cap
+        if layout is None or rate is None:
             return None
-        rate = statistics.median(self._per_cap_token)  # seconds held per token of cap
 
         def hold(charge: Charge) -> float:
             return rate * max(1, charge.max_tokens)
