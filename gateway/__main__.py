@@ -202,33 +202,54 @@ def _plan_users(args: argparse.Namespace, shape: ModelShape | None) -> int:
         raise ValueError("--users needs --turn-s and --think-s")
     load = UserLoad(args.users, args.turn_s, args.think_s, args.prompt_tokens,
                     args.answer_tokens)
+    text = _metrics_text(args.from_metrics) if args.from_metrics else None
+    ctx = args.ctx
+    running = None if text is None or ctx is not None or args.prompt_tokens is not None \
+        else _running_ctx(text)
     report = size_from_users(
-        load, headroom=args.headroom, ctx=args.ctx, shape=shape,
+        load, headroom=args.headroom, ctx=running or ctx, shape=shape,
         kv_budget=parse_bytes(args.kv_memory) if args.kv_memory else None,
         memory=parse_bytes(args.memory) if args.memory else None,
         unified=args.layout == "unified", type_k=args.cache_type_k, type_v=args.cache_type_v)
-    if args.from_metrics:
-        report["latency"] = _learned_latency(args.from_metrics, report)
+    if running:
+        report["ctx_source"] = "the running backend's, from its gateway's metrics"
+    if text is not None:
+        report["latency"] = _learned_latency(text, report)
     print(json.dumps(report, indent=2) if args.json else render_users(report))  # noqa: T201
     return 0
 
 
-def _learned_latency(source: str, report: dict[str, Any]) -> dict[str, Any]:
-    """What each backend's learned curve (:mod:`gateway.planner.curve`), read from a
-    gateway's ``/metrics`` at ``source`` (a URL or a file), gives the plan's busy slots
-    at the p95 of the load.
+def _metrics_text(source: str) -> str:
+    """A gateway's ``/metrics`` text from ``source``, a URL or a file.
 
-    :raises ValueError: the source could not be read or parsed.
+    :raises ValueError: it could not be read.
     """
     import httpx
 
-    from gateway.planner.curve import expected, parse_curves
-
     try:
-        text = (httpx.get(source, timeout=10).text if source.startswith(("http://", "https://"))
-                else Path(source).read_text())
+        if source.startswith(("http://", "https://")):
+            return httpx.get(source, timeout=10).text
+        return Path(source).read_text()
     except (httpx.HTTPError, OSError) as exc:
         raise ValueError(f"--from-metrics {source}: {exc}") from exc
+
+
+def _running_ctx(text: str) -> int | None:
+    """The largest context per slot of the backends in a gateway's metrics
+    (``gateway_backend_ctx_per_slot``), tokens, or ``None``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sizes = [int(s.value) for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == "gateway_backend_ctx_per_slot" and s.value > 0]
+    return max(sizes, default=None)
+
+
+def _learned_latency(text: str, report: dict[str, Any]) -> dict[str, Any]:
+    """What each backend's learned curve (:mod:`gateway.planner.curve`), read from a
+    gateway's ``/metrics`` text, gives the plan's busy slots at the p95 of the load (at
+    most its slots)."""
+    from gateway.planner.curve import expected, parse_curves
+
     level = min(report["slots"], report["busy_p95"])
     return {name: expected(curve, max(1, level), report["prompt_tokens"])
             for name, curve in parse_curves(text).items()}

@@ -50,3 +50,23 @@ def test_model_env_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("GATEWAY_MODEL", str(tmp_path / "nope.gguf"))
     with pytest.raises(BuildError, match="not a file"):
         ensure_model()
+
+
+def test_a_taken_port_is_a_clear_error_and_keeps_the_other_servers_log(tmp_path: Path) -> None:
+    """Found by a first try: a second `localbackend run` on the port of a running
+    llama-server said "ready" while its own llama-server had failed to bind (it was
+    talking to the other one), and it emptied the other one's log."""
+    import socket
+
+    from gateway.dev.localbackend import LlamaServer
+
+    log = tmp_path / "llama-server.log"
+    log.write_text("the first server's log\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = LlamaServer(port=taken.getsockname()[1], log_path=log,
+                             binary=tmp_path / "llama-server", model=tmp_path / "m.gguf")
+        with pytest.raises(BuildError, match="in use.*gateway serve --config"):
+            server.start(timeout_s=5)
+    assert server.proc is None and log.read_text() == "the first server's log\n"

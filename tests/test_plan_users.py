@@ -165,3 +165,19 @@ def test_users_with_a_learned_curve_say_what_latency_they_will_see(
     assert "learned        gpu: ITL p95" in capsys.readouterr().out
     assert main(["plan", "--users", "20", "--turn-s", "12", "--think-s", "90",
                  "--from-metrics", str(tmp_path / "missing.txt")]) == 2
+
+
+def test_users_from_metrics_take_the_running_backends_context(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a first try: with --from-metrics and no --ctx or tokens, the plan took
+    Ollama's default 4096 although the running backend's slots hold 512."""
+    metrics = tmp_path / "metrics.txt"
+    metrics.write_text("# TYPE gateway_backend_ctx_per_slot gauge\n"
+                       'gateway_backend_ctx_per_slot{backend="local"} 512\n')
+    assert main(["plan", "--users", "20", "--turn-s", "12", "--think-s", "90",
+                 "--from-metrics", str(metrics), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ctx_per_slot"] == 512 and "running backend" in report["ctx_source"]
+    assert main(["plan", "--users", "20", "--turn-s", "12", "--think-s", "90",
+                 "--ctx", "1024", "--from-metrics", str(metrics), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ctx_per_slot"] == 1024  # --ctx wins

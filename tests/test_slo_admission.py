@@ -205,3 +205,35 @@ async def test_a_fresh_gateway_refuses_a_doomed_request_from_the_first_tokens() 
         await asyncio.wait_for(adm.admit(Charge(800, 900)), 1.0)
     assert 20 <= doomed.value.retry_after_s <= 60  # it could start after about 27 s
     adm.release(first)
+
+
+async def test_the_wait_prediction_counts_the_slo_limit() -> None:
+    """Found trying it on llama-server: under a limit of one, requests that memory would
+    take at once were predicted to wait nothing, admitted, and waited past their
+    deadline. The replay runs on the limited layout: a request behind the one in flight
+    is predicted to wait for its end, and refused when that is past its deadline."""
+    clock = ManualClock()
+    adm = _admission(clock)
+    _learn_prefill(adm, 100_000.0)
+    for _ in range(8):  # served leases holding 10 ms per token of cap
+        lease = adm.try_admit(Charge(100, 100))
+        assert lease is not None
+        clock.advance(1.0)
+        adm.record_duration(1.0, lease.charge)
+        adm.release(lease)
+    first = adm.try_admit(Charge(50, 4000), party=CHAT)  # held about 40 s at that pace
+    assert first is not None
+    first.itl_target_s = CHAT.itl_target_s
+    leases = [first, *(_grant(adm) for _ in range(3))]
+    _feed(adm, clock, 0.05, 400)  # every level breaks the 25 ms target: the limit is 1
+    for lease in leases[1:]:
+        adm.release(lease)
+    clock.advance(30.0)  # the holds on the levels above have passed; the limit stays 1
+    _feed(adm, clock, 0.05, 60)
+    assert adm.slo.limit == 1
+    long_one = Charge(100, 900)  # 9 s of cap behind the one in flight
+    predicted = adm.predict_wait_s(long_one, CHAT)
+    assert predicted is not None and predicted > 0.5
+    with pytest.raises(SloUnattainable):
+        await asyncio.wait_for(adm.admit(long_one, party=Party(ttft_deadline_s=0.5)), 1.0)
+    adm.release(leases[0])

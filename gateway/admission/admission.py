@@ -140,7 +140,7 @@ class Admission:
                             wake=self._wake)  # latency targets (gateway.admission.slo)
         self._forecast = WaitForecast(
             self._room, WaitPredictor(),
-            lambda: (self._layout, self._budget, self._active.values()),
+            lambda: (self.slo.limited(self._layout), self._budget, self._active.values()),
             lambda: self._max_wait_s,
             self._clock, first_rate=self.slo.seconds_per_token)
         self._delayed: set[asyncio.Task[None]] = set()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import overload
 
 from gateway.admission.lease import Lease
 from gateway.clock import Clock
@@ -150,11 +151,18 @@ class SloGuard:
             self._wake()
         return self.limit
 
-    def limited(self, layout: Layout) -> Layout:
+    @overload
+    def limited(self, layout: Layout) -> Layout: ...
+
+    @overload
+    def limited(self, layout: None) -> None: ...
+
+    def limited(self, layout: Layout | None) -> Layout | None:
         """``layout`` with ``busy_cap`` lowered to the SLO limit while it binds and a
-        lease with a target is in flight; else ``layout`` itself."""
+        target is in flight; else ``layout`` itself (``None`` stays ``None``). Admission
+        checks fits against it, and the wait prediction replays the queue on it."""
         cap = self.limit
-        if cap is None or self.target() is None:
+        if layout is None or cap is None or self.target() is None:
             return layout
         if layout.busy_cap is not None and layout.busy_cap <= cap:
             return layout

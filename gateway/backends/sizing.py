@@ -125,7 +125,9 @@ class Sizing:
         """
         layout = self.configured(found)
         old = self.admission.layout
-        if layout != old:
+        if layout != old and old is None:
+            log.info("backend %s layout discovered: %s", self.name, describe(layout))
+        elif layout != old:
             log.log(logging.WARNING if restarted else logging.INFO,
                     "backend %s layout changed: %s -> %s", self.name, describe(old),
                     describe(layout))

@@ -287,6 +287,13 @@ class LlamaServer:
                   else ["-m", str(self.model)])
         cmd = [str(self.binary), *source, "--host", "127.0.0.1",
                "--port", str(self.port), *NO_REPACK, *self.args]
+        with contextlib.suppress(OSError), socket.create_connection(
+                ("127.0.0.1", self.port), timeout=1):
+            # Something listens there already (another `make run`?): llama-server would
+            # fail to bind, and its /health would be the other one's.
+            raise BuildError(
+                f"port {self.port} is in use (another llama-server?); stop it, or run the "
+                "gateway alone in front of it: `gateway serve --config FILE`")
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent

@@ -229,7 +229,7 @@ def size_from_users(
             raise ValueError(f"the KV budget does not hold {slots} slots of 256 tokens")
         ctx, source = widest.kv.n_ctx // slots, "the largest that fits the KV budget"
     else:
-        ctx, source = DEFAULT_CTX, f"default {DEFAULT_CTX} (Ollama's; give --ctx or tokens)"
+        ctx, source = DEFAULT_CTX, f"default {DEFAULT_CTX}, Ollama's; give --ctx or tokens"
     if ctx < 1:
         raise ValueError("the context per slot must be at least 1 token")
     ctx = pad(ctx, CTX_ALIGN)
@@ -291,7 +291,8 @@ def render_users(r: dict[str, Any]) -> str:
                      f"{d['tokens_per_s_all_slots']:.1f} tokens/s with all slots busy")
     for name, seen in (r.get("latency") or {}).items():
         if seen["itl_p95_s"] is None:
-            lines.append(f"learned        {name}: no ITL learnt yet")
+            lines.append(f"learned        {name}: no ITL learnt yet (a level needs 50 "
+                         "samples)")
             continue
         bound = "at least " if seen["at_least"] else ""
         ttft = "" if seen["ttft_s"] is None else \
