@@ -125,12 +125,13 @@ class Sizing:
         """
         layout = self.configured(found)
         old = self.admission.layout
-        if layout != old and old is None:
-            log.info("backend %s layout discovered: %s", self.name, describe(layout))
-        elif layout != old:
-            log.log(logging.WARNING if restarted else logging.INFO,
-                    "backend %s layout changed: %s -> %s", self.name, describe(old),
-                    describe(layout))
+        if layout != old:
+            if old is None:
+                log.info("backend %s layout discovered: %s", self.name, describe(layout))
+            else:
+                log.log(logging.WARNING if restarted else logging.INFO,
+                        "backend %s layout changed: %s -> %s", self.name, describe(old),
+                        describe(layout))
             if restarted:
                 # The server reports other values: a restarted server, which runs nothing
                 # of the old one. (A pool penalty easing off is not a restart: what the
