@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,15 +34,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from goodput import gateway_thread  # noqa: E402  (bench/, this script's folder)
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from gateway.config import load_settings  # noqa: E402
-from gateway.dev.localbackend import LlamaServer, free_port  # noqa: E402
-from gateway.http.app import create_app, uvicorn_options  # noqa: E402
+from gateway.dev.localbackend import LlamaServer  # noqa: E402
 
 
 @dataclass
@@ -94,24 +92,12 @@ async def rounds(url: str, clients: int, tokens: int, count: int) -> Run:
 @contextmanager
 def gateway(backend_url: str, classes: list[dict[str, Any]]
             ) -> Iterator[tuple[str, CollectorRegistry]]:
-    """The gateway on a free port in a thread (its own event loop)."""
+    """The gateway with these ``[[classes]]`` on a free port in a thread."""
     settings = load_settings(admission={"max_queue_wait_s": 600.0, "max_queue": 64},
                              backends=[{"name": "local", "url": backend_url}],
                              classes=classes)
-    registry = CollectorRegistry()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(settings, registry=registry), host="127.0.0.1", port=port,
-        log_level="warning", **uvicorn_options(settings)))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", registry
-    finally:
-        server.should_exit = True
-        thread.join(15)
+    with gateway_thread(settings) as running:
+        yield running
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
