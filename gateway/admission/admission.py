@@ -137,7 +137,7 @@ class Admission:
             give_back=self.release, on_leave=self._wake,
             counted=None if shared is None else (lambda w: w.request.seen))
         self.slo = SloGuard(self._clock, active=self._active, waiting=lambda: len(self._room),
-                            wake=self._wake)  # latency targets (gateway.admission.slo)
+                            wake=self._wake, enforced=shared is None)  # (admission.slo)
         self._forecast = WaitForecast(
             self._room, WaitPredictor(),
             lambda: (self.slo.limited(self._layout), self._budget, self._active.values()),

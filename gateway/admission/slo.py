@@ -22,10 +22,23 @@ get its first token in time. :class:`SloGuard`, one per
   its prompt over the learned prefill throughput plus one decode step at the level it
   would join (:func:`~gateway.core.latency.predict_ttft`); past the deadline it is
   refused at arrival, 503 ``slo_unattainable`` with ``Retry-After``, unless its class
-  says ``late = "serve"``. Nothing is refused before a prefill rate is learnt.
+  says ``late = "serve"``. Nothing is refused before a prefill rate is learnt; with the
+  wait unknown, the prediction is the prefill alone (a lower bound: a busy backend
+  refuses what an idle one would). The deadline counts from the gateway's receipt of
+  the request: what it spent before admission (reading, counting, its tenant's gate)
+  counts towards it (:func:`spent`), and the prediction refused is the TTFT from that
+  receipt; ``Retry-After`` is by how much a request sent afresh would miss (1–60 s).
+* **Probes.** A refusal feeds nothing back: a prefill rate learnt too slow (a model
+  loading under the first request: Ollama's, a router's) would refuse the long prompts
+  for ever. So once :data:`PROBE_S` seconds have passed with no prefill observed and no
+  probe let through, one request whose lateness is the prefill rate's doing is served
+  anyway, and its prefill is learnt.
+* **Pools.** :func:`late_backends` leaves out, for a request of a pool, the backends
+  where it would start late even at once, and refuses it when that is all of them.
 
 Not covered yet: the limit of a backend whose budget is shared in Redis (``[state]
-backend = "redis"``) is this process's alone, and the shared grant does not read it.
+backend = "redis"``) would be this process's alone, and the shared grant does not read
+it: there, the limit is not applied (``enforced`` false) and not shown.
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import overload
+from typing import TypeVar, overload
 
 from gateway.admission.lease import Lease
 from gateway.clock import Clock
@@ -42,7 +55,8 @@ from gateway.core.fairness import Party
 from gateway.core.latency import LatencyModel, LatencyParams, SloLimit, predict_ttft, tightest
 from gateway.errors import SloUnattainable
 
-__all__ = ["STEP_S", "TARGET_MEMORY_S", "SloGuard"]
+__all__ = ["FIRST_SAMPLES", "PROBE_S", "STEP_S", "TARGET_MEMORY_S", "SloGuard", "deadline_of",
+           "late_backends", "spent"]
 
 #: Seconds a target still binds after its last lease ended: the class's users are still
 #: there between two turns, and a burst of their requests must not all be let in before
@@ -59,6 +73,47 @@ FIRST_SAMPLES = 10
 #: rarely enough that a step sees tens of new samples.
 STEP_S = 0.5
 
+#: Seconds with no prefill observed on a backend after which one request predicted late
+#: for its prefill is served anyway, to learn the rate afresh (see the module).
+PROBE_S = 10.0
+
+K = TypeVar("K")
+
+
+def deadline_of(party: Party) -> float | None:
+    """The request's TTFT deadline, seconds: its header's, else its class's
+    ``ttft_p95_s``; ``None`` when it has neither."""
+    return party.ttft_deadline_s if party.ttft_deadline_s is not None else party.ttft_target_s
+
+
+def spent(party: Party, elapsed_s: float) -> Party:
+    """``party`` noting ``elapsed_s`` seconds already spent since the gateway received
+    the request (reading it, counting its prompt, its tenant's gate): they count towards
+    its TTFT deadline (``ttft_spent_s``). ``party`` itself when it has no deadline or
+    nothing was spent."""
+    if deadline_of(party) is None or not elapsed_s > 0:
+        return party
+    return replace(party, ttft_spent_s=elapsed_s)
+
+
+def late_backends(offers: Mapping[K, tuple[SloGuard, Charge]], party: Party) -> frozenset[K]:
+    """For a request of a pool, planned as ``offers`` (a key per usable backend: its
+    guard and the request's charge there): the keys of the backends where it would get
+    its first token after its deadline even if granted now. When that is every one,
+    the first due a probe (:meth:`SloGuard.probe`) takes it and is left out of the set.
+
+    :raises SloUnattainable: it would be late on every backend, and none is due a probe
+        (the error of the one it would miss by least).
+    """
+    late = {key: refusal for key, (guard, charge) in offers.items()
+            if (refusal := guard.late(charge, party, 0.0)) is not None}
+    if not late or len(late) < len(offers):
+        return frozenset(late)
+    for key, (guard, charge) in offers.items():
+        if guard.probe(charge, party, 0.0):
+            return frozenset(late) - {key}
+    raise min(late.values(), key=lambda refusal: refusal.retry_after_s)
+
 
 class SloGuard:
     """One backend's latency model, SLO limit and TTFT check (see the module).
@@ -68,14 +123,23 @@ class SloGuard:
     :param waiting: how many requests wait in the admission's queue now.
     :param wake: called when the limit rose (the queue may grant more).
     :param params: the model's and the controller's parameters.
+    :param enforced: the limit may bind this admission (false when its budget is shared
+        in Redis, whose grant does not read it: then :attr:`limit` stays ``None``).
+    :param probe_s: seconds between probes (:data:`PROBE_S`).
     :ivar limit: the SLO limit in force, sequences, or ``None`` while it does not bind
         admission (no target in flight, or no level known to break it).
     """
 
     def __init__(self, clock: Clock, *, active: Mapping[int, Lease],
                  waiting: Callable[[], int], wake: Callable[[], None],
-                 params: LatencyParams | None = None) -> None:
+                 params: LatencyParams | None = None, enforced: bool = True,
+                 probe_s: float = PROBE_S) -> None:
         self._clock = clock
+        self.enforced = enforced
+        self.probe_s = probe_s
+        # Clock seconds of the last prefill observed and of the last probe let through.
+        self._prefill_at = self._probe_at = -math.inf
+        self._probe_of: Party | None = None  # the party of the last probe let through
         self._active = active
         self._waiting = waiting
         self._wake = wake
@@ -134,6 +198,8 @@ class SloGuard:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """One attempt's prefill: ``tokens`` prompt tokens before its first token came,
         ``seconds`` after it was sent."""
+        if tokens > 0 and seconds > 0:
+            self._prefill_at = self._clock.now()
         self.model.observe_prefill(tokens, seconds)
 
     def step(self, layout: Layout) -> int | None:
@@ -146,7 +212,8 @@ class SloGuard:
         value = self.controller.update(self.model, target_s=target, memory_limit=memory,
                                        demand=demand, now=self._clock.now())
         self.memory_limit = memory
-        self.limit = value if target is not None and value < memory else None
+        self.limit = (value if self.enforced and target is not None and value < memory
+                      else None)
         if (self.limit if self.limit is not None else memory) > before:
             self._wake()
         return self.limit
@@ -162,13 +229,23 @@ class SloGuard:
         target is in flight; else ``layout`` itself (``None`` stays ``None``). Admission
         checks fits against it, and the wait prediction replays the queue on it."""
         cap = self.limit
-        if layout is None or cap is None or self.target() is None:
+        if layout is None or cap is None or cap >= layout.slots or self.target() is None:
             return layout
         if layout.busy_cap is not None and layout.busy_cap <= cap:
             return layout
         if self._capped is None or self._capped[:2] != (layout, cap):
             self._capped = (layout, cap, replace(layout, busy_cap=cap))
         return self._capped[2]
+
+    def in_force(self, slots: int) -> int | None:
+        """The concurrency ``gateway_slo_limit`` shows for a layout of ``slots`` slots:
+        the SLO limit while it binds, else the memory limit (the slots, or a learnt busy
+        cap), always within [1, ``slots``] (a layout that shrank since the last step
+        bounds it); ``None`` without a layout (``slots`` 0)."""
+        if slots < 1:
+            return None
+        memory = min(slots, self.memory_limit or slots)
+        return max(1, min(memory, self.limit if self.limit is not None else memory))
 
     def predicted_ttft_s(self, charge: Charge, queue_wait_s: float | None) -> float | None:
         """Predicted time to first token of ``charge`` after a queue wait of
@@ -178,25 +255,60 @@ class SloGuard:
         return predict_ttft(queue_wait_s=queue_wait_s, prompt_tokens=charge.prompt_tokens,
                             prefill_tps=self.model.prefill_tps(), first_step_s=step)
 
-    def check_ttft(self, charge: Charge, party: Party, queue_wait_s: float | None) -> None:
-        """Refuse a request whose predicted TTFT misses its deadline.
+    def late(self, charge: Charge, party: Party, queue_wait_s: float | None
+             ) -> SloUnattainable | None:
+        """The refusal of a request whose predicted TTFT misses its deadline, or
+        ``None`` (in time, no deadline, its class serves late, or no prefill rate yet).
 
         :param queue_wait_s: its predicted queue wait, seconds (0 when it is granted at
-            once, ``None`` when unknown: then nothing is refused).
-        :raises SloUnattainable: the prediction is past the request's deadline (its
-            header's, else its class's ``ttft_p95_s``) and its class refuses late work;
-            ``Retry-After`` is how much sooner the queue would have to drain (1–60 s).
+            once; ``None`` when unknown: the prefill alone is predicted, a lower bound).
         """
-        deadline = party.ttft_deadline_s if party.ttft_deadline_s is not None \
-            else party.ttft_target_s
+        deadline = deadline_of(party)
         if deadline is None or party.serve_late:
-            return
-        predicted = self.predicted_ttft_s(charge, queue_wait_s)
-        if predicted is None or predicted <= deadline:
-            return
-        raise SloUnattainable(
-            f"This request's first token is predicted in about {predicted:.1f} s "
-            f"(queue wait plus its {charge.prompt_tokens}-token prefill at the backend's "
-            f"recent pace), after its {deadline:g} s deadline; retry after the "
-            "Retry-After delay.", retry_after_s=min(60.0, max(1.0, predicted - deadline)),
-            predicted_s=predicted, deadline_s=deadline)
+            return None
+        wait = 0.0 if queue_wait_s is None else max(0.0, queue_wait_s)
+        predicted = self.predicted_ttft_s(charge, wait)
+        if predicted is None or party.ttft_spent_s + predicted <= deadline:
+            return None
+        total = party.ttft_spent_s + predicted
+        return SloUnattainable(
+            f"This request's first token is predicted about {total:.1f} s after its "
+            f"arrival (time spent before admission, queue wait and its "
+            f"{charge.prompt_tokens}-token prefill at the backend's recent pace), after "
+            f"its {deadline:g} s deadline; retry after the Retry-After delay.",
+            retry_after_s=min(60.0, max(1.0, predicted - deadline)),
+            predicted_s=total, deadline_s=deadline)
+
+    def probe(self, charge: Charge, party: Party, queue_wait_s: float | None) -> bool:
+        """Whether a request :meth:`late` refuses is served anyway as a probe, and if so
+        note it: :attr:`probe_s` seconds have passed since the last prefill observed and
+        the last probe, and the wait and one decode step alone are within its deadline
+        (its lateness is the prefill rate's doing, which only a served request can
+        learn afresh). The request let through is known by its ``party`` (this very
+        object): asked again, as it is when it queues after its try, it is still the
+        probe."""
+        if party is self._probe_of:
+            return True
+        now, deadline = self._clock.now(), deadline_of(party)
+        if deadline is None or now - max(self._prefill_at, self._probe_at) < self.probe_s:
+            return False
+        wait = party.ttft_spent_s + (0.0 if queue_wait_s is None else max(0.0, queue_wait_s))
+        if wait + (self.model.itl_p95(self.busy() + charge.slots) or 0.0) > deadline:
+            return False
+        self._probe_at, self._probe_of = now, party
+        return True
+
+    def check_ttft(self, charge: Charge, party: Party, queue_wait_s: float | None) -> None:
+        """Refuse a request whose predicted TTFT misses its deadline (:meth:`late`),
+        unless it is a probe (:meth:`probe`).
+
+        :param queue_wait_s: its predicted queue wait, seconds (0 when it is granted at
+            once, ``None`` when unknown).
+        :raises SloUnattainable: the prediction is past the request's deadline (its
+            header's, else its class's ``ttft_p95_s``, counted from its arrival) and
+            its class refuses late work; ``Retry-After`` is by how much a request sent
+            afresh would miss it (1–60 s).
+        """
+        refusal = self.late(charge, party, queue_wait_s)
+        if refusal is not None and not self.probe(charge, party, queue_wait_s):
+            raise refusal

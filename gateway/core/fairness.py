@@ -62,6 +62,8 @@ class Party:
         (:func:`gateway.wire.slo.parse_ttft_deadline`), or ``None``.
     :param serve_late: its class serves a request predicted to miss its TTFT deadline
         rather than refuse it (``late = "serve"``).
+    :param ttft_spent_s: seconds since its arrival spent before its admission (reading,
+        counting, its tenant's gate): they count towards its TTFT deadline.
     """
 
     tenant: str = ANONYMOUS
@@ -73,6 +75,7 @@ class Party:
     itl_target_s: float | None = None
     ttft_deadline_s: float | None = None
     serve_late: bool = False
+    ttft_spent_s: float = 0.0
 
 
 @dataclass(eq=False)

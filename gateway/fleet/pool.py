@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.admission.lease import Lease
+from gateway.admission.slo import late_backends
 from gateway.admission.waitroom import Waiter, Waitroom, shed_error
 from gateway.backends.target import Target
 from gateway.clock import Clock
@@ -219,6 +220,12 @@ class PoolAsk:
     affinity: str | None = None
     reason: str = "queued"  # for gateway_route_decisions_total
     prefix: Prefix | None = None  # what its prompt holds (slot affinity)
+    # The backends (ids) where it would start after its TTFT deadline: never its own.
+    late: frozenset[int] = frozenset()
+
+    def usable(self) -> list[Candidate]:
+        """Its candidates on the backends it may start on (not :attr:`late` ones)."""
+        return [c for c in self.candidates if id(c.backend) not in self.late]
 
 
 _Grant = tuple[Candidate, Lease]
@@ -318,12 +325,16 @@ class ModelQueue:
                   party: Party | None = None, prefix: Prefix | None = None
                   ) -> tuple[Candidate, Lease] | None:
         """A lease now on the best backend where the request fits, or ``None``. A
-        backend that a request waiting ahead of it could use is not given to it.
-        ``prefix`` picks the slot there whose cached prompt the request continues."""
+        backend that a request waiting ahead of it could use is not given to it, nor one
+        where it would start after its TTFT deadline even now (:func:`late_backends`).
+        ``prefix`` picks the slot there whose cached prompt the request continues.
+
+        :raises SloUnattainable: it would start late on every usable backend.
+        """
         party = party or Party()
         cost = candidates[0].charge.tokens if candidates else 0
         ahead = self._room.ahead_of(party, cost) if self._room else []
-        blocked = self._blocked(ahead)
+        blocked = self._blocked(ahead) | self._late(candidates, party)
         got = self._grant([c for c in candidates if id(c.backend) not in blocked], affinity,
                           prefix=prefix)
         if got is not None:
@@ -341,14 +352,17 @@ class ModelQueue:
 
         :raises QueueFull: ``max_queue`` requests already wait (at once).
         :raises QueueTimeout: the wait passed ``max_wait_s`` (or the class's).
+        :raises SloUnattainable: as :meth:`try_admit` (at once).
         """
         party = party or Party()
+        late: frozenset[int] = frozenset()
         if front:
             got = self._grant(candidates, affinity, "failover", prefix)
             if got is not None:
                 self._room.charge(party, got[0].charge.tokens)
         else:
             got = self.try_admit(candidates, affinity, party, prefix)
+            late = self._late(candidates, party)
         if got is not None:
             return got
         victim = None if front else self._room.victim_for(party)
@@ -359,8 +373,8 @@ class ModelQueue:
         max_wait = self.max_wait_s if party.max_wait_s is None else party.max_wait_s
         cost = candidates[0].charge.tokens if candidates else 0
         waiter = self._room.join(
-            PoolAsk(candidates, affinity, "failover" if front else "queued", prefix), party,
-            cost, front=front)
+            PoolAsk(candidates, affinity, "failover" if front else "queued", prefix, late),
+            party, cost, front=front)
         self.wake()  # it may go before waiters that wait for room it does not need
         candidate, lease = await self._room.wait(waiter, max_wait,
                                                  lambda: self.timed_out(max_wait))
@@ -379,11 +393,11 @@ class ModelQueue:
         blocked: set[int] = set()
         for waiter in self._room.order():
             ask = waiter.request
-            allowed = [c for c in ask.candidates if id(c.backend) not in blocked]
+            allowed = [c for c in ask.usable() if id(c.backend) not in blocked]
             got = (self._grant(allowed, ask.affinity, ask.reason, ask.prefix)
                    if allowed else None)
             if got is None:
-                blocked.update(id(c.backend) for c in ask.candidates)
+                blocked.update(id(c.backend) for c in ask.usable())
                 if len(blocked) >= len(self.members):
                     return
                 continue
@@ -392,7 +406,17 @@ class ModelQueue:
     @staticmethod
     def _blocked(ahead: Iterable[Waiter[PoolAsk, _Grant]]) -> set[int]:
         """The backends (ids) the waiters ``ahead`` could use."""
-        return {id(c.backend) for waiter in ahead for c in waiter.request.candidates}
+        return {id(c.backend) for waiter in ahead for c in waiter.request.usable()}
+
+    def _late(self, candidates: Sequence[Candidate], party: Party) -> frozenset[int]:
+        """The backends (ids) where the request would start late even now
+        (:func:`gateway.admission.slo.late_backends`, over the usable ones).
+
+        :raises SloUnattainable: that is every usable one.
+        """
+        now = self.clock.now()
+        return late_backends({id(c.backend): (c.backend.admission.slo, c.charge)
+                              for c in candidates if c.backend.usable(now)}, party)
 
     def backend_failed(self, backend: Target) -> float:
         """Mark ``backend`` down for the pool's backoff

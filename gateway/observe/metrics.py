@@ -80,7 +80,8 @@ def _slo_families(rows: list[tuple[str, AdmissionStats, bool]]) -> Iterator[Metr
     """Each backend's latency model and SLO limit (:mod:`gateway.admission.slo`)."""
     limit = GaugeMetricFamily(
         "gateway_slo_limit", "Sequences admitted at once under the latency targets: the SLO "
-        "limit while it binds, else the memory limit (slots, or a learnt busy cap).",
+        "limit while it binds, else the memory limit (slots, or a learnt busy cap); absent "
+        "before the layout is known.",
         labels=["backend"])
     target = GaugeMetricFamily(
         "gateway_slo_itl_target_seconds", "The tightest ITL p95 target of the requests in "
@@ -98,8 +99,8 @@ def _slo_families(rows: list[tuple[str, AdmissionStats, bool]]) -> Iterator[Metr
         slo = stats.slo
         if slo is None:
             continue
-        memory = min(stats.slots, slo.memory_limit or stats.slots)
-        limit.add_metric([name], float(slo.limit if slo.limit is not None else memory))
+        if (in_force := slo.in_force(stats.slots)) is not None:  # (none before a layout)
+            limit.add_metric([name], float(in_force))
         if (tightest := slo.target()) is not None:
             target.add_metric([name], tightest)
         for row in slo.model.table():

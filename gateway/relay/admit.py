@@ -15,6 +15,7 @@ from dataclasses import replace
 from starlette.types import Send
 
 from gateway.admission.lease import Lease
+from gateway.admission.slo import spent
 from gateway.clock import Clock
 from gateway.errors import ClientDisconnected, GatewayError
 from gateway.observe.metrics import GatewayMetrics
@@ -64,6 +65,7 @@ class Admitter:
                 if gate_s and x.party.max_wait_s is not None:  # the gate used some wait
                     x.party = replace(x.party, max_wait_s=max(0.001,
                                                               x.party.max_wait_s - gate_s))
+            x.party = spent(x.party, self.clock.now() - x.started)  # (its TTFT deadline)
             lease = x.try_admit()
             if lease is None and tenant is not None:
                 await tenant.begin_waiting(self.clock.now())
