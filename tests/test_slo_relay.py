@@ -127,3 +127,19 @@ async def test_the_llm_d_header_is_a_deadline_too(header: str) -> None:
         assert r.status_code == 503 and r.json()["error"]["code"] == "slo_unattainable"
     finally:
         await h.client.aclose()
+
+
+async def test_the_gaps_of_an_n_above_one_stream_are_not_learnt() -> None:
+    """Choices decoded in one step arrive back to back: their gaps are not an ITL."""
+    fake = FakeLlamaServer(tokens=1000)
+    h = await _harness(fake, [{"name": "chat"}])
+    try:
+        r = await h.client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20,
+            "stream": True, "n": 2})
+        assert r.status_code == 200
+        assert h.backend.admission.slo.model.levels == {}
+        assert (await _stream(h, 20)).status_code == 200
+        assert sum(hist.samples for hist in h.backend.admission.slo.model.levels.values()) > 10
+    finally:
+        await h.client.aclose()

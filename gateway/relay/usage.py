@@ -52,7 +52,8 @@ class UsageBook:
         ``first`` (the first token of an attempt on ``lease``) is a prefill of the
         lease's prompt tokens in the seconds since its grant; any later token of a
         stream is an ITL sample (the gap before an attempt's first token, which holds a
-        queue wait and a prefill, is not).
+        queue wait and a prefill, is not; nor are the gaps of an ``n > 1`` stream, whose
+        choices decoded in one step arrive back to back).
         """
         self.streamed += 1
         now = self.clock.now()
@@ -76,7 +77,7 @@ class UsageBook:
             target = self.x.party.itl_target_s
             if target is not None and itl > target:
                 self.late_gaps += 1
-            if not first:
+            if not first and self.x.charge.n == 1:  # (n > 1: its choices come in pairs)
                 slo.observe_itl(itl, self.x.backend.admission.layout)
         times.last_token = now
 
