@@ -257,6 +257,7 @@ async def test_pressure_is_judged_on_the_whole_backend_and_each_preempts_its_own
         two: tuple[Proc, Proc, ManualClock]) -> None:
     a, b, clock = two
     a1 = await a.admit(Charge(100, 1500, predicted=300))
+    clock.advance(0.05)
     b1 = await b.admit(Charge(100, 1500, predicted=300))
     decode(a, a1, 900, clock)
     decode(b, b1, 800, clock)
@@ -267,7 +268,8 @@ async def test_pressure_is_judged_on_the_whole_backend_and_each_preempts_its_own
     await a.live.step()
     await b.live.step()
     # Each process alone holds about half the pool; together they would overflow it.
-    # B's lease has the least progress: B preempts it, A keeps its own.
+    # B's lease was granted last: B preempts it, A keeps its own. (By grant time, not
+    # progress: each process reads the others' progress at another age.)
     assert b.preempted == [b1] and a.preempted == []
     assert b.admission.preemptions == {"pool_pressure": 1}
     a.admission.release(a1)

@@ -95,8 +95,8 @@ class LiveAccounting:
 
         Shared with other processes, the other processes' leases count too, as last
         published and projected over their age (:meth:`SharedLive.others
-        <gateway.admission.shared_live.SharedLive.others>`), and every lease is ordered
-        by the progress it last published, so that each process picks the same victims;
+        <gateway.admission.shared_live.SharedLive.others>`), and the leases are ordered
+        by grant time alone, the latest first, so that each process picks the same victims;
         only this process's are returned.
 
         :param active: the leases in flight, by a key of each.
@@ -125,9 +125,12 @@ class LiveAccounting:
         used, growth = self._use_of(lease, now)
         progress, since = lease.earlier + lease.generated, lease.granted_at
         if self.shared is not None:
-            sent = self.shared.sent.get(lease.shared_id or "")
-            progress = progress if sent is None else sent.progress
-            since = self.shared.store.score_ms(lease.granted_at) / 1000
+            # Shared, by grant time alone (the latest first): each process reads the
+            # others' progress at another age, so two of them could each take the
+            # other's lease for the least advanced and neither preempt (seen in CI: two
+            # streams at 238 tokens each overflowed the pool together). Grant times
+            # never change, so every process picks the same victims.
+            progress, since = 0, self.shared.store.score_ms(lease.granted_at) / 1000
         return LiveUse(key, used, growth, progress, self.can_free(lease), since)
 
     @staticmethod

@@ -433,7 +433,7 @@ class SharedLive:
             if fig.state == PREEMPTED:
                 continue
             window = self.horizon_ms + max(0, now_ms - fig.at_ms)
-            uses.append(LiveUse(-1 - i, fig.used, fig.growth(n, window), fig.progress,
+            uses.append(LiveUse(-1 - i, fig.used, fig.growth(n, window), 0,
                                 fig.state == PREEMPTIBLE, fig.since_ms / 1000))
             if caps is not None:
                 caps += fig.used + n * fig.room
