@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from gateway.admission.lease import Lease
+from gateway.admission.slo import deadline_of
 from gateway.clock import Clock
 from gateway.observe.metrics import GatewayMetrics
 from gateway.relay.inspect import TokenTimes
@@ -108,8 +109,7 @@ class UsageBook:
         if not x.stream or x.ttft_s is None:
             return
         party, name = x.party, x.backend.name
-        deadline = party.ttft_deadline_s if party.ttft_deadline_s is not None \
-            else party.ttft_target_s
+        deadline = deadline_of(party)
         if deadline is not None:
             met = "met" if x.ttft_s <= deadline else "missed"
             self.metrics.slo_requests.labels(name, party.priority, "ttft", met).inc()
