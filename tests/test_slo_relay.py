@@ -69,6 +69,17 @@ async def test_an_itl_target_holds_concurrency_where_the_curve_meets_it() -> Non
                         level="4") > 0.025
         # idle, but the class's users were here a moment ago: their target still binds
         assert h.sample("gateway_slo_itl_target_seconds", backend="local") == 0.025
+        # The status page shows the same figures as /metrics.
+        (row,) = (await h.client.get("/status.json")).json()["backends"]
+        slo = row["slo"]
+        assert slo["limit"] == limit and slo["binding"] is True
+        assert slo["itl_target_s"] == 0.025
+        assert slo["attainment"] == {"chat": {"itl": {"met": attained("met"),
+                                                      "missed": attained("missed")}}}
+        assert slo["itl_p95_s"]["4"] == pytest.approx(h.sample(
+            "gateway_latency_itl_p95_seconds", backend="local", level="4"), abs=1e-4)
+        assert slo["prefill_tokens_per_s"] == pytest.approx(h.sample(
+            "gateway_latency_prefill_tokens_per_second", backend="local"), abs=0.1)
     finally:
         await h.client.aclose()
 

@@ -37,7 +37,7 @@ BACKEND_FIELDS = {
     "name", "model", "kind", "state", "ready", "up", "draining", "retiring", "problem",
     "down_for_s", "layout", "slots", "busy_slots", "ctx_per_slot", "pool_tokens",
     "capacity_tokens", "reserved_tokens", "live_tokens", "inflight", "queued",
-    "queue_capacity", "oldest_wait_s", "router", "rejections",
+    "queue_capacity", "oldest_wait_s", "router", "slo", "rejections",
 }
 
 
@@ -103,7 +103,10 @@ async def test_the_json_has_every_field_of_an_idle_backend(harness: Harness) -> 
         "down_for_s": 0.0, "layout": "unified", "slots": 4, "busy_slots": 0,
         "ctx_per_slot": 2048, "pool_tokens": 2048, "capacity_tokens": 2048,
         "reserved_tokens": 0, "live_tokens": 0, "inflight": 0, "queued": 0,
-        "queue_capacity": 64, "oldest_wait_s": 0.0, "router": None, "rejections": None}
+        "queue_capacity": 64, "oldest_wait_s": 0.0, "router": None, "rejections": None,
+        # no class has a target, nothing is learnt: the latency limit is the memory's
+        "slo": {"limit": 4, "binding": False, "itl_target_s": None, "itl_p95_s": {},
+                "prefill_tokens_per_s": None, "attainment": {}}}
     assert row["rejections"] == {"total": {}, "recent": {}}
 
 

@@ -29,7 +29,7 @@ from gateway.fleet.state import GatewayState
 from gateway.http.auth import STATUS_PATHS, Access, authorize
 from gateway.http.views import pool_row, status_row
 
-__all__ = ["GAUGES", "RECENT_WINDOW_S", "REFRESH_MS", "STATUS_PATHS", "RejectionLog",
+__all__ = ["GAUGES", "attainment", "RECENT_WINDOW_S", "REFRESH_MS", "STATUS_PATHS", "RejectionLog",
            "register_status", "status_html", "status_json", "status_page"]
 
 #: A backend row's figure in /status.json -> the /metrics gauge (label ``backend``) that
@@ -149,6 +149,22 @@ def _elsewhere(counts: Mapping[tuple[str, str], int], shown: set[str]) -> dict[s
     return found
 
 
+def attainment(counter: Counter) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
+    """``gateway_slo_requests_total`` as ``{backend: {priority: {"ttft" | "itl": {"met":
+    n, "missed": n}}}}``: the streamed requests of classes with latency targets that met
+    or missed them since start (:meth:`gateway.relay.usage.UsageBook.attained` counts them);
+    only counts above zero are given."""
+    found: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.value:
+                labels = sample.labels
+                by_target = found.setdefault(labels["backend"], {}).setdefault(
+                    labels["priority"], {}).setdefault(labels["target"], {})
+                by_target[labels["outcome"]] = int(sample.value)
+    return found
+
+
 def register_status(app: FastAPI, state: GatewayState) -> None:
     """Add ``GET /status`` and ``GET /status.json`` to ``app``, with the app's
     :class:`RejectionLog` (``app.state.rejections``).
@@ -161,6 +177,8 @@ def register_status(app: FastAPI, state: GatewayState) -> None:
          "recent_window_s": float,    # how far back "recent" counts go, seconds
          "backends": [status_row(...) + {"rejections": {"total": {reason: n},
                                                         "recent": {reason: n}}}],
+                    # its "slo" (views.slo_facts) gains "attainment": {priority:
+                    # {"ttft" | "itl": {"met": n, "missed": n}}} (see attainment())
          "retiring": [status_row(..., retiring=True) + {"rejections": empty}],
          "pools": [{"model": str, "backends": [str], "queued": int,
                     "queue_capacity": int, "oldest_wait_s": float}],
@@ -209,17 +227,25 @@ async def status_json(request: Request) -> Response:
     authorize(state, request.scope, Access.status)
     now, fleet = state.clock.now(), state.fleet
     totals, recent, span = request.app.state.rejections.read()
+    attained = attainment(state.metrics.slo_requests)
     rows = []
     for backend in fleet.backends.values():
         row = status_row(backend, now, gateway_draining=state.draining)
         row["rejections"] = {"total": _by_reason(totals, backend.name),
                              "recent": _by_reason(recent, backend.name)}
+        if row["slo"] is not None:
+            row["slo"]["attainment"] = attained.get(backend.name, {})
         rows.append(row)
     # Removed or replaced by a reload and still finishing requests: not in /metrics
     # (a replaced backend's new target has the same name), and their rejections
     # cannot be told from the new target's.
-    retiring = [status_row(backend, now, gateway_draining=state.draining, retiring=True)
-                | {"rejections": {"total": {}, "recent": {}}} for backend in fleet.retiring]
+    retiring = []
+    for backend in fleet.retiring:
+        row = status_row(backend, now, gateway_draining=state.draining, retiring=True)
+        row["rejections"] = {"total": {}, "recent": {}}
+        if row["slo"] is not None:
+            row["slo"]["attainment"] = {}
+        retiring.append(row)
     shown = {backend.name for backend in fleet.backends.values()}
     return JSONResponse({
         "generated_at": round(time.time(), 3), "draining": state.draining,

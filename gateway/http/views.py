@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from gateway.admission.lease import AdmissionStats
 from gateway.backends.target import Target
 from gateway.fleet.pool import ModelQueue
 
 __all__ = ["ADMIN_FIELDS", "READY_FIELDS", "STATUS_FIELDS", "admin_row", "backend_facts",
-           "pool_gauge_rows", "pool_row", "ready_row", "router_facts", "status_row"]
+           "pool_gauge_rows", "pool_row", "ready_row", "router_facts", "slo_facts",
+           "status_row"]
 
 #: ``/ready``'s row (then ``down`` and ``draining``, only when true).
 READY_FIELDS = ("ready", "kind", "model", "slots", "ctx_per_slot", "capacity_tokens",
@@ -29,7 +31,7 @@ ADMIN_FIELDS = ("name", "model", "aliases", "kind", "url", "ready", "up", "drain
 STATUS_FIELDS = ("name", "model", "kind", "state", "ready", "up", "draining", "retiring",
                  "problem", "down_for_s", "layout", "slots", "busy_slots", "ctx_per_slot",
                  "pool_tokens", "capacity_tokens", "reserved_tokens", "live_tokens",
-                 "inflight", "queued", "queue_capacity", "oldest_wait_s", "router")
+                 "inflight", "queued", "queue_capacity", "oldest_wait_s", "router", "slo")
 
 
 def backend_facts(backend: Target, now: float, *, gateway_draining: bool = False,
@@ -47,7 +49,8 @@ def backend_facts(backend: Target, now: float, *, gateway_draining: bool = False
     ``busy_slots``, ``inflight``, ``queued`` and ``queue_capacity`` equal the
     ``/metrics`` gauges of the same backend; ``oldest_wait_s`` is how long the longest
     waiter of its own queue has waited. ``router`` is ``None`` but for a llama-server
-    router (:func:`router_facts`).
+    router (:func:`router_facts`); ``slo`` is the latency model and SLO limit
+    (:func:`slo_facts`).
     """
     stats, layout = backend.stats(), backend.admission.layout
     if retiring:  # whatever else it is: it takes no new requests and leaves soon
@@ -76,7 +79,32 @@ def backend_facts(backend: Target, now: float, *, gateway_draining: bool = False
         "queued": stats.queued, "queue_capacity": stats.queue_capacity,
         "oldest_wait_s": round(stats.oldest_wait_s, 3),
         "router": router_facts(backend),
+        "slo": slo_facts(stats),
     }
+
+
+def slo_facts(stats: AdmissionStats) -> dict[str, Any] | None:
+    """The backend's latency model and SLO limit (:mod:`gateway.admission.slo`), the
+    figures of the ``gateway_slo_*`` and ``gateway_latency_*`` gauges, or ``None`` when
+    the admission has no guard::
+
+        {"limit": int | None,        # gateway_slo_limit: sequences admitted at once
+                                     # (None before the layout is known)
+         "binding": bool,            # the SLO limit is below the memory limit now
+         "itl_target_s": float | None,   # the tightest ITL p95 target in flight, seconds
+         "itl_p95_s": {level: float},    # learned ITL p95 by slots busy ("1", "2", ...),
+                                         # levels with their minimum of samples only
+         "prefill_tokens_per_s": float | None}   # learned prefill rate, prompt tokens/s
+    """
+    slo = stats.slo
+    if slo is None:
+        return None
+    table = {str(row.level): round(row.p95_s, 4) for row in slo.model.table()
+             if row.samples >= slo.params.min_samples and row.p95_s is not None}
+    tps = slo.model.prefill_tps()
+    return {"limit": slo.in_force(stats.slots), "binding": slo.limit is not None,
+            "itl_target_s": slo.target(), "itl_p95_s": table,
+            "prefill_tokens_per_s": None if tps is None else round(tps, 1)}
 
 
 def router_facts(backend: Target) -> dict[str, Any] | None:
