@@ -97,6 +97,26 @@ async def test_the_limit_binds_while_a_target_was_in_flight_recently() -> None:
         adm.release(lease)
 
 
+def test_an_idle_backend_shows_no_limit_once_its_targets_expired() -> None:
+    """No stream runs after the last chat ended, so no step clears the limit: what
+    gateway_slo_limit and the status page show follows what admission applies."""
+    clock = ManualClock()
+    adm = _admission(clock)
+    leases = [_grant(adm) for _ in range(4)]
+    _feed(adm, clock, 0.01, 120)
+    assert adm.slo.limit == 3 and adm.slo.binds(4) and adm.slo.in_force(4) == 3
+    for lease in leases:
+        adm.release(lease)
+    clock.advance(TARGET_MEMORY_S / 2)  # the chat users were here a moment ago
+    assert adm.slo.binds(4) and adm.slo.in_force(4) == 3
+    # a layout that shrank to the limit is bounded by memory, not by the limit
+    assert not adm.slo.binds(3) and adm.slo.in_force(3) == 3
+    clock.advance(TARGET_MEMORY_S)  # gone: admission takes four again
+    assert adm.slo.limited(adm.layout) is adm.layout
+    assert adm.slo.limit == 3  # (left from the last step)
+    assert not adm.slo.binds(4) and adm.slo.in_force(4) == 4
+
+
 async def test_without_targets_samples_are_learnt_and_nothing_is_held() -> None:
     clock = ManualClock()
     adm = _admission(clock)

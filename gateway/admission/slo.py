@@ -239,13 +239,22 @@ class SloGuard:
 
     def in_force(self, slots: int) -> int | None:
         """The concurrency ``gateway_slo_limit`` shows for a layout of ``slots`` slots:
-        the SLO limit while it binds, else the memory limit (the slots, or a learnt busy
-        cap), always within [1, ``slots``] (a layout that shrank since the last step
-        bounds it); ``None`` without a layout (``slots`` 0)."""
+        the SLO limit while it binds (:meth:`binds`), else the memory limit (the slots,
+        or a learnt busy cap), always within [1, ``slots``] (a layout that shrank since
+        the last step bounds it); ``None`` without a layout (``slots`` 0)."""
         if slots < 1:
             return None
         memory = min(slots, self.memory_limit or slots)
-        return max(1, min(memory, self.limit if self.limit is not None else memory))
+        return max(1, min(memory, self.limit if self.binds(slots) else memory))
+
+    def binds(self, slots: int) -> bool:
+        """The SLO limit is what admission applies now to a layout of ``slots`` slots:
+        it is set, below the memory limit, and a target is in flight (or was within
+        :data:`TARGET_MEMORY_S`), as in :meth:`limited`. A limit left from the last
+        step after the targets expired on an idle backend does not bind."""
+        if self.limit is None or slots < 1:
+            return False
+        return self.limit < min(slots, self.memory_limit or slots) and self.target() is not None
 
     def predicted_ttft_s(self, charge: Charge, queue_wait_s: float | None) -> float | None:
         """Predicted time to first token of ``charge`` after a queue wait of

@@ -90,7 +90,8 @@ def slo_facts(stats: AdmissionStats) -> dict[str, Any] | None:
 
         {"limit": int | None,        # gateway_slo_limit: sequences admitted at once
                                      # (None before the layout is known)
-         "binding": bool,            # the SLO limit is below the memory limit now
+         "binding": bool,            # the SLO limit is below the memory limit and
+                                     # applies now (SloGuard.binds)
          "itl_target_s": float | None,   # the tightest ITL p95 target in flight, seconds
          "itl_p95_s": {level: float},    # learned ITL p95 by slots busy ("1", "2", ...),
                                          # levels with their minimum of samples only
@@ -102,7 +103,7 @@ def slo_facts(stats: AdmissionStats) -> dict[str, Any] | None:
     table = {str(row.level): round(row.p95_s, 4) for row in slo.model.table()
              if row.samples >= slo.params.min_samples and row.p95_s is not None}
     tps = slo.model.prefill_tps()
-    return {"limit": slo.in_force(stats.slots), "binding": slo.limit is not None,
+    return {"limit": slo.in_force(stats.slots), "binding": slo.binds(stats.slots),
             "itl_target_s": slo.target(), "itl_p95_s": table,
             "prefill_tokens_per_s": None if tps is None else round(tps, 1)}
 
