@@ -75,7 +75,8 @@ def gateway_toml(port: int, backend_url: str, *, host: str = "127.0.0.1",
     :param kv_unified: llama-server's KV layout (``true`` without ``-np``).
     :param default_max_tokens: llama-server's ``--n-predict``, the cap of a request that
         sets none; the gateway cannot read it (``/props`` shows -1 whatever it is), so it
-        is given as ``admission.default_max_tokens``.
+        is given as ``admission.default_max_tokens``. ``-1`` (``--n-predict -1``: until
+        the context ends) is not copied: the gateway's own default cap applies.
     """
     lines = [
         "[server]", f"host = {_toml_str(host)}", f"port = {port}",
@@ -87,7 +88,7 @@ def gateway_toml(port: int, backend_url: str, *, host: str = "127.0.0.1",
         digest = hashlib.sha256(api_key.encode()).hexdigest()
         lines += [f"api_key = {_toml_str(api_key)}", "",
                   "[[tenants]]", 'name = "suite"', f"key_hashes = [{_toml_str(digest)}]"]
-    if default_max_tokens:  # a table of its own, after the backend's keys
+    if default_max_tokens and default_max_tokens > 0:  # its own table, after the backend's
         lines += ["", "[admission]", f"default_max_tokens = {int(default_max_tokens)}"]
     return "\n".join(lines) + "\n"
 

@@ -148,6 +148,13 @@ def test_the_generated_config_is_one_the_gateway_loads(tmp_path: Path) -> None:
         loaded = load_settings(path)
         assert loaded.admission.default_max_tokens == 64
         assert (loaded.backends[0].api_key is not None) is (key is not None)
+    # --n-predict -1 (no cap: until the context ends) is the gateway's default cap, not
+    # a refused configuration (the suite's test_ctx_shift.py starts servers so)
+    path.write_text(plugin.gateway_toml(18001, "http://127.0.0.1:18080",
+                                        default_max_tokens=-1))
+    uncapped = load_settings(path).admission
+    path.write_text(plugin.gateway_toml(18001, "http://127.0.0.1:18080"))
+    assert uncapped == load_settings(path).admission
 
 
 def test_the_gateway_log_read_back() -> None:
