@@ -247,6 +247,13 @@ class SloGuard:
         memory = min(slots, self.memory_limit or slots)
         return max(1, min(memory, self.limit if self.binds(slots) else memory))
 
+    def learned_p95(self) -> dict[int, float]:
+        """The learned ITL p95 by level (slots busy), seconds: only the levels with their
+        :attr:`LatencyParams.min_samples <gateway.core.latency.LatencyParams>` (what
+        ``gateway_latency_itl_p95_seconds`` and the status page show)."""
+        return {row.level: row.p95_s for row in self.model.table()
+                if row.samples >= self.params.min_samples and row.p95_s is not None}
+
     def binds(self, slots: int) -> bool:
         """The SLO limit is what admission applies now to a layout of ``slots`` slots:
         it is set, below the memory limit, and a target is in flight (or was within

@@ -17,7 +17,7 @@ import hashlib
 import re
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from importlib.resources import files
 
 from fastapi import FastAPI, Request
@@ -80,6 +80,15 @@ def _content_security_policy(page: bytes) -> str:
             "form-action 'none'; frame-ancestors 'none'")
 
 
+def _counts(counter: Counter) -> Iterator[tuple[dict[str, str], int]]:
+    """Each labelled series of ``counter`` with its count, only those above zero (not
+    the primed zeros)."""
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.value:
+                yield sample.labels, int(sample.value)
+
+
 class RejectionLog:
     """``gateway_rejections_total`` summed by (backend, reason) over tenants and
     priorities, and what it rose by recently.
@@ -109,11 +118,9 @@ class RejectionLog:
         """Rejections since start by (backend, reason); ``backend`` is ``"none"`` for
         those refused before a backend was chosen."""
         found: dict[tuple[str, str], int] = {}
-        for family in self._counter.collect():
-            for sample in family.samples:
-                if sample.name.endswith("_total") and sample.value:  # not primed zeros
-                    key = (sample.labels["backend"], sample.labels["reason"])
-                    found[key] = found.get(key, 0) + int(sample.value)
+        for labels, n in _counts(self._counter):
+            key = (labels["backend"], labels["reason"])
+            found[key] = found.get(key, 0) + n
         return found
 
     def read(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int], float]:
@@ -155,13 +162,10 @@ def attainment(counter: Counter) -> dict[str, dict[str, dict[str, dict[str, int]
     or missed them since start (:meth:`gateway.relay.usage.UsageBook.attained` counts them);
     only counts above zero are given."""
     found: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
-    for family in counter.collect():
-        for sample in family.samples:
-            if sample.name.endswith("_total") and sample.value:
-                labels = sample.labels
-                by_target = found.setdefault(labels["backend"], {}).setdefault(
-                    labels["priority"], {}).setdefault(labels["target"], {})
-                by_target[labels["outcome"]] = int(sample.value)
+    for labels, n in _counts(counter):
+        by_target = found.setdefault(labels["backend"], {}).setdefault(
+            labels["priority"], {}).setdefault(labels["target"], {})
+        by_target[labels["outcome"]] = n
     return found
 
 
@@ -237,8 +241,8 @@ async def status_json(request: Request) -> Response:
             row["slo"]["attainment"] = attained.get(backend.name, {})
         rows.append(row)
     # Removed or replaced by a reload and still finishing requests: not in /metrics
-    # (a replaced backend's new target has the same name), and their rejections
-    # cannot be told from the new target's.
+    # (a replaced backend's new target has the same name), and their rejections and
+    # attainment cannot be told from the new target's.
     retiring = []
     for backend in fleet.retiring:
         row = status_row(backend, now, gateway_draining=state.draining, retiring=True)

@@ -100,8 +100,7 @@ def slo_facts(stats: AdmissionStats) -> dict[str, Any] | None:
     slo = stats.slo
     if slo is None:
         return None
-    table = {str(row.level): round(row.p95_s, 4) for row in slo.model.table()
-             if row.samples >= slo.params.min_samples and row.p95_s is not None}
+    table = {str(level): round(p95_s, 4) for level, p95_s in slo.learned_p95().items()}
     tps = slo.model.prefill_tps()
     return {"limit": slo.in_force(stats.slots), "binding": slo.binds(stats.slots),
             "itl_target_s": slo.target(), "itl_p95_s": table,

@@ -105,8 +105,8 @@ def _slo_families(rows: list[tuple[str, AdmissionStats, bool]]) -> Iterator[Metr
             target.add_metric([name], tightest)
         for row in slo.model.table():
             samples.add_metric([name, str(row.level)], float(row.samples))
-            if row.samples >= slo.params.min_samples and row.p95_s is not None:
-                p95.add_metric([name, str(row.level)], row.p95_s)
+        for level, p95_s in slo.learned_p95().items():
+            p95.add_metric([name, str(level)], p95_s)
         if (tps := slo.model.prefill_tps()) is not None:
             prefill.add_metric([name], tps)
     yield from (limit, target, p95, samples, prefill)
