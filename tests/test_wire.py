@@ -330,3 +330,31 @@ def test_quick_token_settles_every_plain_chunk(chunk: dict[str, Any]) -> None:
     raw = b"data: " + json.dumps(chunk, separators=(",", ":"),
                                  ensure_ascii=False).encode() + b"\n\n"
     assert quick_token(raw) is has_token(chunk["choices"])
+
+
+def test_an_embeddings_entry_may_be_openai_content_parts() -> None:
+    # llama-server joins an entry's text parts with no separator and loads its media
+    # parts (tools/server/server-context.cpp, the embeddings handler); the suite's
+    # test_embedding_content_text_same_as_string and test_embedding_invalid_input.
+    import json
+
+    from gateway.errors import InvalidRequest
+    from gateway.wire.routes import BY_NAME
+    from gateway.wire.validation import IMAGE_TOKENS
+
+    parse = BY_NAME["embeddings"].parse
+    req = parse(json.dumps({"input": ["hello world", {"content": [
+        {"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}]}).encode())
+    assert req.prompts == ("hello world", "hello world") and req.media == 0
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    req = parse(json.dumps({"input": {"content": [image, {"type": "text",
+                                                          "text": "a cat"}]}}).encode())
+    assert req.prompts == ("a cat",) and req.extra_prompt_tokens == IMAGE_TOKENS
+    req = parse(json.dumps({"input": [[1, 2, 3], {"content": [image]}]}).encode())
+    assert req.prompts == ((1, 2, 3), "") and req.media == 1
+    for bad in ([], {"content": "string"}, {"content": [{"type": "unknown"}]},
+                {"content": []}, {"content": [{"type": "text", "text": 5}]},
+                ["ok", {"content": "string"}], ["ok", 5.5]):
+        with pytest.raises(InvalidRequest) as info:
+            parse(json.dumps({"input": bad}).encode())
+        assert info.value.param == "input", bad

@@ -705,23 +705,66 @@ def parse_responses(spec: RouteSpec, raw: bytes) -> ParsedRequest:
     return _generated(body, spec, texts, cap=cap, cap_field=cap_field, media=images)
 
 
+# The parts an embeddings entry ``{"content": [...]}`` may hold: llama-server loads the
+# media ones and concatenates the text ones (tools/server/server-common.cpp,
+# tokenize_oai_content_array and oaicompat_content_load_media).
+_EMBEDDING_PARTS = frozenset({"text", "image_url", "input_audio", "input_video"})
+
+
+def _content_entry(value: Any) -> tuple[str, int] | None:
+    """An embeddings entry given as OpenAI content, ``{"content": [parts]}``, as
+    (its text parts joined with no separator, how many media parts), as llama-server
+    reads it (tools/server/server-context.cpp, the embeddings handler); ``None`` for
+    any other value.
+
+    :raises InvalidRequest: ``content`` is not an array of typed parts, a part's type is
+        unknown, or a text part's ``text`` is not a string.
+    """
+    if not isinstance(value, dict) or "content" not in value:
+        return None
+    parts = value["content"]
+    if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and p.get("type") in _EMBEDDING_PARTS for p in parts):
+        raise InvalidRequest("An input object's content must be an array of parts of "
+                             "type text, image_url, input_audio or input_video.",
+                             param="input")
+    texts = [p.get("text", "") for p in parts if p["type"] == "text"]
+    if not all(isinstance(t, str) for t in texts):
+        raise InvalidRequest("A text part's text must be a string.", param="input")
+    return "".join(texts), sum(1 for p in parts if p["type"] != "text")
+
+
 def parse_embeddings(spec: RouteSpec, raw: bytes) -> ParsedRequest:
     """An embeddings body: ``input`` (or llama-server's ``content``), one prompt or a
-    batch of them, as completions take; no output, so no cap.
+    batch of them, as completions take, where an entry may also be OpenAI content,
+    ``{"content": [text and media parts]}`` (see :func:`_content_entry`); no output,
+    so no cap. Each media item is charged :data:`IMAGE_TOKENS` besides its text.
 
     :raises InvalidRequest: ``input`` is missing or of the wrong shape.
     """
     body = _object(raw)
     given = body.get("input", body.get("content"))
-    try:
-        items = _prompts({"prompt": given})
-    except InvalidRequest:
-        raise InvalidRequest("input must be a non-empty string, an array of token ids, "
-                             "or an array of those.", param="input") from None
+    entries = given if isinstance(given, list) and given and not _token_ids(given) \
+        and not _mixed(given) else [given]
+    content = [_content_entry(e) for e in entries]
+    media = _media_of(given) + sum(c[1] for c in content if c is not None)
+    wrong = InvalidRequest("input must be a non-empty string, an array of token ids, a "
+                           "{content: [parts]} object, or an array of those.",
+                           param="input")
+    items: list[str | tuple[int | str, ...]] = []
+    for entry, parts in zip(entries, content) if any(content) else [(given, None)]:
+        if parts is None:  # a string, token ids or a prompt object (or all of them)
+            try:
+                items.extend(_prompts({"prompt": entry}))
+            except InvalidRequest:
+                raise wrong from None
+        elif not parts[0] and not parts[1]:
+            raise wrong
+        else:  # counted as its text; its media are charged apart
+            items.append(parts[0])
     return ParsedRequest(spec=spec, body=body, max_tokens=0, n=1, stream=False,
-                         prompts=items, queued_batch=True,
-                         extra_prompt_tokens=_media_of(given) * IMAGE_TOKENS,
-                         media=_media_of(given))
+                         prompts=tuple(items), queued_batch=True,
+                         extra_prompt_tokens=media * IMAGE_TOKENS, media=media)
 
 
 def parse_rerank(spec: RouteSpec, raw: bytes) -> ParsedRequest:
