@@ -203,3 +203,26 @@ def test_a_gateway_run_repeats_only_what_passed_directly() -> None:
               record("unit/r.py::w", "passed", router=True), record("unit/b.py::s", "skipped")]
     assert conformance.passed_ids(direct) == ["unit/a.py::t[x y]", "unit/b.py::v",
                                               "unit/r.py::w"]
+
+
+async def test_a_gateway_before_a_router_with_no_model_counts_as_started() -> None:
+    # The suite waits on /health only; the gateway's /ready is 503 on purpose in front of
+    # a router that lists no model (docs/differences.md), but every backend was read.
+    import contextlib
+
+    from gateway.errors import UpstreamError
+    from tests.fake_router import FakeRouter
+    from tests.test_router import RouterHarness, harness, two_models
+
+    empty = await harness(FakeRouter({}))
+    body = (await empty.client.get("/ready")).json()
+    assert body["ready"] is False and plugin.backends_read(body)
+    serving = await harness(two_models(loaded={"a"}))
+    assert (await serving.client.get("/ready")).status_code == 200
+    broken = two_models(loaded={"a"})
+    broken.models_json = lambda: {"data": "nope"}  # type: ignore[method-assign]
+    unread = RouterHarness(broken)  # its /models unread: its hub has a problem
+    with contextlib.suppress(UpstreamError):
+        await unread.hub.discover()
+    assert not plugin.backends_read((await unread.client.get("/ready")).json())
+    assert not plugin.backends_read({"ready": False, "backends": {}})
