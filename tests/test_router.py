@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.backends.router import ModelEntry, child_layout, parse_models
 from gateway.config import load_settings
+from gateway.core.capacity import Charge
 from gateway.errors import BackendNotReady, UpstreamUnavailable
 from gateway.fleet.reload import reload
 from gateway.http.app import create_app
@@ -442,3 +443,43 @@ def test_probe_reads_each_model_of_a_router() -> None:
         4, 2048, "arguments")
     text = render_probe(found)
     assert "model          b: unloaded, 4 slots x 2048 tokens, unified pool 2048" in text
+
+
+# -- load time in Retry-After and the wait forecasts ----------------------------------
+
+
+def test_a_loads_time_left_is_its_own_else_the_routers_else_a_first_guess() -> None:
+    from gateway.backends.router_gate import FIRST_LOAD_S, POLL_S, remaining_load_s
+
+    assert remaining_load_s(12.0, [12.0, 2.0], 0.0) == 12.0
+    assert remaining_load_s(12.0, [12.0], 5.0) == 7.0
+    assert remaining_load_s(None, [4.0, 8.0], 1.0) == 5.0  # the others' mean, less 1 s
+    assert remaining_load_s(None, [], 0.0) == FIRST_LOAD_S
+    assert remaining_load_s(3.0, [3.0], 30.0) == POLL_S  # overdue: due at any moment
+
+
+async def test_a_loading_models_retry_after_and_queue_forecast_count_its_load() -> None:
+    clock = ManualClock()
+    gate_open = asyncio.Event()
+    router = two_models(loaded={"a"}, load_gate=gate_open)
+    h = await harness(router, clock=clock)
+    gate = h.hub.router.hub.gate
+    gate.load_s["a"] = 8.0  # a's load was timed: b's first load is guessed from it
+    b = h.member("b")
+    assert gate.retry_after_s("b") == 8.0 and b.admission.retry_after_s() >= 8.0
+    # Without served history the forecast is the load alone; a's is nothing (loaded).
+    charge = Charge(10, 5)
+    assert b.admission.predict_wait_s(charge) == 8.0
+    assert h.member("a").admission.predict_wait_s(charge) is None
+    assert gate.retry_after_s("a") == 1.0
+    task = asyncio.ensure_future(h.chat("b"))
+    await until(lambda: router.status["b"] == "loading", "b loading")
+    await h.hub.discover()  # the gateway sees b loading
+    clock.advance(3.0)
+    assert gate.load_wait_s("b") == 5.0 and gate.retry_after_s("b") == 5.0
+    assert b.admission.predict_wait_s(charge) == 5.0
+    gate_open.set()
+    assert (await task).status_code == 200
+    await h.hub.discover()
+    assert gate.load_wait_s("b") == 0.0 and b.admission.predict_wait_s(charge) is None
+    assert gate.load_s["b"] == 3.0  # timed on the injected clock: 3 s

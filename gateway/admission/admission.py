@@ -138,7 +138,7 @@ class Admission:
             counted=None if shared is None else (lambda w: w.request.seen))
         self.slo = SloGuard(self._clock, active=self._active, waiting=lambda: len(self._room),
                             wake=self._wake, enforced=shared is None)  # (admission.slo)
-        self._forecast = WaitForecast(
+        self.forecast = WaitForecast(
             self._room, WaitPredictor(),
             lambda: (self.slo.limited(self._layout), self._budget, self._active.values()),
             lambda: self._max_wait_s,
@@ -249,27 +249,27 @@ class Admission:
     def retry_after_s(self) -> float:
         """When a request sent now could start, seconds (1–60)
         (:meth:`WaitForecast.retry_after_s`)."""
-        return self._forecast.retry_after_s()
+        return self.forecast.retry_after_s()
 
     def record_duration(self, seconds: float, charge: Charge | None = None) -> None:
         """Record how long a served lease was held (feeds :meth:`retry_after_s`) and, with
         its charge, the seconds per token of output cap (feeds :meth:`predict_wait_s`)."""
-        self._forecast.waits.record_duration(seconds, charge)
+        self.forecast.waits.record_duration(seconds, charge)
 
     def predict_wait_s(self, charge: Charge, party: Party | None = None) -> float | None:
         """How long ``charge`` would wait if it queued now, seconds, or ``None``
         (:meth:`WaitForecast.predict_wait_s`)."""
-        return self._forecast.predict_wait_s(charge, party)
+        return self.forecast.predict_wait_s(charge, party)
 
     def queue_position(self, charge: Charge) -> int | None:
         """1 for the head of the queue; ``None`` when ``charge`` (this very object) is
         not waiting."""
-        return self._forecast.queue_position(charge)
+        return self.forecast.queue_position(charge)
 
     def eta_s(self, charge: Charge) -> float | None:
         """Seconds until the waiting ``charge`` is predicted to start
         (:meth:`WaitForecast.eta_s`)."""
-        return self._forecast.eta_s(charge)
+        return self.forecast.eta_s(charge)
 
     # -- the queue (gateway.admission.waitroom) -------------------------------------------
 
@@ -374,7 +374,7 @@ class Admission:
         self._active.pop(id(lease), None)
         self._live.released(lease, now)
         if served:
-            self._forecast.waits.record_release(now)
+            self.forecast.waits.record_release(now)
         if self._shared is not None and lease.shared_id is not None:
             self._shared.release([lease.shared_id])
         self._wake()

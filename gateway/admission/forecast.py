@@ -36,6 +36,11 @@ class WaitForecast:
     :param first_rate: seconds per output token to replay with before served leases are
         timed (the learned ITL at the busy slots,
         :meth:`~gateway.admission.slo.SloGuard.seconds_per_token`), or ``None`` then.
+
+    :ivar startup_s: seconds before the backend can start any request (0.0 by default;
+        a llama-server router's model that is loading or not loaded sets its predicted
+        load, :meth:`~gateway.backends.router_gate.ModelsMaxGate.load_wait_s`): added to
+        every forecast, since nothing starts before it.
     """
 
     def __init__(self, room: Waitroom[QueuedAsk, Lease], waits: WaitPredictor,
@@ -47,12 +52,14 @@ class WaitForecast:
         self._in_flight = in_flight
         self._max_wait_s = max_wait_s
         self._clock = clock
+        self.startup_s: Callable[[], float] = lambda: 0.0
 
     def retry_after_s(self) -> float:
         """Estimate when a request sent now could start, in seconds (1–60)
         (:meth:`gateway.core.waits.WaitPredictor.retry_after_s` over this queue)."""
         layout = self._in_flight()[0]
-        return self.waits.retry_after_s(len(self._room), layout.slots if layout else 1)
+        return min(60.0, self.startup_s() + self.waits.retry_after_s(
+            len(self._room), layout.slots if layout else 1))
 
     def predict_wait_s(self, charge: Charge, party: Party | None = None) -> float | None:
         """How long ``charge`` would wait if it queued now, seconds; ``None`` until
@@ -91,5 +98,7 @@ class WaitForecast:
         layout, budget, leases = self._in_flight()
         in_flight = [(lease.granted_at, lease.charge) for lease in leases]
         first = None if self._first_rate is None else self._first_rate()
-        return self.waits.replay(layout, budget, self._clock.now(), in_flight, charges,
-                                 first_rate=first)
+        startup = self.startup_s()
+        wait = self.waits.replay(layout, budget, self._clock.now() + startup, in_flight,
+                                 charges, first_rate=first)
+        return startup + wait if wait is not None else startup or None

@@ -31,7 +31,9 @@ every lease of it to end. Each hold is logged and counted
 (``gateway_router_model_held``, the status page).
 
 Load times are measured from a model's first ``loading`` (or first want) to ``loaded``
-in ``/models``, and give a model not running its Retry-After.
+in ``/models``. What is left of a load (:meth:`ModelsMaxGate.load_wait_s`) gives a model
+not loaded its Retry-After and starts every wait forecast of its queue
+(:attr:`gateway.admission.forecast.WaitForecast.startup_s`).
 """
 
 from __future__ import annotations
@@ -53,13 +55,18 @@ if TYPE_CHECKING:
     from gateway.backends.router import ModelEntry, RouterHub
     from gateway.backends.target import Target
 
-__all__ = ["MIN_RESIDENCY_S", "POLL_S", "WANT_S", "ModelsMaxGate"]
+__all__ = ["FIRST_LOAD_S", "MIN_RESIDENCY_S", "POLL_S", "WANT_S", "ModelsMaxGate",
+           "remaining_load_s"]
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # /models is read this often while a load is pending or a hold lasts
 WANT_S = 2.0  # a request planned on a model this recently still wants it (counting, queue)
 MIN_RESIDENCY_S = 5.0  # a model loaded this recently is not held (least: its load time)
+#: A load's predicted time before any load of the router was timed, seconds: a guess
+#: between the project's small model from the page cache (under 2 s measured here) and
+#: a 7-8B Q4 GGUF read from disk (tens of seconds).
+FIRST_LOAD_S = 5.0
 
 
 @dataclass
@@ -72,6 +79,22 @@ class _Hold:
     task: asyncio.Task[None] | None = None
     lease: Lease | None = None
     released: bool = False
+
+
+def remaining_load_s(learned: float | None, others: list[float], elapsed_s: float
+                     ) -> float:
+    """Seconds a model's load has left, predicted: its own learned load time, else the
+    mean of the router's other models' (one disk, one build), else
+    :data:`FIRST_LOAD_S`, less the ``elapsed_s`` it has run; a load past that
+    prediction is due at any moment (:data:`POLL_S`, when ``/models`` is read next).
+
+    :param learned: this model's learned load time, seconds, or ``None``.
+    :param others: the learned load times of the router's models, seconds.
+    :param elapsed_s: seconds since the load started (or was first wanted).
+    """
+    guess = learned if learned is not None else (
+        sum(others) / len(others) if others else FIRST_LOAD_S)
+    return max(POLL_S, guess - elapsed_s)
 
 
 class ModelsMaxGate:
@@ -198,13 +221,20 @@ class ModelsMaxGate:
             elif not entry.running:
                 self._loading_since.pop(model_id, None)
 
-    def retry_after_s(self, model_id: str) -> float:
-        """Seconds until ``model_id`` could serve: its learned load time when it is not
-        loaded (at least 1 s), else 1 s."""
+    def load_wait_s(self, model_id: str) -> float:
+        """Seconds until ``model_id`` is predicted to have loaded (0.0 when it is
+        loaded or not listed): :func:`remaining_load_s` of its load (or wake) under way
+        or wanted, timed from its first ``loading`` or first want."""
         entry = self.hub.entries.get(model_id)
-        if entry is not None and entry.status == "loaded":
-            return 1.0
-        return max(1.0, self.load_s.get(model_id, 1.0))
+        if entry is None or entry.status == "loaded":
+            return 0.0
+        since = self._loading_since.get(model_id, self._want_since.get(model_id))
+        return remaining_load_s(self.load_s.get(model_id), list(self.load_s.values()),
+                                0.0 if since is None else self.clock.now() - since)
+
+    def retry_after_s(self, model_id: str) -> float:
+        """Seconds until ``model_id`` could serve (1–60): :meth:`load_wait_s`."""
+        return min(60.0, max(1.0, self.load_wait_s(model_id)))
 
     @property
     def active(self) -> bool:

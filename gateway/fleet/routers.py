@@ -12,6 +12,7 @@ them all. A reload keeps the members of a hub it keeps (:func:`with_members`).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import Protocol
 
 from gateway.admission.shared import SharedStore
@@ -77,7 +78,9 @@ def member_target(fleet: Members, hub: Target, settings: BackendSettings,
                   model_id: str) -> Target:
     """The member target of ``model_id`` at router ``hub``: the hub's clients and URL,
     llama-server's dialect for that model (:class:`~gateway.backends.router.RouterModel`),
-    its own admission, slot watch and count cache."""
+    its own admission (whose wait forecasts start after the model's predicted load,
+    :meth:`~gateway.backends.router_gate.ModelsMaxGate.load_wait_s`), slot watch and
+    count cache."""
     router = hub.router.hub
     assert router is not None
     side = RouterSideCalls(settings, hub.side_client, model_id)
@@ -86,6 +89,8 @@ def member_target(fleet: Members, hub: Target, settings: BackendSettings,
                     shared=None if fleet.shared is None
                     else fleet.shared.account(settings.name, settings.url))
     member.router.parent, member.router.model_id = hub, model_id
+    # Nothing of its queue starts before its model has loaded: every forecast waits for it.
+    member.admission.forecast.startup_s = partial(router.gate.load_wait_s, model_id)
     return member
 
 

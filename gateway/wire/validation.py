@@ -752,7 +752,8 @@ def parse_embeddings(spec: RouteSpec, raw: bytes) -> ParsedRequest:
                            "{content: [parts]} object, or an array of those.",
                            param="input")
     items: list[str | tuple[int | str, ...]] = []
-    for entry, parts in zip(entries, content) if any(content) else [(given, None)]:
+    pairs = zip(entries, content, strict=True) if any(content) else [(given, None)]
+    for entry, parts in pairs:
         if parts is None:  # a string, token ids or a prompt object (or all of them)
             try:
                 items.extend(_prompts({"prompt": entry}))
