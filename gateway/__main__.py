@@ -154,6 +154,8 @@ def _plan(args: argparse.Namespace) -> int:
     from gateway.planner.planning import parse_bytes
     from gateway.planner.sizing import recommend, render_sizing
 
+    if args.models_dir or args.router:
+        return _plan_router(args)
     if args.from_metrics and args.users is None:
         try:
             source = args.from_metrics
@@ -189,6 +191,42 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"gateway plan: {exc}", file=sys.stderr)  # noqa: T201
         return 2
     print(json.dumps(report, indent=2) if args.json else render_report(report))  # noqa: T201
+    return 0
+
+
+def _plan_router(args: argparse.Namespace) -> int:
+    """``gateway plan --models-dir DIR`` or ``--router URL``: a llama-server router's
+    models and the memory of ``--models-max`` of them at once
+    (:mod:`gateway.planner.routerplan`)."""
+    from gateway.planner.planning import parse_bytes
+    from gateway.planner.routerplan import (
+        DEFAULT_MODELS_MAX,
+        model_memory,
+        models_in_dir,
+        models_of_router,
+        render_router_plan,
+        router_plan,
+    )
+
+    try:
+        if args.router:
+            listed, most = models_of_router(args.router, args.api_key)
+        else:
+            common = [*(["--ctx-size", str(args.ctx_size)] if args.ctx_size else []),
+                      *(["--parallel", str(args.parallel)] if args.parallel else []),
+                      *(["--kv-unified"] if args.layout == "unified" else []),
+                      "--cache-type-k", args.cache_type_k, "--cache-type-v", args.cache_type_v]
+            listed = [(name, ("--model", gguf, *(("--mmproj", mm) if mm else ()), *common))
+                      for name, gguf, mm in models_in_dir(args.models_dir)]
+            most = DEFAULT_MODELS_MAX
+        if args.models_max is not None:
+            most = args.models_max
+        report = router_plan([model_memory(m, a) for m, a in listed], most,
+                             parse_bytes(args.memory) if args.memory else None)
+    except (ValueError, OSError) as exc:
+        print(f"gateway plan: {exc}", file=sys.stderr)  # noqa: T201
+        return 2
+    print(json.dumps(report, indent=2) if args.json else render_router_plan(report))  # noqa: T201
     return 0
 
 
@@ -356,6 +394,19 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--margin", type=float, default=0.1,
                       help="safety margin over the p95 (with --from-metrics)")
     _add_users_arguments(plan)
+    router = plan.add_argument_group(
+        "a llama-server router (docs/router.md): each model, and --models-max at once")
+    router.add_argument("--models-dir", metavar="DIR",
+                        help="the router's --models-dir: its models, each started with "
+                             "--ctx-size, --parallel, --layout and the cache types here")
+    router.add_argument("--router", metavar="URL",
+                        help="a running router: each model's own arguments from /models")
+    router.add_argument("--models-max", type=int,
+                        help="models loaded at once (default: the router's, else 4)")
+    router.add_argument("--ctx-size", "-c", type=int,
+                        help="the router's -c for --models-dir (default: each model's "
+                             "trained context)")
+    router.add_argument("--api-key", help="the router's --api-key (with --router)")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
     probe = sub.add_parser("probe", help="detect a backend and read its capacity")

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from gateway.backends.target import Target
 
 __all__ = ["RUNNING", "LayoutUnknown", "ModelEntry", "RouterHub", "RouterModel", "RouterRole",
-           "RouterSideCalls", "child_layout", "discover_or_hub", "for_model",
+           "RouterSideCalls", "child_layout", "child_options", "discover_or_hub", "for_model",
            "member_settings", "parse_models"]
 
 log = logging.getLogger(__name__)
@@ -169,12 +169,15 @@ def _pad(n: int) -> int:
 
 
 _ALIASES = {"-c": "--ctx-size", "-np": "--parallel", "-kvu": "--kv-unified",
-            "-no-kvu": "--no-kv-unified"}
+            "-no-kvu": "--no-kv-unified", "-m": "--model", "-ctk": "--cache-type-k",
+            "-ctv": "--cache-type-v", "-mm": "--mmproj"}
 
 
-def _options(args: tuple[str, ...]) -> dict[str, str | None]:
-    """The last value of each option of a command line (``None`` for a bare flag); a
-    value is the next argument unless it is another option (``-1`` is a value)."""
+def child_options(args: tuple[str, ...]) -> dict[str, str | None]:
+    """The last value of each option of a child's command line (``status.args``), by
+    its long name (``-c`` is ``--ctx-size``, ``-m`` ``--model``, ``-np`` ``--parallel``,
+    ``-ctk``/``-ctv`` the cache types; ``None`` for a bare flag); a value is the next
+    argument unless it is another option (``-1`` is a value)."""
     found: dict[str, str | None] = {}
     for i, arg in enumerate(args):
         if not arg.startswith("-") or arg.lstrip("-").isdigit():
@@ -217,7 +220,7 @@ def child_layout(args: tuple[str, ...]) -> tuple[bool, Discovered | None]:
     :returns: (the pool is unified, the layout as :class:`Discovered`, ``None`` when the
         arguments do not give the context: ``-c`` unset or 0 means the model's own).
     """
-    opts = _options(args)
+    opts = child_options(args)
     slots = _int(opts.get("--parallel"), -1)
     unified = True if slots < 0 else _kv_unified(args)
     slots = AUTO_SLOTS if slots < 0 else slots

@@ -150,3 +150,38 @@ async def test_models_max_1_alternating_never_overflows_nor_hangs(
                  f"a request for the other model while one is kept busy served after "
                  f"{waited_s:.1f} s ({holds:.0f} hold(s)); {len(served)} busy requests served")
         print(shown)  # noqa: T201
+
+
+def test_plan_of_a_running_router_matches_the_kv_its_children_print(
+        models_dir: Path, llama_parts: tuple[Any, Any]) -> None:
+    # Both models loaded, then `gateway plan --router URL --json` against the same router:
+    # each model's KV bytes are what its child printed, and --models-max 2 holds both.
+    import json
+    import re
+    import subprocess
+    import sys
+
+    server = LlamaServer(["-c", "2048", "-np", "2", "--models-max", "2", "-lv", "4"],
+                         binary=llama_parts[0], models_dir=models_dir)
+    with server.running():
+        for model in (A, B):
+            r = httpx.post(server.url + "/v1/chat/completions", json=chat(model),
+                           timeout=300)
+            assert r.status_code == 200, r.text
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway", "plan", "--router", server.url, "--json",
+             "--memory", "1GiB"], capture_output=True, text=True, timeout=60)
+        log = server.log()
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    printed = [float(x) for x in re.findall(r"llama_kv_cache: size =\s+([\d.]+) MiB", log)]
+    assert len(printed) == 4, log[-3000:]  # two children, full + sliding-window each
+    rows = {m["id"]: m for m in plan["models"]}
+    assert set(rows) == {A, B}
+    for row in rows.values():  # -np 2 without --kv-unified: two 1024-cell slots
+        assert (row["slots"], row["ctx_per_slot"], row["unified"]) == (2, 1024, False)
+        assert round(row["kv_bytes"] / 2**20, 2) == round(printed[0] + printed[1], 2)
+    assert printed[:2] == printed[2:]
+    assert plan["models_max"] == 2 and sorted(plan["resident"]) == [A, B]
+    assert plan["resident_bytes"] == sum(r["total_bytes"] for r in rows.values())
+    assert plan["fits"] is True and plan["models_max_that_fits"] == 2

@@ -1,0 +1,243 @@
+"""``gateway plan`` for a llama-server router: each model's KV cache and weights, and the
+memory that ``--models-max`` models loaded at once can take.
+
+A router (llama-server started without ``-m``) runs each model in a child process of its
+own, with its own weights and KV pool, and keeps at most ``--models-max`` children
+(default 4) at once, unloading the least recently used idle one past that
+(``tools/server/server-models.cpp``). So the memory a router needs is that of its
+``--models-max`` largest models together, not of one. The models come from either:
+
+* a models directory, found as llama-server finds them (:func:`models_in_dir`), each
+  started with the router's own arguments (``-c``, ``-np``, cache types); or
+* a running router's ``GET /models`` (:func:`models_of_router`): each model's child
+  arguments, whose ``--model`` GGUF is read here when this machine can read it.
+
+A model's KV cache is :func:`gateway.planner.planning.kv_size` of its launch (``-c`` unset
+or 0 is the model's trained context, as llama-server takes it); its weights are its GGUF
+file (and its ``--mmproj`` projector's) in bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ModelMemory", "model_memory", "models_in_dir", "models_of_router",
+           "render_router_plan", "router_plan"]
+
+MIB = 1024**2
+GIB = 1024**3
+#: ``--models-max``'s default (``common/arg.cpp``).
+DEFAULT_MODELS_MAX = 4
+# Companion files llama-server does not load as models of their own (common/preset.cpp:
+# "mmproj" anywhere in the name; the draft prefixes).
+_DRAFT_PREFIXES = ("mtp-", "dspark-", "dflash-")
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """One model of a router, as planned.
+
+    :param id: the model's name at the router.
+    :param gguf: its GGUF path, as the router's arguments give it.
+    :param slots: its child's slots; ``ctx_per_slot`` each slot's context (tokens);
+        ``n_ctx`` its pool (tokens); ``unified`` whether its slots share it.
+    :param kv_bytes: its KV cache, bytes; ``weights_bytes`` its GGUF (and projector)
+        files, bytes; either ``None`` when the GGUF cannot be read here.
+    :param problem: why it could not be planned, or ``None``.
+    """
+
+    id: str
+    gguf: str | None
+    slots: int | None = None
+    ctx_per_slot: int | None = None
+    n_ctx: int | None = None
+    unified: bool | None = None
+    kv_bytes: int | None = None
+    weights_bytes: int | None = None
+    problem: str | None = None
+
+    @property
+    def total_bytes(self) -> int | None:
+        """Weights plus KV cache, bytes (``None`` when either is unknown)."""
+        if self.kv_bytes is None or self.weights_bytes is None:
+            return None
+        return self.kv_bytes + self.weights_bytes
+
+
+def models_in_dir(models_dir: str | Path) -> list[tuple[str, str, str | None]]:
+    """The models a router started with ``--models-dir DIR`` lists, as
+    (name, GGUF path, projector path or ``None``), by name: each ``*.gguf`` file at the
+    top (named by its stem) and each subdirectory holding one (named by the directory;
+    its first shard ``-00001-of-`` if split, and a file with ``mmproj`` in its name as
+    the projector). Projectors and draft models (``mtp-``, ``dspark-``, ``dflash-``) are
+    not models of their own (``common/preset.cpp``, ``load_from_models_dir``).
+
+    :raises ValueError: ``models_dir`` is not a directory.
+    """
+    root = Path(models_dir)
+    if not root.is_dir():
+        raise ValueError(f"{models_dir} is not a directory")
+    found: list[tuple[str, str, str | None]] = []
+    for entry in sorted(root.iterdir()):
+        if entry.is_dir():
+            files = sorted(p for p in entry.iterdir() if p.is_file() and p.suffix == ".gguf")
+            mmproj = next((p for p in files if "mmproj" in p.name), None)
+            models = [p for p in files if "mmproj" not in p.name
+                      and not p.name.startswith(_DRAFT_PREFIXES)]
+            shard = next((p for p in models if "-00001-of-" in p.name), None)
+            chosen = shard or (models[-1] if models else None)
+            if chosen is not None:
+                found.append((entry.name, str(chosen), str(mmproj) if mmproj else None))
+        elif (entry.is_file() and entry.suffix == ".gguf" and "mmproj" not in entry.name
+              and not entry.name.startswith(_DRAFT_PREFIXES)):
+            found.append((entry.stem, str(entry), None))
+    return sorted(found)
+
+
+def model_memory(model_id: str, args: tuple[str, ...]) -> ModelMemory:
+    """Plan one model from its child's arguments (``--model``, ``-c``, ``-np``,
+    ``--kv-unified``, ``-ctk``/``-ctv``, ``--mmproj``): its layout as llama-server
+    computes it (:func:`gateway.backends.router.child_layout`; ``-c`` unset or 0 is the
+    GGUF's trained context) and its memory. A GGUF this machine cannot read leaves the
+    row's sizes ``None`` and says why in ``problem``."""
+    from gateway.backends.router import child_layout, child_options
+    from gateway.planner import modelshape
+    from gateway.planner.planning import kv_size
+
+    opts = child_options(args)
+    gguf = opts.get("--model")
+    if not gguf:
+        return ModelMemory(model_id, None, problem="its arguments name no --model GGUF "
+                           "(a Hugging Face repo is downloaded by the router)")
+    try:
+        shape = modelshape.from_gguf(gguf)
+    except (OSError, ValueError) as exc:
+        return ModelMemory(model_id, gguf, problem=f"its GGUF cannot be read here: {exc}")
+    unified, layout = child_layout(args)
+    if layout is None:  # -c unset or 0: the trained context
+        trained = shape.n_ctx_train or 4096
+        unified, layout = child_layout((*args, "--ctx-size", str(trained)))
+    if layout is None:
+        return ModelMemory(model_id, gguf, problem="its arguments give no context")
+    n_ctx = layout.pool_tokens or layout.ctx_per_slot * layout.slots
+    kv = kv_size(shape, n_ctx, layout.slots, unified=unified,
+                 type_k=opts.get("--cache-type-k") or "f16",
+                 type_v=opts.get("--cache-type-v") or "f16")
+    weights = shape.weights_bytes or 0
+    mmproj = opts.get("--mmproj")
+    if mmproj:
+        try:
+            weights += Path(mmproj).stat().st_size
+        except OSError:
+            pass
+    return ModelMemory(model_id, gguf, slots=layout.slots, ctx_per_slot=kv.n_ctx_seq,
+                       n_ctx=kv.n_ctx, unified=unified, kv_bytes=kv.total_bytes,
+                       weights_bytes=weights)
+
+
+def models_of_router(url: str, api_key: str | None = None,
+                     client: Any = None) -> tuple[list[tuple[str, tuple[str, ...]]], int]:
+    """A running router's models as (id, child arguments), and its ``--models-max``
+    (``/props`` ``max_instances``; 0 when unlimited).
+
+    :raises ValueError: ``url`` is not a llama-server router, or its ``/models`` is not
+        the router's shape.
+    """
+    import httpx
+
+    from gateway.backends.router import parse_models
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    own = client is None
+    client = client or httpx.Client(timeout=10, headers=headers)
+    try:
+        try:
+            props = client.get(url.rstrip("/") + "/props").json()
+            listing = client.get(url.rstrip("/") + "/models").json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise ValueError(f"{url} did not answer /props and /models: {exc}") from exc
+    finally:
+        if own:
+            client.close()
+    if not isinstance(props, dict) or props.get("role") != "router":
+        raise ValueError(f"{url} is not a llama-server router (its /props has no "
+                         "role: router)")
+    entries = parse_models(listing)
+    most = props.get("max_instances")
+    return ([(e.id, e.args) for e in entries.values()],
+            most if isinstance(most, int) and most > 0 else 0)
+
+
+def router_plan(models: list[ModelMemory], models_max: int, memory: int | None = None
+                ) -> dict[str, Any]:
+    """The plan of a router's models (the ``--json`` output): each model's row, the
+    memory of the ``models_max`` largest at once (0: every model), and, given
+    ``memory`` (bytes), whether that fits and the most models that always fit.
+
+    :returns: ``models`` (rows), ``models_max``, ``resident`` (the ids of the largest
+        ``models_max``), ``resident_bytes``, ``unknown`` (ids not planned), and with
+        ``memory`` also ``memory_bytes``, ``fits`` and ``models_max_that_fits``.
+    """
+    known = sorted((m for m in models if m.total_bytes is not None),
+                   key=lambda m: (-(m.total_bytes or 0), m.id))
+    at_once = len(known) if models_max <= 0 else min(models_max, len(known))
+    resident = known[:at_once]
+    report: dict[str, Any] = {
+        "models": [{"id": m.id, "gguf": m.gguf, "slots": m.slots,
+                    "ctx_per_slot": m.ctx_per_slot, "n_ctx": m.n_ctx, "unified": m.unified,
+                    "kv_bytes": m.kv_bytes, "weights_bytes": m.weights_bytes,
+                    "total_bytes": m.total_bytes, "problem": m.problem} for m in models],
+        "models_max": models_max,
+        "resident": [m.id for m in resident],
+        "resident_bytes": sum(m.total_bytes or 0 for m in resident),
+        "unknown": [m.id for m in models if m.total_bytes is None],
+    }
+    if memory is not None:
+        fitting, used = 0, 0
+        for m in known:  # the largest first: any n of them take at most this much
+            used += m.total_bytes or 0
+            if used > memory:
+                break
+            fitting += 1
+        report.update(memory_bytes=memory, fits=report["resident_bytes"] <= memory,
+                      models_max_that_fits=fitting)
+    return report
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.2f} MiB"
+
+
+def render_router_plan(report: dict[str, Any]) -> str:
+    """The router plan as text for people."""
+    lines = [f"{'model':<28} {'slots':>5} {'ctx/slot':>9} {'n_ctx':>8} {'pool':>9} "
+             f"{'KV':>11} {'weights':>11} {'total':>11}"]
+    for m in report["models"]:
+        if m["problem"]:
+            lines.append(f"{m['id']:<28} not planned: {m['problem']}")
+            continue
+        pool = "unified" if m["unified"] else "per-slot"
+        lines.append(f"{m['id']:<28} {m['slots']:>5} {m['ctx_per_slot']:>9} "
+                     f"{m['n_ctx']:>8} {pool:>9} {_size(m['kv_bytes']):>11} "
+                     f"{_size(m['weights_bytes']):>11} {_size(m['total_bytes']):>11}")
+    most = report["models_max"]
+    lines += ["", f"--models-max   {most if most > 0 else 'unlimited'}: at most "
+              f"{len(report['resident'])} model(s) loaded at once"]
+    lines.append(f"at once        {_size(report['resident_bytes'])} (the largest: "
+                 f"{', '.join(report['resident']) or 'none'})")
+    if "memory_bytes" in report:
+        verdict = "fits" if report["fits"] else "does NOT fit"
+        most_fit = report["models_max_that_fits"]
+        advice = (f"any {most_fit} of these models fit at once (--models-max {most_fit} "
+                  "or less)" if most_fit else "not even the largest model fits alone")
+        lines.append(f"memory         {_size(report['memory_bytes'])}: {verdict}; {advice}")
+    if report["unknown"]:
+        lines.append(f"not counted    {', '.join(report['unknown'])}: plan them with "
+                     "gateway plan --gguf on a machine that has their files")
+    lines += ["", "Memory here is weights + KV cache; compute buffers and the projector's "
+              "work area come on top (a few hundred MiB per child)."]
+    return "\n".join(lines)
