@@ -65,8 +65,10 @@ def gateway_toml(port: int, backend_url: str, *, host: str = "127.0.0.1",
     """The gateway's configuration in front of one llama-server: the defaults, the
     listen address, JSON logs at debug (so that every access line, probes and
     ``/metrics`` too, is written), CORS for every origin (``server.cors_origins =
-    ["*"]``, as llama-server answers by default: its ``--cors-origins`` is ``*``) and the
-    one backend.
+    ["*"]``, as llama-server answers by default: its ``--cors-origins`` is ``*``),
+    ``/tools`` relayed (``server.relay_tools``: the suite's servers expose it, started
+    with ``--tools`` or ``--mcp-config``, or answer it 403 themselves) and the one
+    backend.
 
     :param port: the gateway's listen port.
     :param backend_url: llama-server's base URL.
@@ -80,7 +82,8 @@ def gateway_toml(port: int, backend_url: str, *, host: str = "127.0.0.1",
     """
     lines = [
         "[server]", f"host = {_toml_str(host)}", f"port = {port}",
-        'log_format = "json"', 'log_level = "debug"', 'cors_origins = ["*"]', "",
+        'log_format = "json"', 'log_level = "debug"', 'cors_origins = ["*"]',
+        "relay_tools = true", "",
         "[[backends]]", 'name = "llama"', f"url = {_toml_str(backend_url)}",
         f"kv_unified = {'true' if kv_unified else 'false'}",
     ]

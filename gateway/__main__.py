@@ -335,6 +335,23 @@ def _backend_option(parser: argparse.ArgumentParser) -> None:
              "asked of the server")
 
 
+def _add_router_arguments(plan: argparse.ArgumentParser) -> None:
+    """``gateway plan``'s llama-server router (:mod:`gateway.planner.routerplan`)."""
+    router = plan.add_argument_group(
+        "a llama-server router (docs/router.md): each model, and --models-max at once")
+    router.add_argument("--models-dir", metavar="DIR",
+                        help="the router's --models-dir: its models, each started with "
+                             "--ctx-size, --parallel, --layout and the cache types here")
+    router.add_argument("--router", metavar="URL",
+                        help="a running router: each model's own arguments from /models")
+    router.add_argument("--models-max", type=int,
+                        help="models loaded at once (default: the router's, else 4)")
+    router.add_argument("--ctx-size", "-c", type=int,
+                        help="the router's -c for --models-dir (default: each model's "
+                             "trained context)")
+    router.add_argument("--api-key", help="the router's --api-key (with --router)")
+
+
 def _add_users_arguments(plan: argparse.ArgumentParser) -> None:
     """``gateway plan``'s sizing from users (:mod:`gateway.planner.users`)."""
     users = plan.add_argument_group(
@@ -394,19 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--margin", type=float, default=0.1,
                       help="safety margin over the p95 (with --from-metrics)")
     _add_users_arguments(plan)
-    router = plan.add_argument_group(
-        "a llama-server router (docs/router.md): each model, and --models-max at once")
-    router.add_argument("--models-dir", metavar="DIR",
-                        help="the router's --models-dir: its models, each started with "
-                             "--ctx-size, --parallel, --layout and the cache types here")
-    router.add_argument("--router", metavar="URL",
-                        help="a running router: each model's own arguments from /models")
-    router.add_argument("--models-max", type=int,
-                        help="models loaded at once (default: the router's, else 4)")
-    router.add_argument("--ctx-size", "-c", type=int,
-                        help="the router's -c for --models-dir (default: each model's "
-                             "trained context)")
-    router.add_argument("--api-key", help="the router's --api-key (with --router)")
+    _add_router_arguments(plan)
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
     probe = sub.add_parser("probe", help="detect a backend and read its capacity")

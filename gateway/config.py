@@ -183,6 +183,10 @@ class ServerSettings(_Strict):
     # allowed, llama-server's default); empty, the default: no CORS headers, no preflight.
     # Never on the status page or /admin.
     cors_origins: list[str] = Field(default_factory=list)
+    # llama-server's GET/POST /tools (its built-in tools and MCP servers, started with
+    # --tools or --mcp-config): a call runs a tool on the backend's machine for whoever
+    # sends it, so the gateway relays it only when this is true (else 403 not_relayed).
+    relay_tools: bool = False
 
     @field_validator("host")
     @classmethod

@@ -142,6 +142,9 @@ class FakeRouter:
             return httpx.Response(200, json=self.models_json())
         if path == "/health":
             return httpx.Response(200, json={"status": "ok"})
+        if path == "/tools":  # the router's own (tools/server/server.cpp), as with no tools
+            return httpx.Response(403, json={"error": {
+                "message": "this feature is disabled", "type": "feature_disabled"}})
         return None
 
     def _validate(self, name: str, autoload: bool) -> httpx.Response | None:
@@ -177,6 +180,8 @@ class FakeRouter:
                 "GET", f"http://child{path}", headers=request.headers))
         body = json.loads(request.content or b"{}")
         name = str(body.get("model") or "")
+        if path == "/tools":
+            return self.get_sync(path, query) or _error(500, "unreachable")
         if path == "/models/load":
             return await self._load_route(name)
         if path == "/models/unload":

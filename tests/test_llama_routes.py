@@ -48,6 +48,7 @@ class Upstream:
         self.requests.append(request)
         path = request.url.path
         side = {"/detokenize": {"content": "hello"}, "/lora-adapters": [],
+                "/tools": [{"tool": "read_file", "type": "builtin"}],
                 "/models": {"models": [{"name": "fake.gguf"}], "data": [{"id": "fake.gguf"}]},
                 "/v1/responses/input_tokens": {"input_tokens": 3,
                                                "object": "response.input_tokens"},
@@ -252,7 +253,8 @@ REFUSED = [
     ("POST", "/slots/0?action=save", 403), ("POST", "/slots/1?action=restore", 403),
     ("POST", "/slots/0?action=erase", 403), ("POST", "/props", 403),
     ("POST", "/lora-adapters", 403), ("GET", "/cors-proxy?url=http://example.com", 403),
-    ("POST", "/predict", 404), ("GET", "/", 404),
+    ("POST", "/predict", 404), ("GET", "/", 404), ("GET", "/tools", 403),
+    ("POST", "/tools", 403),  # relayed only with server.relay_tools
 ]
 
 
@@ -456,3 +458,21 @@ async def test_an_image_for_a_text_model_stays_a_400(make: Any, upstream: Upstre
     resp = await h.client.post("/chat/completions", json=CHAT)
     assert resp.status_code == 400 and "image input" in resp.json()["error"]["message"]
     assert upstream.fake.generations == []
+
+
+async def test_tools_are_relayed_when_the_operator_says_so(make: Any, upstream: Upstream
+                                                          ) -> None:
+    # llama-server's /tools runs its built-in tools and MCP servers: off unless
+    # server.relay_tools, then a side route as the others, under the tenant's key.
+    h = await make(server={"relay_tools": True}, tenants=TENANTS)
+    assert (await h.client.get("/tools")).status_code == 401
+    key = {"authorization": f"Bearer {KEY}"}
+    listed = await h.client.get("/tools", headers=key)
+    assert listed.status_code == 200 and listed.json()[0]["tool"] == "read_file"
+    run = await h.client.post("/tools", headers=key,
+                              json={"tool": "read_file", "params": {"path": "x"}})
+    assert run.status_code == 200
+    sent = [r for r in upstream.requests if r.url.path == "/tools"]
+    assert [r.method for r in sent] == ["GET", "POST"]
+    assert json.loads(sent[1].content)["tool"] == "read_file"
+    assert h.sample("gateway_requests_total", route="tools") == 3  # the 401 too

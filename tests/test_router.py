@@ -483,3 +483,21 @@ async def test_a_loading_models_retry_after_and_queue_forecast_count_its_load() 
     await h.hub.discover()
     assert gate.load_wait_s("b") == 0.0 and b.admission.predict_wait_s(charge) is None
     assert gate.load_s["b"] == 3.0  # timed on the injected clock: 3 s
+
+
+async def test_what_a_router_answers_itself_goes_to_the_router() -> None:
+    # /tools is the router's own (tools/server/server.cpp), never one model's; a router
+    # that lists no model still answers its own /props (role: router).
+    router = two_models(loaded={"a"})
+    h = await harness(router, server={"relay_tools": True})
+    r = await h.client.get("/tools", params={"model": "a"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "feature_disabled"
+    tools = [q for q in router.requests if q.url.path == "/tools"]
+    assert len(tools) == 1 and "autoload" not in tools[0].url.params  # not for_model()
+    empty = await harness(FakeRouter({}))
+    props = await empty.client.get("/props")
+    assert props.status_code == 200 and props.json()["role"] == "router"
+    assert (await empty.client.get("/props", params={"model": "x"})).status_code == 404
+    # With models, a /props naming none goes to the only model, as before.
+    one = await harness(FakeRouter({"a": FakeLlamaServer()}, loaded={"a"}))
+    assert "total_slots" in (await one.client.get("/props")).json()

@@ -52,7 +52,7 @@ def test_the_path_sets_are_derived_from_the_table() -> None:
     assert "/api/tags" not in routes.LABELS  # labelled "other"
     assert routes.SERVED.startswith("POST /v1/chat/completions, ")
     assert ", GET /api/tags, GET /api/version, GET /api/ps, " in routes.SERVED
-    assert routes.SERVED.endswith(", GET /slots, GET /backends/{name}/metrics")
+    assert routes.SERVED.endswith(", GET /slots, GET /tools, GET /backends/{name}/metrics")
 
 
 def test_the_other_modules_use_the_derived_sets() -> None:

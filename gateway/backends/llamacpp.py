@@ -43,7 +43,7 @@ from gateway.errors import (
 from gateway.wire.routes import Route
 from gateway.wire.validation import ParsedRequest
 
-__all__ = ["CONTEXT_OVERFLOW_TEXT", "SIDE_PATHS", "LlamaCpp", "RouterMode"]
+__all__ = ["CONTEXT_OVERFLOW_TEXT", "ROUTER_OWN_PATHS", "SIDE_PATHS", "LlamaCpp", "RouterMode"]
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,12 @@ INFILL_MARKERS = 3  # FIM prefix, suffix and middle tokens
 SIDE_PATHS = frozenset({
     "/tokenize", "/detokenize", "/apply-template", "/props", "/models", "/lora-adapters",
     "/slots", "/v1/chat/completions/input_tokens", "/chat/completions/input_tokens",
-    "/v1/responses/input_tokens", "/responses/input_tokens",
+    "/v1/responses/input_tokens", "/responses/input_tokens", "/tools",
 })
+#: The side routes a llama-server router answers itself rather than for one model
+#: (tools/server/server.cpp registers them on the router's own server): relayed to the
+#: router, never with a ``model``.
+ROUTER_OWN_PATHS = frozenset({"/tools"})
 
 
 class RouterMode(Exception):  # noqa: N818 (a signal, not a failure)

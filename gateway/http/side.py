@@ -25,6 +25,9 @@ one model is served. A backend whose kind does not serve the path (its dialect's
   client of the gateway at once;
 * ``/cors-proxy`` (403): llama-server's experimental proxy fetches any URL a client names;
   through a gateway it would be an open proxy on the backend's network;
+* ``GET``/``POST /tools`` (403) unless ``server.relay_tools``: llama-server's built-in
+  tools and MCP servers run commands on the backend's machine for whoever calls them;
+  relayed, they go to the router itself in router mode;
 * Vertex AI's ``POST /predict`` and the web UI at ``GET /`` (404): ``/predict`` runs up
   to 128 requests of any route inside one request, which one admission cannot bound, and
   the web UI is llama-server's own page and assets.
@@ -41,6 +44,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from gateway.backends.llamacpp import ROUTER_OWN_PATHS
 from gateway.backends.router import for_model
 from gateway.backends.target import Target
 from gateway.backends.upstream import (
@@ -49,7 +53,13 @@ from gateway.backends.upstream import (
     send_upstream,
     upstream_request,
 )
-from gateway.errors import NotRelayed, RouteNotFound, ShuttingDown, UpstreamError
+from gateway.errors import (
+    ModelNotFound,
+    NotRelayed,
+    RouteNotFound,
+    ShuttingDown,
+    UpstreamError,
+)
 from gateway.fleet.state import GatewayState
 from gateway.http.auth import authorize
 from gateway.observe.record import record_of
@@ -100,7 +110,9 @@ class SideRoutes:
                     upstream_id: bytes) -> Response:
         """Send ``method path_qs`` (path and query string) with ``body`` to ``backend``
         and answer as it answered: its status, body and headers (but those of
-        ``_DROPPED``).
+        ``_DROPPED``). A 401, or a 403 other than llama-server's ``feature_disabled``
+        (a route its flags leave off, ``tools/server/server.cpp``), is the backend
+        refusing the gateway's key.
 
         :raises UpstreamTimeout: no answer within the side timeout (504).
         :raises UpstreamUnavailable: the backend cannot be reached (502).
@@ -121,7 +133,8 @@ class SideRoutes:
                 data = await self._read(backend, resp)
             finally:
                 await resp.aclose()
-        if resp.status_code in (401, 403):
+        if resp.status_code == 401 or (resp.status_code == 403
+                                       and b'"feature_disabled"' not in data):
             raise UpstreamError(f"Backend {backend.name!r} refused the gateway's own key "
                                 f"(HTTP {resp.status_code}): set backends[].api_key to the "
                                 "key the backend expects.")
@@ -166,13 +179,34 @@ def _serving(backend: Target, method: str, path: str) -> Target:
     return backend
 
 
+def _side_backend(state: GatewayState, model: object, path: str) -> Target:
+    """The backend a side call goes to: the one ``model`` names (:meth:`Fleet.pick`).
+    A llama-server router answers for itself what it serves as a whole
+    (``ROUTER_OWN_PATHS``), and what names no model when it lists none (its own
+    ``/props``, ``role: router``): those go to the router's hub, unchanged.
+
+    :raises ModelNotFound: ``model`` is not served here (404).
+    :raises RouteNotFound: as :meth:`Fleet.pick`.
+    """
+    hubs = [b for b in state.fleet.backends.values() if b.router.hub is not None]
+    try:
+        picked = state.fleet.pick(model)
+    except ModelNotFound:
+        if model is not None or len(hubs) != 1:
+            raise
+        return hubs[0]  # the only backend is a router that lists no model
+    parent = picked.router.parent
+    return parent if parent is not None and path in ROUTER_OWN_PATHS else picked
+
+
 async def side_route(request: Request) -> Response:
     """A side route (:data:`gateway.wire.routes.SIDE`), relayed to the backend the
     request names (see the module docstring).
 
     :raises ShuttingDown: the gateway drains (503), as for the generation routes.
     :raises Unauthorized: ``GET /slots`` without ``server.admin_key`` when one is set.
-    :raises NotRelayed: ``GET /slots`` with tenants configured and no admin key (403).
+    :raises NotRelayed: ``GET /slots`` with tenants configured and no admin key, or
+        ``/tools`` without ``server.relay_tools`` (403).
     :raises PayloadTooLarge: a body over ``server.max_body_bytes`` (413).
     :raises UpstreamError: the backend refused the gateway's key (401/403 become 502).
     :raises RouteNotFound: the backend's kind does not serve the path (404).
@@ -189,9 +223,15 @@ async def side_route(request: Request) -> Response:
                              "configured it needs server.admin_key.")
         authorize(state, request.scope, Access.status)
     path = request.url.path
+    if path in ROUTER_OWN_PATHS and not state.settings.server.relay_tools:
+        raise NotRelayed(
+            f"The gateway does not relay {request.method} {path}: it runs llama-server's "
+            "built-in tools and MCP servers (commands on the backend's machine) for "
+            "whoever calls it. Set server.relay_tools = true to relay it.")
     body = await read_body(request, state.settings.server.max_body_bytes) \
         if request.method == "POST" else b""
-    backend = _serving(state.fleet.pick(_model_of(request, body)), request.method, path)
+    backend = _serving(_side_backend(state, _model_of(request, body), path),
+                       request.method, path)
     record = record_of(request.scope)
     record.backend = backend.name
     query = request.url.query
@@ -277,6 +317,8 @@ def register_side_routes(app: FastAPI) -> None:
     for path, spec in SIDE.items():
         # llama-server's HTTP library answers HEAD on its GET routes (uptime checks use it)
         methods = [spec.method, "HEAD"] if spec.method == "GET" else [spec.method]
+        if path in ROUTER_OWN_PATHS:
+            methods.append("POST")  # GET /tools lists the tools, POST /tools runs one
         app.add_api_route(path, side_route, methods=methods)
     app.add_api_route("/props", changes_server, methods=["POST"])
     app.add_api_route("/lora-adapters", changes_server, methods=["POST"])

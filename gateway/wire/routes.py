@@ -89,6 +89,7 @@ class Route(StrEnum):
     props = "props"
     slots = "slots"  # GET /slots, and the slot actions (POST /slots/{id}: refused)
     lora_adapters = "lora_adapters"
+    tools = "tools"  # GET/POST /tools: llama-server's built-in tools and MCP servers
     backend_metrics = "backend_metrics"  # GET /backends/{name}/metrics
     other = "other"  # a path with no label of its own (Ollama's listing routes, 404s)
 
@@ -282,6 +283,9 @@ ROUTES: tuple[RouteSpec, ...] = (
     # Each slot's settings of the request it runs (and, on older builds, its prompt):
     # the admin key when one is set, as the status page, never a tenant's key alone.
     _side(Route.slots, "/slots", "GET", access=Access.status),
+    # Listed by GET, run by POST (also registered, gateway.http.side); a llama-server
+    # router answers it itself, for no model. Relayed only with server.relay_tools.
+    _side(Route.tools, "/tools", "GET"),
 )
 
 #: The admin routes' common prefix: each checks ``server.admin_key`` itself.
