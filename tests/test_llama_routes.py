@@ -255,6 +255,9 @@ REFUSED = [
     ("POST", "/lora-adapters", 403), ("GET", "/cors-proxy?url=http://example.com", 403),
     ("POST", "/predict", 404), ("GET", "/", 404), ("GET", "/tools", 403),
     ("POST", "/tools", 403),  # relayed only with server.relay_tools
+    # A router's model management: the gateway loads and unloads its models itself.
+    ("POST", "/models", 403), ("DELETE", "/models?model=x", 403),
+    ("POST", "/models/load", 403), ("POST", "/models/unload", 403),
 ]
 
 

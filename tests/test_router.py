@@ -498,6 +498,16 @@ async def test_what_a_router_answers_itself_goes_to_the_router() -> None:
     props = await empty.client.get("/props")
     assert props.status_code == 200 and props.json()["role"] == "router"
     assert (await empty.client.get("/props", params={"model": "x"})).status_code == 404
+    # GET /models?reload=1 has the router re-read its models (the gateway lists them).
+    router.requests.clear()
+    listed = await h.client.get("/models", params={"reload": "1"})
+    assert listed.status_code == 200 and {m["id"] for m in listed.json()["data"]} == {
+        "a", "b"}
+    sent = [q for q in router.requests if q.url.path == "/models"]
+    assert sent and sent[0].url.params["reload"] == "1"
+    router.requests.clear()
+    await h.client.get("/models")
+    assert all("reload" not in q.url.params for q in router.requests)
     # With models, a /props naming none goes to the only model, as before.
     one = await harness(FakeRouter({"a": FakeLlamaServer()}, loaded={"a"}))
     assert "total_slots" in (await one.client.get("/props")).json()

@@ -70,7 +70,7 @@ SIDE_PATHS = frozenset({
 })
 #: The side routes a llama-server router answers itself rather than for one model
 #: (tools/server/server.cpp registers them on the router's own server): relayed to the
-#: router, never with a ``model``.
+#: router as they came. (Its ``GET /models`` the gateway answers: gateway.http.endpoints.)
 ROUTER_OWN_PATHS = frozenset({"/tools"})
 
 

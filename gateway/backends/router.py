@@ -480,22 +480,24 @@ class RouterHub:
         """Read under :data:`FRESH_S` ago."""
         return self.read_at is not None and self.clock.now() - self.read_at < FRESH_S
 
-    async def read(self) -> None:
-        """Read ``GET /models``, then ``/props?model=ID&autoload=false`` of each model
-        that runs (a sleeping child answers ``/props`` from its cache without waking,
-        ``server-context.cpp``). One read at a time: a caller arriving during one waits
-        for it instead of starting another.
+    async def read(self, *, reload: bool = False) -> None:
+        """Read ``GET /models`` (``?reload=1`` with ``reload``: the router re-reads its
+        presets and models directory first, ``server-models.cpp``), then
+        ``/props?model=ID&autoload=false`` of each model that runs (a sleeping child
+        answers ``/props`` from its cache without waking, ``server-context.cpp``). One
+        read at a time: a caller arriving during one waits for it instead of starting
+        another (a reload then starts its own).
 
         :raises UpstreamAuthFailed: 401/403, the gateway's key.
         :raises UpstreamUnavailable: the router cannot be reached.
         :raises UpstreamError: an answer that is not the router's ``/models`` shape.
         """
-        if self._lock.locked():
+        if self._lock.locked() and not reload:
             async with self._lock:
                 return
         async with self._lock:
             with map_upstream_errors(self.name):
-                resp = await self.side.get("/models")
+                resp = await self.side.get("/models?reload=1" if reload else "/models")
             if resp.status_code in (401, 403):
                 raise UpstreamAuthFailed(auth_problem(
                     self.name, resp.status_code, self.side.settings.api_key is not None,
@@ -609,11 +611,11 @@ class RouterHub:
             out.append(item)
         return out
 
-    async def listed(self) -> list[dict[str, Any]]:
+    async def listed(self, *, reload: bool = False) -> list[dict[str, Any]]:
         """:meth:`listing` after a fresh read (the last one when the router does not
-        answer)."""
+        answer); with ``reload``, the router re-reads its models first (:meth:`read`)."""
         with contextlib.suppress(GatewayError):
-            await self.read()
+            await self.read(reload=reload)
         return self.listing()
 
     def rows(self) -> list[tuple[str, str, bool, int, float | None]]:

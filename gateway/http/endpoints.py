@@ -108,12 +108,16 @@ async def count_tokens(request: Request) -> Response:
     return JSONResponse({"input_tokens": counted})
 
 
-async def _listed(backend: Target) -> list[dict[str, Any]]:
+async def _listed(backend: Target, reload: bool = False) -> list[dict[str, Any]]:
     """``backend``'s own ``GET /v1/models`` entries; nothing when it does not answer. A
     llama-server router lists its models with their state
-    (:meth:`gateway.backends.router.RouterHub.listed`)."""
+    (:meth:`gateway.backends.router.RouterHub.listed`), re-read from its presets first
+    with ``reload`` (and its models' backends then synced at once)."""
     if backend.router.hub is not None:
-        return await backend.router.hub.listed()
+        listed = await backend.router.hub.listed(reload=reload)
+        if reload:
+            backend.discovery.request()
+        return listed
     try:
         resp = await backend.side_client.get(
             backend.url("/v1/models"), headers=backend.settings.auth_headers,
@@ -142,10 +146,12 @@ async def models(request: Request) -> Response:
     Backends are asked at once, each for at most :data:`MODELS_TIMEOUT_S`; one that
     does not answer lists nothing. A llama-server router's models are listed once, by
     its hub, each with ``status.value`` (``unloaded``, ``loading``, ``loaded``,
-    ``sleeping``)."""
+    ``sleeping``); ``?reload=1`` has a router re-read its presets and models directory
+    first, as its own ``GET /models?reload=1`` does."""
     state = _state(request)
     backends = [b for b in state.fleet.backends.values() if b.router.parent is None]
-    answers = await asyncio.gather(*(_listed(b) for b in backends))
+    reload = request.query_params.get("reload", "") not in ("", "0", "false")
+    answers = await asyncio.gather(*(_listed(b, reload) for b in backends))
     renamed = state.settings.routing.answer_model != "backend"
     data: list[Any] = []
     seen: set[Any] = set()

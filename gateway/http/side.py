@@ -22,7 +22,9 @@ one model is served. A backend whose kind does not serve the path (its dialect's
   pinning, prefix affinity, the slot watch); a restore or an erase would change a slot
   behind them, and a save would race the request placed there next;
 * ``POST /props`` and ``POST /lora-adapters`` (403): they change the server for every
-  client of the gateway at once;
+  client of the gateway at once; so do a router's ``POST``/``DELETE /models`` (download,
+  delete) and ``POST /models/load``, ``/models/unload`` (the gateway loads and unloads
+  the router's models itself, under ``--models-max``);
 * ``/cors-proxy`` (403): llama-server's experimental proxy fetches any URL a client names;
   through a gateway it would be an open proxy on the backend's network;
 * ``GET``/``POST /tools`` (403) unless ``server.relay_tools``: llama-server's built-in
@@ -64,7 +66,7 @@ from gateway.fleet.state import GatewayState
 from gateway.http.auth import authorize
 from gateway.observe.record import record_of
 from gateway.request.plan import read_body
-from gateway.wire.routes import BY_PATH, SIDE, Access
+from gateway.wire.routes import BY_PATH, SIDE, Access, Route
 
 __all__ = ["MAX_ANSWER_BYTES", "SIDE_CONNECTIONS", "SIDE_TIMEOUT_S", "SideRoutes",
            "register_side_routes"]
@@ -223,7 +225,7 @@ async def side_route(request: Request) -> Response:
                              "configured it needs server.admin_key.")
         authorize(state, request.scope, Access.status)
     path = request.url.path
-    if path in ROUTER_OWN_PATHS and not state.settings.server.relay_tools:
+    if BY_PATH[path].name is Route.tools and not state.settings.server.relay_tools:
         raise NotRelayed(
             f"The gateway does not relay {request.method} {path}: it runs llama-server's "
             "built-in tools and MCP servers (commands on the backend's machine) for "
@@ -277,10 +279,17 @@ async def slot_action(request: Request, id_slot: str) -> Response:
 
 
 async def changes_server(request: Request) -> Response:
-    """``POST /props``, ``POST /lora-adapters``: refused.
+    """``POST /props``, ``POST /lora-adapters``; a router's ``POST``/``DELETE /models``
+    (download, delete) and ``POST /models/load``, ``/models/unload``: refused.
 
     :raises NotRelayed: always (403).
     """
+    if request.url.path.startswith("/models"):
+        raise NotRelayed(
+            f"The gateway does not relay {request.method} {request.url.path}: it changes "
+            "a llama-server router's models for every client of the gateway, and the "
+            "gateway loads and unloads them itself as requests need them (under "
+            "--models-max). Send it to the router itself; GET /models is relayed.")
     raise NotRelayed(
         f"The gateway does not relay POST {request.url.path}: it changes the backend's "
         "settings for every client of the gateway at once. Send it to the backend "
@@ -317,10 +326,13 @@ def register_side_routes(app: FastAPI) -> None:
     for path, spec in SIDE.items():
         # llama-server's HTTP library answers HEAD on its GET routes (uptime checks use it)
         methods = [spec.method, "HEAD"] if spec.method == "GET" else [spec.method]
-        if path in ROUTER_OWN_PATHS:
+        if spec.name is Route.tools:
             methods.append("POST")  # GET /tools lists the tools, POST /tools runs one
         app.add_api_route(path, side_route, methods=methods)
     app.add_api_route("/props", changes_server, methods=["POST"])
+    app.add_api_route("/models", changes_server, methods=["POST", "DELETE"])
+    app.add_api_route("/models/load", changes_server, methods=["POST"])
+    app.add_api_route("/models/unload", changes_server, methods=["POST"])
     app.add_api_route("/lora-adapters", changes_server, methods=["POST"])
     app.add_api_route("/slots/{id_slot}", slot_action, methods=["POST"])
     app.add_api_route("/cors-proxy", cors_proxy, methods=["GET", "POST"])
