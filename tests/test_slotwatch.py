@@ -421,3 +421,23 @@ async def test_conversations_with_one_opening_spread_over_the_slots(harness: Any
                          {"role": "user", "content": f"question {conv}"}],
             "max_tokens": 5})).status_code == 200
         assert fake.generations[-1]["id_slot"] == slots[conv]
+
+
+async def test_an_abandoned_answer_is_closed_at_the_first_quick_read(
+    harness_factory: Any, fake: Any
+) -> None:
+    # A whole answer the client left keeps the backend generating for nobody until the
+    # read of /slots that sees it running closes it: that read comes after QUICK_POLL_S,
+    # not a whole POLL_INTERVAL_S (llama.cpp's test_cancel_request gives the server 2 s).
+    from gateway.admission.slotwatch import QUICK_POLL_S
+
+    clock = ManualClock()
+    h = await harness_factory(clock=clock)
+    fake.hold = asyncio.Event()
+    await abandon(h, stream=False, max_tokens=900)
+    assert fake.active == 1
+    await tick(clock, QUICK_POLL_S)  # seen running: closed, and the fake stops
+    assert fake.active == 0 and reserved(h) > 0
+    await tick(clock, QUICK_POLL_S)
+    await tick(clock)  # seen ended
+    assert reserved(h) == 0

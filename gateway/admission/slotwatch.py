@@ -249,10 +249,15 @@ class SlotWatch:
         :param launched: the request is known to have started.
         :param quick: read ``/slots`` after :data:`QUICK_POLL_S` rather than
             :data:`POLL_INTERVAL_S` (a preempted stream, whose continuation waits).
+            Always so with ``pending``: the backend goes on generating for nobody
+            until the read that sees the request running closes it (llama-server then
+            stops it within its one-second poll of the connection, as when its own
+            client leaves).
         """
         if not self.supported:
             self._fall_back(lease, served, pending)
             return
+        quick = quick or pending is not None
         held = _Held(lease, ticket, served, seen_running=launched)
         if pending is not None:
             held.follow = asyncio.ensure_future(self._follow(held, pending, stream))
