@@ -773,3 +773,42 @@ async def test_a_higher_class_goes_first_within_one_process(
     assert [r.status_code for r in rs] == [200] * 3
     served = [g["messages"][0]["content"] for g in fake.generations]
     assert served == ["filler", "interactive", "batch"]
+
+
+async def test_the_slo_limit_caps_the_busy_slots_of_every_process(
+        redis_server: Any, view: RedisView) -> None:
+    """Process A's SLO limit (2) is a busy cap in the shared grant: with one stream of
+    A's and one of B's on a 4-slot backend, A's next request waits though memory has
+    room, and starts once B's ends (the grant counts both processes' slots)."""
+    from gateway.admission.admission import Admission
+    from gateway.admission.shared import SharedStore
+    from gateway.clock import MonotonicClock
+    from gateway.core.capacity import Charge, Layout
+    from gateway.core.fairness import Party
+
+    layout = Layout(slots=4, ctx_per_slot=2048, pool_tokens=8192)
+    await view.client.set(f"{PREFIX}:epoch", 0)  # no resync window (Redis is not new)
+    stores = [SharedStore(unit_settings(redis_server.url), clock=MonotonicClock(), owner=o)
+              for o in ("A", "B")]
+    for store in stores:
+        await store.start()
+    try:
+        a, b = (Admission(layout, max_queue=10, max_wait_s=10.0,
+                          shared=s.account("local", "http://upstream:8080")) for s in stores)
+        chat = Party(priority="chat", itl_target_s=0.025)
+        mine = await a.admit(Charge(10, 10), party=chat)
+        mine.itl_target_s = chat.itl_target_s  # a target in flight, as the relay sets it
+        theirs = await b.admit(Charge(10, 10))
+        a.slo.limit = 2  # as the controller would set it after ITL over the target
+        waiting = asyncio.ensure_future(a.admit(Charge(10, 10), party=chat))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and len(await view.leases()) == 2
+        b.release(theirs)
+        third = await asyncio.wait_for(waiting, 5)
+        assert len(await view.leases()) == 2
+        a.release(third)
+        a.release(mine)
+        await view.settled()
+    finally:
+        for store in stores:
+            await store.close()

@@ -187,9 +187,11 @@ async def test_the_limit_shown_stays_within_one_and_the_slots() -> None:
         await h.client.aclose()
 
 
-async def test_under_redis_the_limit_is_neither_applied_nor_shown(redis_server: Any) -> None:
-    """The shared grant does not read the SLO limit: a gauge under the slots would
-    claim a cap that no admission applies."""
+async def test_under_redis_the_limit_is_applied_to_the_shared_grant(redis_server: Any
+                                                                    ) -> None:
+    """Under Redis the SLO limit goes to the shared grant as a busy cap (issue 26): a
+    second flood after the limit was learnt never has more streams on the backend than
+    the limit, and gateway_slo_limit shows what is applied."""
     fake = FakeLlamaServer(itl_per_stream=0.01, tokens=1000)
     settings = load_settings(
         admission={"disconnect_grace_s": 0.0},
@@ -202,16 +204,25 @@ async def test_under_redis_the_limit_is_neither_applied_nor_shown(redis_server: 
                      discover=False)
     h = Harness(app, fake)
     await h.state.shared.start()
-    try:
-        await h.backend.discover()
-        answers = await asyncio.gather(*(h.client.post("/v1/chat/completions", json={
+
+    async def flood() -> list[httpx.Response]:
+        return await asyncio.gather(*(h.client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
             "stream": True}) for _ in range(4)))
-        assert all(r.status_code == 200 for r in answers)
+
+    try:
+        await h.backend.discover()
+        assert all(r.status_code == 200 for r in await flood())
         slo = h.backend.admission.slo
         assert slo.model.itl_p95(4) is not None and slo.model.itl_p95(4) > 0.025
-        assert slo.limit is None
-        assert h.sample("gateway_slo_limit", backend="local") == 4
+        limit = slo.limit
+        assert limit is not None and limit < 4  # learnt over the shared busy count
+        fake.peak = 0
+        second = asyncio.ensure_future(flood())
+        await asyncio.sleep(0.05)
+        shown = h.sample("gateway_slo_limit", backend="local")
+        assert all(r.status_code == 200 for r in await second)
+        assert 1 <= fake.peak <= limit and shown <= limit
         assert h.backend.admission.stats().inflight == 0
     finally:
         await h.client.aclose()

@@ -137,7 +137,8 @@ class Admission:
             give_back=self.release, on_leave=self._wake,
             counted=None if shared is None else (lambda w: w.request.seen))
         self.slo = SloGuard(self._clock, active=self._active, waiting=lambda: len(self._room),
-                            wake=self._wake, enforced=shared is None)  # (admission.slo)
+                            wake=self._wake, shared_busy=None if shared is None
+                            else lambda: shared.busy_slots)  # (admission.slo)
         self.forecast = WaitForecast(
             self._room, WaitPredictor(),
             lambda: (self.slo.limited(self._layout), self._budget, self._active.values()),
@@ -151,7 +152,7 @@ class Admission:
         self._listeners: list[Callable[[], None]] = []
         self._shared = shared
         self._pump = None if shared is None else SharedPump(
-            shared, self._room, self.slots, lambda: self._layout,
+            shared, self._room, self.slots, lambda: self.slo.limited(self._layout),
             lambda c, waited_s, ids: self._grant(c, waited_s=waited_s, shared_ids=ids),
             self._clock, budget=lambda: self._budget, max_queue=max_queue,
             refusal=lambda fresh: self._queue_full() if fresh else shed_error(

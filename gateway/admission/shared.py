@@ -138,18 +138,20 @@ end
 """
 
 # ARGV 5..: pool tokens (0: per-slot layout), slots, usable per slot, capacity tokens,
-# preferred slot order (comma-separated), tickets kept waiting (k), then k x (id, score),
-# then asks (a), then a x (id, score, tokens, slots, span, pinnable, prefer), in this
-# process's serving order, then the predictive policy's rule (on, margin, horizon ms,
-# fresh growth: gateway.admission.shared_live.LIVE_LUA).
+# busy cap (0: none; the SLO limit, gateway.admission.slo), preferred slot order
+# (comma-separated), tickets kept waiting (k), then k x (id, score), then asks (a), then
+# a x (id, score, tokens, slots, span, pinnable, prefer), in this process's serving
+# order, then the predictive policy's rule (on, margin, horizon ms, fresh growth:
+# gateway.admission.shared_live.LIVE_LUA).
 # Returns {now, reserved, busy, resyncing, purged, queued, id1, slots1, id2, ...}.
 _GRANT = _PRELUDE + r"""
 local pool, slots, usable, capacity = tonumber(ARGV[5]), tonumber(ARGV[6]),
   tonumber(ARGV[7]), tonumber(ARGV[8])
-local order = ARGV[9]
+local busy_cap = tonumber(ARGV[9])
+local order = ARGV[10]
 local mine, asks, seq = {}, {}, {}
-local k = tonumber(ARGV[10])
-local b = 11
+local k = tonumber(ARGV[11])
+local b = 12
 for _ = 1, k do mine[ARGV[b]] = ARGV[b + 1]; b = b + 2 end
 local a = tonumber(ARGV[b]); b = b + 1
 for _ = 1, a do
@@ -176,6 +178,7 @@ if now >= resync_until then
     -- gateway.core.capacity.fits (fits_alone, a free slot each, the unified pool, with
     -- the predictive policy's live use: gateway.admission.shared_live.live_reserved)
     if busy + n > slots or n > slots or span > usable or tokens > capacity
+        or (busy_cap > 0 and busy > 0 and busy + n > busy_cap)
         or (pool > 0 and reserved + live_extra() + tokens > pool) then break end
     local ids = {}
     if pinnable and unpinned == 0 then
@@ -702,7 +705,9 @@ class SharedAccount:
         (:func:`gateway.core.capacity.fits` on the shared sums). Across processes the
         order is arrival time; within one, the order of ``asks``.
 
-        :param layout: the backend's layout, as this process discovered it.
+        :param layout: the backend's layout, as this process discovered it (with its
+            ``busy_cap`` lowered to this process's SLO limit while one binds,
+            :meth:`gateway.admission.slo.SloGuard.limited`).
         :param keep: other tickets of this process still waiting, (id, score).
         :param order: slot ids in the order this process would pick them (least recently
             used first); others after.
@@ -715,6 +720,7 @@ class SharedAccount:
         # The first few of the order are enough: the script takes the first free one.
         args = self._common() + [layout.pool_tokens or 0, layout.slots,
                                  layout.usable_per_slot, layout.capacity_tokens,
+                                 layout.busy_cap or 0,
                                  ",".join(map(str, list(order)[:ORDER_SENT])), len(keep)]
         for ticket, score in keep:
             args.extend((ticket, score))

@@ -36,9 +36,12 @@ get its first token in time. :class:`SloGuard`, one per
 * **Pools.** :func:`late_backends` leaves out, for a request of a pool, the backends
   where it would start late even at once, and refuses it when that is all of them.
 
-Not covered yet: the limit of a backend whose budget is shared in Redis (``[state]
-backend = "redis"``) would be this process's alone, and the shared grant does not read
-it: there, the limit is not applied (``enforced`` false) and not shown.
+* **Shared in Redis** (``[state] backend = "redis"``): each process learns from its own
+  streams, filed under the slots busy over every process (the shared reply's count), and
+  its limit goes to the shared grant as the layout's ``busy_cap``
+  (:meth:`gateway.admission.shared.SharedAccount.grant`): a process grants nothing that
+  would take the backend's busy slots, all processes' together, past its own limit.
+  Processes may learn slightly different limits; each one's grants respect its own.
 """
 
 from __future__ import annotations
@@ -123,8 +126,11 @@ class SloGuard:
     :param waiting: how many requests wait in the admission's queue now.
     :param wake: called when the limit rose (the queue may grant more).
     :param params: the model's and the controller's parameters.
-    :param enforced: the limit may bind this admission (false when its budget is shared
-        in Redis, whose grant does not read it: then :attr:`limit` stays ``None``).
+    :param shared_busy: when the backend's budget is shared in Redis, the slots busy
+        over every gateway process as the last shared reply gave them
+        (:attr:`~gateway.admission.shared.SharedAccount.busy_slots`): the level a sample
+        is filed under and a prediction read at is then the larger of it and this
+        process's own, since the backend's ITL follows every process's streams.
     :param probe_s: seconds between probes (:data:`PROBE_S`).
     :ivar limit: the SLO limit in force, sequences, or ``None`` while it does not bind
         admission (no target in flight, or no level known to break it).
@@ -132,10 +138,11 @@ class SloGuard:
 
     def __init__(self, clock: Clock, *, active: Mapping[int, Lease],
                  waiting: Callable[[], int], wake: Callable[[], None],
-                 params: LatencyParams | None = None, enforced: bool = True,
+                 params: LatencyParams | None = None,
+                 shared_busy: Callable[[], int] | None = None,
                  probe_s: float = PROBE_S) -> None:
         self._clock = clock
-        self.enforced = enforced
+        self._shared_busy = shared_busy
         self.probe_s = probe_s
         # Clock seconds of the last prefill observed and of the last probe let through.
         self._prefill_at = self._probe_at = -math.inf
@@ -154,8 +161,10 @@ class SloGuard:
         self._seen: dict[float, float] = {}  # ITL target -> when last seen in flight
 
     def busy(self) -> int:
-        """Slots held by the leases in flight: the level a sample is filed under."""
-        return sum(lease.charge.slots for lease in self._active.values())
+        """Slots held by the leases in flight (over every process, when shared): the
+        level a sample is filed under."""
+        own = sum(lease.charge.slots for lease in self._active.values())
+        return own if self._shared_busy is None else max(own, self._shared_busy())
 
     def target(self) -> float | None:
         """The tightest ITL p95 target of the leases in flight or in flight within the
@@ -212,8 +221,7 @@ class SloGuard:
         value = self.controller.update(self.model, target_s=target, memory_limit=memory,
                                        demand=demand, now=self._clock.now())
         self.memory_limit = memory
-        self.limit = (value if self.enforced and target is not None and value < memory
-                      else None)
+        self.limit = value if target is not None and value < memory else None
         if (self.limit if self.limit is not None else memory) > before:
             self._wake()
         return self.limit
