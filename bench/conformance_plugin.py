@@ -61,11 +61,12 @@ def _toml_str(value: str) -> str:
 
 def gateway_toml(port: int, backend_url: str, *, host: str = "127.0.0.1",
                  api_key: str | None = None, kv_unified: bool = True,
-                 default_max_tokens: int | None = None) -> str:
+                 default_max_tokens: int | None = None,
+                 cors_origins: tuple[str, ...] = ("*",)) -> str:
     """The gateway's configuration in front of one llama-server: the defaults, the
     listen address, JSON logs at debug (so that every access line, probes and
-    ``/metrics`` too, is written), CORS for every origin (``server.cors_origins =
-    ["*"]``, as llama-server answers by default: its ``--cors-origins`` is ``*``),
+    ``/metrics`` too, is written), CORS as the server's (``cors_origins``, see
+    :func:`server_cors`),
     ``/tools`` relayed (``server.relay_tools``: the suite's servers expose it, started
     with ``--tools`` or ``--mcp-config``, or answer it 403 themselves) and the one
     backend.
@@ -82,7 +83,8 @@ def gateway_toml(port: int, backend_url: str, *, host: str = "127.0.0.1",
     """
     lines = [
         "[server]", f"host = {_toml_str(host)}", f"port = {port}",
-        'log_format = "json"', 'log_level = "debug"', 'cors_origins = ["*"]',
+        'log_format = "json"', 'log_level = "debug"',
+        f"cors_origins = [{', '.join(_toml_str(o) for o in cors_origins)}]",
         "relay_tools = true", "",
         "[[backends]]", 'name = "llama"', f"url = {_toml_str(backend_url)}",
         f"kv_unified = {'true' if kv_unified else 'false'}",
@@ -245,6 +247,19 @@ def _local_model(server: Any, model: str) -> None:
     server.mmproj_url = None
 
 
+def server_cors(server: Any) -> tuple[str, ...]:
+    """The origins a suite server allows, as ``server.cors_origins``: its
+    ``--cors-origins`` (comma-separated), else ``localhost`` when it runs server tools
+    or MCP servers (``common/arg.cpp``), else ``*`` (llama-server's default)."""
+    given = getattr(server, "cors_origins", None)
+    if given:
+        return tuple(o.strip() for o in str(given).split(",") if o.strip())
+    if any(getattr(server, k, None) for k in ("server_tools", "mcp_servers_config",
+                                              "mcp_servers_json")):
+        return ("localhost",)
+    return ("*",)
+
+
 def _patch(utils: Any, settings: _Settings) -> None:
     original_start = utils.ServerProcess.start
     original_stop = utils.ServerProcess.stop
@@ -264,7 +279,8 @@ def _patch(utils: Any, settings: _Settings) -> None:
         toml = gateway_toml(port, f"http://{host}:{self.server_port}", host=self.server_host,
                             api_key=self.api_key,
                             kv_unified=bool(self.kv_unified) or not self.n_slots,
-                            default_max_tokens=self.n_predict)
+                            default_max_tokens=self.n_predict,
+                            cors_origins=server_cors(self))
         gateway = GatewayProcess(toml, port, settings.workdir)
         self._conformance = (gateway, self.server_port)
         self.server_port = port

@@ -155,6 +155,21 @@ def test_the_generated_config_is_one_the_gateway_loads(tmp_path: Path) -> None:
     uncapped = load_settings(path).admission
     path.write_text(plugin.gateway_toml(18001, "http://127.0.0.1:18080"))
     assert uncapped == load_settings(path).admission
+    assert load_settings(path).server.relay_tools is True  # the suite's servers' /tools
+
+
+def test_the_gateways_cors_follows_the_servers() -> None:
+    # --cors-origins as given; localhost by default once tools or MCP servers are on
+    # (common/arg.cpp); else llama-server's default, *.
+    from types import SimpleNamespace
+
+    assert plugin.server_cors(SimpleNamespace(cors_origins="http://a.example, b")) == (
+        "http://a.example", "b")
+    assert plugin.server_cors(SimpleNamespace(server_tools="all")) == ("localhost",)
+    assert plugin.server_cors(SimpleNamespace(mcp_servers_json="{}")) == ("localhost",)
+    assert plugin.server_cors(SimpleNamespace()) == ("*",)
+    toml = plugin.gateway_toml(18001, "http://x:1", cors_origins=("localhost",))
+    assert 'cors_origins = ["localhost"]' in toml
 
 
 def test_the_gateway_log_read_back() -> None:

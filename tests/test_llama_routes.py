@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.config import ConfigError, load_settings
 from gateway.http.app import create_app
+from gateway.http.middleware import title_case
 from tests.conftest import Harness
 from tests.fakes import FakeLlamaServer
 
@@ -409,7 +410,38 @@ async def test_listed_origins_only(make: Any) -> None:
     assert "access-control-allow-origin" not in other.headers
     refused = await h.client.options("/completions", headers={**PREFLIGHT,
                                                                "origin": "http://evil.example"})
-    assert refused.status_code == 400
+    # As llama-server answers it: 200 with no CORS header (the browser then refuses).
+    assert refused.status_code == 200 and refused.content == b""
+    assert not [k for k in refused.headers if k.lower().startswith("access-control-")]
+
+
+@pytest.mark.parametrize("origin,allowed", [
+    ("http://localhost", True), ("http://localhost:8080", True), ("http://127.0.0.1", True),
+    ("https://127.0.0.1:3000", True), ("http://[::1]", True), ("http://[::1]:3000", True),
+    ("http://web.mydomain.fr", False), ("http://evil.com", False),
+    ("http://notlocalhost", False), ("http://localhost.evil.com", False),
+    ("http://localhost:80.evil.com", False),
+])
+async def test_localhost_allows_this_machines_origins_only(make: Any, origin: str,
+                                                           allowed: bool) -> None:
+    # llama-server's --cors-origins localhost (tools/server/server-http.cpp,
+    # origin_is_localhost); llama.cpp's test_cors_origins_localhost_*.
+    h = await make(server={"cors_origins": ["localhost"]})
+    resp = await h.client.options("/completions", headers={**PREFLIGHT, "origin": origin})
+    assert resp.status_code == 200
+    assert resp.headers.get("access-control-allow-origin") == (origin if allowed else None)
+
+
+async def test_header_names_are_sent_in_llama_servers_case(make: Any) -> None:
+    # Read from a plain dictionary, as llama.cpp's suite reads them (test_cors_options).
+    h = await make(server={"cors_origins": ["*"]})
+    resp = await h.client.options("/completions", headers=PREFLIGHT)
+    names = [k for k, _ in resp.headers.raw]
+    assert b"Access-Control-Allow-Origin" in names and b"Access-Control-Allow-Methods" in names
+    answer = await h.client.post("/completions", json=PROMPT)
+    names = [k for k, _ in answer.headers.raw]
+    assert b"Content-Type" in names and b"X-Request-Id" in names
+    assert all(n == title_case(n) for n in names)
 
 
 def test_a_blank_origin_is_a_config_error() -> None:

@@ -60,7 +60,7 @@ class AsgiCall:
     @property
     def headers(self) -> dict[bytes, bytes]:
         start = next(m for _, m in self.messages if m["type"] == "http.response.start")
-        return dict(start["headers"])
+        return {k.lower(): v for k, v in start["headers"]}  # names are case-insensitive
 
     @property
     def chunks(self) -> list[bytes]:

@@ -31,7 +31,12 @@ from gateway.fleet.tasks import TaskSet
 from gateway.http.auth import authenticate
 from gateway.http.connection import guarded_protocol
 from gateway.http.endpoints import register_routes
-from gateway.http.middleware import CorsOnApi, RequestAccounting, count_rejection
+from gateway.http.middleware import (
+    CorsOnApi,
+    RequestAccounting,
+    TitleCaseHeaders,
+    count_rejection,
+)
 from gateway.http.side import SideRoutes
 from gateway.http.status import register_status
 from gateway.http.views import pool_gauge_rows
@@ -120,6 +125,7 @@ def create_app(
                        max_in_flight=settings.server.max_connections)
     if settings.server.cors_origins:  # outside the accounting: see CorsOnApi
         app.add_middleware(CorsOnApi, origins=settings.server.cors_origins)
+    app.add_middleware(TitleCaseHeaders)  # outermost: every answer's header names
     app.add_exception_handler(GatewayError, _render)  # type: ignore[arg-type]
     return app
 

@@ -65,8 +65,9 @@ from gateway.wire.routes import (
 )
 from gateway.wire.shapes import error_messages, shape_of
 
-__all__ = ["CORS_METHODS", "CorsOnApi", "MAX_HEADERS", "MAX_HEADER_BYTES",
-           "RequestAccounting", "count_rejection", "route_of"]
+__all__ = ["CORS_METHODS", "LOCALHOST_ORIGINS", "CorsOnApi", "MAX_HEADERS", "MAX_HEADER_BYTES",
+           "RequestAccounting", "TitleCaseHeaders", "count_rejection", "route_of",
+           "title_case"]
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,43 @@ class RequestAccounting:
 
 #: The methods a preflight allows: llama-server's ``--cors-methods`` default.
 CORS_METHODS = ("GET", "POST", "DELETE", "OPTIONS")
+#: ``server.cors_origins = ["localhost"]``, as llama-server's ``--cors-origins localhost``
+#: (its default once server tools or MCP servers are on): an origin whose host is
+#: localhost, 127.0.0.1 or ::1, any scheme and port (``origin_is_localhost``,
+#: ``tools/server/server-http.cpp``).
+LOCALHOST_ORIGINS = r"[A-Za-z][A-Za-z0-9+.-]*://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"
+
+
+class TitleCaseHeaders:
+    """Sends every response header name in Title-Case (``Access-Control-Allow-Origin``,
+    ``Content-Type``), as llama-server's HTTP library writes them, where the ASGI stack
+    lowercases them. Names are case-insensitive in HTTP, but clients that read them from
+    a plain dictionary (llama.cpp's own test suite among them) look for llama-server's
+    spelling. Outermost: it sees every response, the framework's own included.
+
+    :param app: the wrapped ASGI app.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def titled(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [(title_case(k), v)
+                                      for k, v in message.get("headers", ())]
+            await send(message)
+
+        await self.app(scope, receive, titled)
+
+
+def title_case(name: bytes) -> bytes:
+    """``b"access-control-allow-origin"`` as ``b"Access-Control-Allow-Origin"``."""
+    return b"-".join(part[:1].upper() + part[1:].lower() for part in name.split(b"-"))
 
 
 class CorsOnApi:
@@ -216,7 +254,8 @@ class CorsOnApi:
     ``CORSMiddleware`` set as llama-server's defaults (``--cors-origins``,
     ``--cors-methods``, ``--cors-headers``, ``--cors-credentials``,
     ``tools/server/server-http.cpp``): the origins given (``"*"``: any, echoed back
-    because credentials are allowed), :data:`CORS_METHODS`, any request header (starlette
+    because credentials are allowed; ``"localhost"``: any origin on this machine,
+    :data:`LOCALHOST_ORIGINS`), :data:`CORS_METHODS`, any request header (starlette
     echoes the headers a preflight asks for, where llama-server answers ``*``; ``*`` is
     no wildcard for a credentialed request and never covers ``Authorization``), and
     credentials allowed.
@@ -230,12 +269,26 @@ class CorsOnApi:
 
     def __init__(self, app: ASGIApp, origins: list[str]) -> None:
         self.app = app
-        self.cors = CORSMiddleware(app, allow_origins=origins, allow_methods=CORS_METHODS,
-                                   allow_headers=["*"], allow_credentials=True)
+        local = "localhost" in origins  # llama-server's special value: see LOCALHOST_ORIGINS
+        self.cors = CORSMiddleware(app, allow_origins=[o for o in origins if o != "localhost"],
+                                   allow_origin_regex=LOCALHOST_ORIGINS if local else None,
+                                   allow_methods=CORS_METHODS, allow_headers=["*"],
+                                   allow_credentials=True)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] != "http" or path in NO_CORS_PATHS or path.startswith(ADMIN_PREFIX):
             await self.app(scope, receive, send)
-        else:
-            await self.cors(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or ())
+        origin = headers.get(b"origin")
+        if (scope["method"] == "OPTIONS" and origin is not None
+                and b"access-control-request-method" in headers
+                and not self.cors.is_allowed_origin(origin.decode("latin-1"))):
+            # A preflight from an origin not allowed: 200 with no CORS headers, as
+            # llama-server answers it (starlette's is a 400); the browser refuses either.
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await self.cors(scope, receive, send)
