@@ -1,23 +1,29 @@
-"""Latency targets side by side on the real llama-server: memory alone against an ITL
-target, the same workload through two gateways, one after the other, in one run.
+"""Latency targets side by side on the real llama-server: each admission mode with and
+without an ITL target, and the server direct, the same workload one after the other in
+one run (issue 26's benchmark).
 
 The backend is the cached llama-server build with Gemma 3 270M, ``-c 2048`` (4 slots
 sharing one pool of 2048 cells), on this machine's CPU. The workload is ``--clients``
 streamed completions of ``--tokens`` tokens each (``ignore_eos``), all sent at once,
-``--rounds`` times.
+``--rounds`` times; every third client's prompt is a long one (``--long-words`` words),
+so that prefills land among the streams, as in a chat service.
 
-1. **memory**: the gateway without targets; it also learns the server's ITL by busy
-   slots, which gives the target: ``--target`` times the learned ITL p95 with two slots
-   busy (1.25 by default: what two streams get, with a quarter to spare).
-2. **target**: a fresh gateway whose one class has that ``itl_p95_s``; one unmeasured
-   round first, so that its limit has learnt where the target breaks.
+1. **direct**: the clients on llama-server itself.
+2. **strict**, **predictive**: the gateway under each ``admission.policy``, no target.
+   The strict run also learns the server's ITL by busy slots, which gives the target:
+   ``--target`` times the learned ITL p95 with two slots busy (1.25 by default: what two
+   streams get, with a quarter to spare).
+3. **strict+slo**, **predictive+slo**: a fresh gateway under each policy whose one class
+   has that ``itl_p95_s``; one unmeasured round first, so that its limit has learnt
+   where the target breaks.
 
-For each it prints wall time, output tokens per second, the client-side ITL p50 / p95 /
-max and TTFT p50 / p95 (queue wait included), the gaps over twice the median ITL (the
-stalls a chat window shows), and the SLO limit at the end; then the ratios target /
-memory.
+For each it prints wall time, goodput (streamed tokens per second of completed
+requests), refusals (answers other than 200), the client-side ITL p50 / p95 / max and
+TTFT p50 / p95 (queue wait included), the gaps over twice the median ITL (the stalls a
+chat window shows), and the SLO limit at the end; then each run's ratios to strict.
 
 Usage: python bench/slo.py [--clients 6] [--tokens 120] [--rounds 2] [--target 1.25]
+       [--long-words 300]
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class Run:
 
     wall_s: float = 0.0
     tokens: int = 0
+    refused: int = 0
     gaps: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     limit: float = 0.0
@@ -60,13 +67,18 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
 
 
-async def one(client: httpx.AsyncClient, url: str, i: int, tokens: int, run: Run) -> None:
+async def one(client: httpx.AsyncClient, url: str, i: int, tokens: int, run: Run,
+              long_words: int) -> None:
     sent = time.monotonic()
     last: float | None = None
-    body = {"prompt": f"Story number {i}: once upon a time", "max_tokens": tokens,
+    story = " ".join(f"word{j}" for j in range(long_words)) if i % 3 == 2 else ""
+    body = {"prompt": f"Story number {i}: {story} once upon a time", "max_tokens": tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            await r.aread()
+            run.refused += 1
+            return
         async for line in r.aiter_lines():
             if not line.startswith("data: {") or '"text":""' in line.replace(" ", ""):
                 continue
@@ -79,21 +91,24 @@ async def one(client: httpx.AsyncClient, url: str, i: int, tokens: int, run: Run
             run.tokens += 1
 
 
-async def rounds(url: str, clients: int, tokens: int, count: int) -> Run:
+async def rounds(url: str, clients: int, tokens: int, count: int, long_words: int) -> Run:
     run = Run()
     async with httpx.AsyncClient(timeout=900) as client:
         start = time.monotonic()
         for _ in range(count):
-            await asyncio.gather(*(one(client, url, i, tokens, run) for i in range(clients)))
+            await asyncio.gather(*(one(client, url, i, tokens, run, long_words)
+                                   for i in range(clients)))
         run.wall_s = time.monotonic() - start
     return run
 
 
 @contextmanager
-def gateway(backend_url: str, classes: list[dict[str, Any]]
+def gateway(backend_url: str, classes: list[dict[str, Any]], policy: str = "strict"
             ) -> Iterator[tuple[str, CollectorRegistry]]:
-    """The gateway with these ``[[classes]]`` on a free port in a thread."""
-    settings = load_settings(admission={"max_queue_wait_s": 600.0, "max_queue": 64},
+    """The gateway under ``policy`` with these ``[[classes]]`` on a free port in a
+    thread."""
+    settings = load_settings(admission={"max_queue_wait_s": 600.0, "max_queue": 64,
+                                        "policy": policy},
                              backends=[{"name": "local", "url": backend_url}],
                              classes=classes)
     with gateway_thread(settings) as running:
@@ -111,10 +126,11 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | Non
 def row(name: str, run: Run) -> str:
     median = statistics.median(run.gaps)
     stalls = sum(1 for g in run.gaps if g > 2 * median) / len(run.gaps)
-    return (f"{name:8} {run.wall_s:8.1f} {run.tokens / run.wall_s:9.1f} "
+    limit = f"{run.limit:6.0f}" if run.limit else f"{'-':>6}"
+    return (f"{name:15} {run.wall_s:7.1f} {run.tokens / run.wall_s:8.1f} {run.refused:5d} "
             f"{median * 1000:8.1f} {quantile(run.gaps, 0.95) * 1000:8.1f} "
             f"{max(run.gaps) * 1000:8.1f} {statistics.median(run.ttfts):8.2f} "
-            f"{quantile(run.ttfts, 0.95):8.2f} {stalls:7.1%} {run.limit:6.0f}")
+            f"{quantile(run.ttfts, 0.95):8.2f} {stalls:7.1%} {limit}")
 
 
 def main() -> None:
@@ -122,14 +138,25 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=120)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--long-words", type=int, default=300)
     parser.add_argument("--target", type=float, default=1.25,
                         help="the ITL target as a multiple of the learned p95 at 2 busy")
     args = parser.parse_args()
+    work = (args.clients, args.tokens)
+    runs: dict[str, Run] = {}
+
+    def measured(url: str, registry: CollectorRegistry | None, warm: bool = True) -> Run:
+        if warm:  # the warm-up round (and, with a target, the round the limit learns in)
+            asyncio.run(rounds(url, *work, 1, args.long_words))
+        run = asyncio.run(rounds(url, *work, args.rounds, args.long_words))
+        if registry is not None:
+            run.limit = sample(registry, "gateway_slo_limit", backend="local") or 0
+        return run
+
     with LlamaServer(["-c", "2048"]).running() as server:
+        runs["direct"] = measured(server.url, None)
         with gateway(server.url, [{"name": "chat"}]) as (url, registry):
-            asyncio.run(rounds(url, args.clients, args.tokens, 1))  # warm-up
-            memory = asyncio.run(rounds(url, args.clients, args.tokens, args.rounds))
-            memory.limit = sample(registry, "gateway_slo_limit", backend="local") or 0
+            runs["strict"] = measured(url, registry)
             two = sample(registry, "gateway_latency_itl_p95_seconds", backend="local",
                          level="2")
             four = sample(registry, "gateway_latency_itl_p95_seconds", backend="local",
@@ -137,20 +164,26 @@ def main() -> None:
         if two is None:
             sys.exit("no ITL learnt with 2 slots busy: raise --clients or --rounds")
         target = args.target * two
-        with gateway(server.url, [{"name": "chat", "itl_p95_s": target}]) as (url, registry):
-            asyncio.run(rounds(url, args.clients, args.tokens, 1))  # the limit learns
-            held = asyncio.run(rounds(url, args.clients, args.tokens, args.rounds))
-            held.limit = sample(registry, "gateway_slo_limit", backend="local") or 0
+        with gateway(server.url, [{"name": "chat"}], "predictive") as (url, registry):
+            runs["predictive"] = measured(url, registry)
+        for policy in ("strict", "predictive"):
+            with gateway(server.url, [{"name": "chat", "itl_p95_s": target}],
+                         policy) as (url, registry):
+                runs[f"{policy}+slo"] = measured(url, registry)
     print(f"learned ITL p95: 2 busy {two * 1000:.1f} ms, 4 busy "
           f"{(four or 0) * 1000:.1f} ms; target {target * 1000:.1f} ms")
-    print(f"{'run':8} {'wall s':>8} {'tok/s':>9} {'ITL p50':>8} {'ITL p95':>8} "
-          f"{'ITL max':>8} {'TTFT p50':>8} {'TTFT p95':>8} {'stalls':>7} {'limit':>6}")
-    print(row("memory", memory))
-    print(row("target", held))
-    print(f"ratios target/memory: ITL p95 "
-          f"{quantile(held.gaps, 0.95) / quantile(memory.gaps, 0.95):.2f}, "
-          f"tok/s {(held.tokens / held.wall_s) / (memory.tokens / memory.wall_s):.2f}, "
-          f"TTFT p95 {quantile(held.ttfts, 0.95) / quantile(memory.ttfts, 0.95):.2f}")
+    print(f"{'run':15} {'wall s':>7} {'tok/s':>8} {'refus':>5} {'ITL p50':>8} "
+          f"{'ITL p95':>8} {'ITL max':>8} {'TTFT p50':>8} {'TTFT p95':>8} {'stalls':>7} "
+          f"{'limit':>6}")
+    for name, run in runs.items():
+        print(row(name, run))
+    base = runs["strict"]
+    for name, run in runs.items():
+        if name != "strict":
+            print(f"{name} / strict: ITL p95 "
+                  f"{quantile(run.gaps, 0.95) / quantile(base.gaps, 0.95):.2f}, "
+                  f"goodput {(run.tokens / run.wall_s) / (base.tokens / base.wall_s):.2f}, "
+                  f"TTFT p95 {quantile(run.ttfts, 0.95) / quantile(base.ttfts, 0.95):.2f}")
 
 
 if __name__ == "__main__":
