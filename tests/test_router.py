@@ -28,10 +28,10 @@ class RouterHarness:
     """The gateway over a fake router, named ``router``."""
 
     def __init__(self, router: FakeRouter, clock: Any = None, server: Any = None,
-                 **backend: Any) -> None:
+                 admission: Any = None, **backend: Any) -> None:
         self.router = router
         self.settings = load_settings(
-            admission={"disconnect_grace_s": 0.0}, server=server or {},
+            admission={"disconnect_grace_s": 0.0, **(admission or {})}, server=server or {},
             backends=[{"name": "router", "url": "http://upstream:8080", **backend}])
         self.app = create_app(self.settings, http_client=router.client(),
                               registry=CollectorRegistry(), clock=clock, discover=False)
@@ -59,8 +59,8 @@ class RouterHarness:
 
 
 async def harness(router: FakeRouter, clock: Any = None, server: Any = None,
-                  **backend: Any) -> RouterHarness:
-    h = RouterHarness(router, clock, server, **backend)
+                  admission: Any = None, **backend: Any) -> RouterHarness:
+    h = RouterHarness(router, clock, server, admission, **backend)
     await h.hub.discover()
     return h
 
@@ -327,6 +327,32 @@ async def test_models_max_holds_a_busy_model_so_a_waiting_one_loads() -> None:
     assert gate.holds == {}
     r = await later
     assert r.status_code == 200 and router.loads == ["b", "a"]
+    assert router.peak_running == 1
+
+
+async def test_a_hold_outlasts_the_queue_wait_and_is_placed_once() -> None:
+    # Found by a fresh-user pass: with max_queue_wait_s = 2 the hold's own wait for the
+    # held model's slots timed out every 2 s, and it was placed, logged and counted again.
+    clock = ManualClock()
+    router = two_models(loaded={"a"}, models_max=1)
+    router.children["a"].hold = asyncio.Event()
+    h = await harness(router, clock=clock, admission={"max_queue_wait_s": 2.0})
+    gate = h.hub.router.hub.gate
+    first = asyncio.ensure_future(h.chat("a"))
+    await until(lambda: router.req_count["a"] == 1, "a busy")
+    for_b = asyncio.ensure_future(h.chat("b"))
+    await until(lambda: gate._waiting["b"] == 1, "b waiting for its turn")
+    await h.hub.discover()
+    assert set(gate.holds) == {"a"}
+    for _ in range(5):  # 10 s: five of the queue's waits
+        clock.advance(2.0)
+        await asyncio.sleep(0.01)
+        await h.hub.discover()
+    assert set(gate.holds) == {"a"} and gate.holds_placed["a"] == 1
+    assert h.sample("gateway_router_holds_total", backend="router/a") == 1
+    router.children["a"].hold.set()
+    assert (await first).status_code == 200
+    assert (await for_b).status_code == 200
     assert router.peak_running == 1
 
 

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.admission.lease import Lease
 from gateway.clock import Clock, wait
 from gateway.core.capacity import Charge
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, QueueTimeout
 
 if TYPE_CHECKING:
     from gateway.backends.router import ModelEntry, RouterHub
@@ -328,13 +328,20 @@ class ModelsMaxGate:
         hold.task = asyncio.ensure_future(self._take(hold, charge))
 
     async def _take(self, hold: _Hold, charge: Charge) -> None:
-        """Wait for every slot of the held model, at the head of its queue."""
-        try:
-            lease = await hold.member.admission.admit(charge, front=True)
-        except GatewayError:  # its queue wait ran out, say: the next rebalance decides
-            if self.holds.get(hold.victim) is hold:
-                del self.holds[hold.victim]
-            return
+        """Wait for every slot of the held model, at the head of its queue, for as long
+        as it takes (a hold is not bounded by the queue's wait: placed again each
+        ``max_queue_wait_s``, it was logged and counted again each time)."""
+        while True:
+            try:
+                lease = await hold.member.admission.admit(charge, front=True)
+                break
+            except QueueTimeout:
+                if hold.released:
+                    return
+            except GatewayError:  # the layout changed, say: the next rebalance decides
+                if self.holds.get(hold.victim) is hold:
+                    del self.holds[hold.victim]
+                return
         if hold.released:
             hold.member.admission.release(lease, served=False)
         else:

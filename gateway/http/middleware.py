@@ -288,7 +288,7 @@ class CorsOnApi:
             # A preflight from an origin not allowed: 200 with no CORS headers, as
             # llama-server answers it (starlette's is a 400); the browser refuses either.
             await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-length", b"0")]})
+                        "headers": [(b"content-length", b"0"), (b"vary", b"Origin")]})
             await send({"type": "http.response.body", "body": b""})
             return
         await self.cors(scope, receive, send)

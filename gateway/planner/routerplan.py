@@ -19,6 +19,7 @@ file (and its ``--mmproj`` projector's) in bytes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,15 @@ def models_in_dir(models_dir: str | Path) -> list[tuple[str, str, str | None]]:
     return sorted(found)
 
 
+@functools.lru_cache(maxsize=64)
+def _shape_of(path: str) -> Any:
+    """A GGUF's :class:`~gateway.planner.planning.ModelShape`, read once per file (its
+    metadata read takes seconds; a models directory often names one file twice)."""
+    from gateway.planner import modelshape
+
+    return modelshape.from_gguf(path)
+
+
 def model_memory(model_id: str, args: tuple[str, ...]) -> ModelMemory:
     """Plan one model from its child's arguments (``--model``, ``-c``, ``-np``,
     ``--kv-unified``, ``-ctk``/``-ctv``, ``--mmproj``): its layout as llama-server
@@ -103,7 +113,6 @@ def model_memory(model_id: str, args: tuple[str, ...]) -> ModelMemory:
     GGUF's trained context) and its memory. A GGUF this machine cannot read leaves the
     row's sizes ``None`` and says why in ``problem``."""
     from gateway.backends.router import child_layout, child_options
-    from gateway.planner import modelshape
     from gateway.planner.planning import kv_size
 
     opts = child_options(args)
@@ -112,7 +121,7 @@ def model_memory(model_id: str, args: tuple[str, ...]) -> ModelMemory:
         return ModelMemory(model_id, None, problem="its arguments name no --model GGUF "
                            "(a Hugging Face repo is downloaded by the router)")
     try:
-        shape = modelshape.from_gguf(gguf)
+        shape = _shape_of(str(Path(gguf).resolve()))
     except (OSError, ValueError) as exc:
         return ModelMemory(model_id, gguf, problem=f"its GGUF cannot be read here: {exc}")
     unified, layout = child_layout(args)
