@@ -216,8 +216,8 @@ def _plan_router(args: argparse.Namespace) -> int:
                       *(["--parallel", str(args.parallel)] if args.parallel else []),
                       *(["--kv-unified"] if args.layout == "unified" else []),
                       "--cache-type-k", args.cache_type_k, "--cache-type-v", args.cache_type_v]
-            listed = [(name, ("--model", gguf, *(("--mmproj", mm) if mm else ()), *common))
-                      for name, gguf, mm in models_in_dir(args.models_dir)]
+            listed = [(name, (*found, *common))
+                      for name, found in models_in_dir(args.models_dir)]
             most = DEFAULT_MODELS_MAX
         if args.models_max is not None:
             most = args.models_max

@@ -420,7 +420,8 @@ async def test_listed_origins_only(make: Any) -> None:
     ("https://127.0.0.1:3000", True), ("http://[::1]", True), ("http://[::1]:3000", True),
     ("http://web.mydomain.fr", False), ("http://evil.com", False),
     ("http://notlocalhost", False), ("http://localhost.evil.com", False),
-    ("http://localhost:80.evil.com", False),
+    ("http://localhost:80.evil.com", False), ("file://localhost", False),
+    ("x-evil://localhost", False),
 ])
 async def test_localhost_allows_this_machines_origins_only(make: Any, origin: str,
                                                            allowed: bool) -> None:

@@ -32,9 +32,12 @@ def test_a_models_dir_is_read_as_llama_server_reads_it(tmp_path: Path) -> None:
     for name in ("big-00001-of-00002.gguf", "big-00002-of-00002.gguf", "big-mmproj.gguf"):
         (big / name).write_bytes(b"")
     (tmp_path / "empty").mkdir()
+    (big / "mtp-big.gguf").write_bytes(b"")
     assert models_in_dir(tmp_path) == [
-        ("alpha", str(tmp_path / "alpha.gguf"), None),
-        ("big", str(big / "big-00001-of-00002.gguf"), str(big / "big-mmproj.gguf")),
+        ("alpha", ("--model", str(tmp_path / "alpha.gguf"))),
+        ("big", ("--model", str(big / "big-00001-of-00002.gguf"),
+                 "--mmproj", str(big / "big-mmproj.gguf"),
+                 "--spec-draft-model", str(big / "mtp-big.gguf"))),
     ]
     with pytest.raises(ValueError):
         models_in_dir(tmp_path / "alpha.gguf")
@@ -78,3 +81,30 @@ def test_the_cli_plans_a_models_dir(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert plan["unknown"] == ["broken"] and plan["resident"] == []
     assert main(["plan", "--models-dir", str(tmp_path / "nowhere")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_a_router_that_refuses_the_key_says_so() -> None:
+    import httpx
+
+    from gateway.planner.routerplan import models_of_router
+
+    refusing = httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(
+        401, json={"error": {"message": "Invalid API Key"}})))
+    with pytest.raises(ValueError, match="--api-key"):
+        models_of_router("http://router:8080", client=refusing)
+    single = httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(
+        200, json={"total_slots": 4} if r.url.path == "/props" else {"data": []})))
+    with pytest.raises(ValueError, match="not a llama-server router"):
+        models_of_router("http://server:8080", client=single)
+
+
+def test_a_split_model_weighs_all_its_shards(tmp_path: Path) -> None:
+    # Found by an adversarial pass: only the first shard was counted.
+    from gateway.planner.routerplan import gguf_bytes
+
+    for k, size in ((1, 100), (2, 5000), (3, 70)):
+        (tmp_path / f"m-0000{k}-of-00003.gguf").write_bytes(b"x" * size)
+    (tmp_path / "m-00001-of-00002.gguf").write_bytes(b"x" * 9)  # another split: not it
+    assert gguf_bytes(str(tmp_path / "m-00001-of-00003.gguf")) == 5170
+    (tmp_path / "one.gguf").write_bytes(b"x" * 42)
+    assert gguf_bytes(str(tmp_path / "one.gguf")) == 42

@@ -352,9 +352,17 @@ def test_an_embeddings_entry_may_be_openai_content_parts() -> None:
     assert req.prompts == ("a cat",) and req.extra_prompt_tokens == IMAGE_TOKENS
     req = parse(json.dumps({"input": [[1, 2, 3], {"content": [image]}]}).encode())
     assert req.prompts == ((1, 2, 3), "") and req.media == 1
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    assert parse(json.dumps({"input": {"content": [video]}}).encode()).media == 1
+    # Found by an adversarial pass: these were the gateway's own 500, or forwarded.
     for bad in ([], {"content": "string"}, {"content": [{"type": "unknown"}]},
                 {"content": []}, {"content": [{"type": "text", "text": 5}]},
-                ["ok", {"content": "string"}], ["ok", 5.5]):
+                ["ok", {"content": "string"}], ["ok", 5.5],
+                {"content": [{"type": ["text"]}]}, {"content": [{"type": {}}]},
+                {"prompt_string": "x", "multimodal_data": 5},
+                [{"prompt_string": "x", "multimodal_data": True}],
+                [{"content": [{"type": "text", "text": "a"}]}, ["a", "b"]],
+                [{"content": [{"type": "text", "text": "a"}]}, [[1, 2], [3]]]):
         with pytest.raises(InvalidRequest) as info:
             parse(json.dumps({"input": bad}).encode())
         assert info.value.param == "input", bad

@@ -170,7 +170,8 @@ def _pad(n: int) -> int:
 
 _ALIASES = {"-c": "--ctx-size", "-np": "--parallel", "-kvu": "--kv-unified",
             "-no-kvu": "--no-kv-unified", "-m": "--model", "-ctk": "--cache-type-k",
-            "-ctv": "--cache-type-v", "-mm": "--mmproj"}
+            "-ctv": "--cache-type-v", "-mm": "--mmproj", "-md": "--spec-draft-model",
+            "--model-draft": "--spec-draft-model"}
 
 
 def child_options(args: tuple[str, ...]) -> dict[str, str | None]:

@@ -97,6 +97,21 @@ def remaining_load_s(learned: float | None, others: list[float], elapsed_s: floa
     return max(POLL_S, guess - elapsed_s)
 
 
+async def _all_slots(hold: _Hold, charge: Charge) -> Lease | None:
+    """A lease of every slot of the held model, at the head of its queue, for as long as
+    it takes (a hold is not bounded by the queue's wait: placed again each
+    ``max_queue_wait_s``, it was logged and counted again each time); ``None`` when the
+    hold was let go meanwhile or admission refused it otherwise."""
+    while not hold.released:
+        try:
+            return await hold.member.admission.admit(charge, front=True)
+        except QueueTimeout:
+            continue
+        except GatewayError:
+            return None
+    return None
+
+
 class ModelsMaxGate:
     """Holds a busy loaded model so that the router can unload it for a model that
     waits to load (see the module), and learns each model's load time.
@@ -208,8 +223,10 @@ class ModelsMaxGate:
                 self._loading_since.setdefault(model_id, now)
             elif entry.status == "loaded" and old is not None and old.status != "loaded":
                 self._loaded_at[model_id] = now  # (loaded before the first read: settled)
-                start = self._loading_since.pop(model_id, None) or self._want_since.get(
-                    model_id)
+                # From its first "loading" seen, else from the turn the gateway gave
+                # it (a load shorter than a poll), never from the wait for that turn.
+                start = self._loading_since.pop(model_id, None) or self._sent.get(
+                    model_id, self._want_since.get(model_id))
                 if start is not None and old.status != "sleeping":
                     sample = now - start
                     last = self.load_s.get(model_id)
@@ -328,20 +345,12 @@ class ModelsMaxGate:
         hold.task = asyncio.ensure_future(self._take(hold, charge))
 
     async def _take(self, hold: _Hold, charge: Charge) -> None:
-        """Wait for every slot of the held model, at the head of its queue, for as long
-        as it takes (a hold is not bounded by the queue's wait: placed again each
-        ``max_queue_wait_s``, it was logged and counted again each time)."""
-        while True:
-            try:
-                lease = await hold.member.admission.admit(charge, front=True)
-                break
-            except QueueTimeout:
-                if hold.released:
-                    return
-            except GatewayError:  # the layout changed, say: the next rebalance decides
-                if self.holds.get(hold.victim) is hold:
-                    del self.holds[hold.victim]
-                return
+        """Wait for every slot of the held model (:func:`_all_slots`)."""
+        lease = await _all_slots(hold, charge)
+        if lease is None:  # the layout changed, say: the next rebalance decides
+            if self.holds.get(hold.victim) is hold:
+                del self.holds[hold.victim]
+            return
         if hold.released:
             hold.member.admission.release(lease, served=False)
         else:

@@ -212,9 +212,9 @@ class RequestAccounting:
 CORS_METHODS = ("GET", "POST", "DELETE", "OPTIONS")
 #: ``server.cors_origins = ["localhost"]``, as llama-server's ``--cors-origins localhost``
 #: (its default once server tools or MCP servers are on): an origin whose host is
-#: localhost, 127.0.0.1 or ::1, any scheme and port (``origin_is_localhost``,
-#: ``tools/server/server-http.cpp``).
-LOCALHOST_ORIGINS = r"[A-Za-z][A-Za-z0-9+.-]*://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"
+#: localhost, 127.0.0.1 or ::1, over http or https, any port (``origin_is_localhost``
+#: and ``common_http_parse_url``, ``tools/server/server-http.cpp``).
+LOCALHOST_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"
 
 
 class TitleCaseHeaders:

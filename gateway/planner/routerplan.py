@@ -14,17 +14,21 @@ own, with its own weights and KV pool, and keeps at most ``--models-max`` childr
 
 A model's KV cache is :func:`gateway.planner.planning.kv_size` of its launch (``-c`` unset
 or 0 is the model's trained context, as llama-server takes it); its weights are its GGUF
-file (and its ``--mmproj`` projector's) in bytes.
+files (every shard of a split one, its ``--mmproj`` projector) in bytes. A draft model
+(``--spec-draft-model``) adds its weights and a KV cache of the same context (a bound:
+``--ctx-size-draft`` may set less).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelMemory", "model_memory", "models_in_dir", "models_of_router",
+__all__ = ["ModelMemory", "gguf_bytes", "model_memory", "models_in_dir", "models_of_router",
            "render_router_plan", "router_plan"]
 
 MIB = 1024**2
@@ -34,6 +38,7 @@ DEFAULT_MODELS_MAX = 4
 # Companion files llama-server does not load as models of their own (common/preset.cpp:
 # "mmproj" anywhere in the name; the draft prefixes).
 _DRAFT_PREFIXES = ("mtp-", "dspark-", "dflash-")
+_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
 @dataclass(frozen=True)
@@ -67,34 +72,51 @@ class ModelMemory:
         return self.kv_bytes + self.weights_bytes
 
 
-def models_in_dir(models_dir: str | Path) -> list[tuple[str, str, str | None]]:
-    """The models a router started with ``--models-dir DIR`` lists, as
-    (name, GGUF path, projector path or ``None``), by name: each ``*.gguf`` file at the
-    top (named by its stem) and each subdirectory holding one (named by the directory;
-    its first shard ``-00001-of-`` if split, and a file with ``mmproj`` in its name as
-    the projector). Projectors and draft models (``mtp-``, ``dspark-``, ``dflash-``) are
-    not models of their own (``common/preset.cpp``, ``load_from_models_dir``).
+def models_in_dir(models_dir: str | Path) -> list[tuple[str, tuple[str, ...]]]:
+    """The models a router started with ``--models-dir DIR`` lists, as (name, the
+    arguments the router gives its child for them: ``--model`` and, when found,
+    ``--mmproj`` and ``--spec-draft-model``), by name: each ``*.gguf`` file at the top
+    (named by its stem) and each subdirectory holding one (named by the directory; its
+    first shard ``-00001-of-`` if split, a file with ``mmproj`` in its name as the
+    projector, the first draft model, ``mtp-``, ``dspark-`` or ``dflash-``, as the draft).
+    Projectors and draft models are not models of their own (``common/preset.cpp``,
+    ``load_from_models_dir``).
 
     :raises ValueError: ``models_dir`` is not a directory.
     """
     root = Path(models_dir)
     if not root.is_dir():
         raise ValueError(f"{models_dir} is not a directory")
-    found: list[tuple[str, str, str | None]] = []
+    found: list[tuple[str, tuple[str, ...]]] = []
     for entry in sorted(root.iterdir()):
         if entry.is_dir():
             files = sorted(p for p in entry.iterdir() if p.is_file() and p.suffix == ".gguf")
             mmproj = next((p for p in files if "mmproj" in p.name), None)
+            draft = next((p for p in files if p.name.startswith(_DRAFT_PREFIXES)
+                          and "mmproj" not in p.name), None)
             models = [p for p in files if "mmproj" not in p.name
                       and not p.name.startswith(_DRAFT_PREFIXES)]
             shard = next((p for p in models if "-00001-of-" in p.name), None)
             chosen = shard or (models[-1] if models else None)
             if chosen is not None:
-                found.append((entry.name, str(chosen), str(mmproj) if mmproj else None))
+                found.append((entry.name, (
+                    "--model", str(chosen), *(("--mmproj", str(mmproj)) if mmproj else ()),
+                    *(("--spec-draft-model", str(draft)) if draft else ()))))
         elif (entry.is_file() and entry.suffix == ".gguf" and "mmproj" not in entry.name
               and not entry.name.startswith(_DRAFT_PREFIXES)):
-            found.append((entry.stem, str(entry), None))
+            found.append((entry.stem, ("--model", str(entry))))
     return sorted(found)
+
+
+def gguf_bytes(gguf: str) -> int:
+    """Bytes of a model's GGUF: every shard of a split one (``-00001-of-00003.gguf`` and
+    its siblings), else the one file."""
+    path = Path(gguf)
+    match = _SHARD.search(path.name)
+    if match is None:
+        return path.stat().st_size
+    stem, total = path.name[:match.start()], match.group(2)
+    return sum(p.stat().st_size for p in path.parent.glob(f"{stem}-*-of-{total}.gguf"))
 
 
 @functools.lru_cache(maxsize=64)
@@ -131,18 +153,24 @@ def model_memory(model_id: str, args: tuple[str, ...]) -> ModelMemory:
     if layout is None:
         return ModelMemory(model_id, gguf, problem="its arguments give no context")
     n_ctx = layout.pool_tokens or layout.ctx_per_slot * layout.slots
-    kv = kv_size(shape, n_ctx, layout.slots, unified=unified,
-                 type_k=opts.get("--cache-type-k") or "f16",
-                 type_v=opts.get("--cache-type-v") or "f16")
-    weights = shape.weights_bytes or 0
-    mmproj = opts.get("--mmproj")
+    types = {"type_k": opts.get("--cache-type-k") or "f16",
+             "type_v": opts.get("--cache-type-v") or "f16"}
+    kv = kv_size(shape, n_ctx, layout.slots, unified=unified, **types)
+    kv_bytes, weights = kv.total_bytes, gguf_bytes(gguf)
+    mmproj, draft = opts.get("--mmproj"), opts.get("--spec-draft-model")
     if mmproj:
-        try:
+        with contextlib.suppress(OSError):
             weights += Path(mmproj).stat().st_size
-        except OSError:
-            pass
+    if draft:  # loaded with the model, with a KV cache of its own at the same context
+        try:
+            kv_bytes += kv_size(_shape_of(str(Path(draft).resolve())), n_ctx, layout.slots,
+                                unified=unified, **types).total_bytes
+            weights += gguf_bytes(draft)
+        except (OSError, ValueError) as exc:
+            return ModelMemory(model_id, gguf, problem=f"its draft model cannot be read "
+                               f"here: {exc}")
     return ModelMemory(model_id, gguf, slots=layout.slots, ctx_per_slot=kv.n_ctx_seq,
-                       n_ctx=kv.n_ctx, unified=unified, kv_bytes=kv.total_bytes,
+                       n_ctx=kv.n_ctx, unified=unified, kv_bytes=kv_bytes,
                        weights_bytes=weights)
 
 
@@ -151,8 +179,8 @@ def models_of_router(url: str, api_key: str | None = None,
     """A running router's models as (id, child arguments), and its ``--models-max``
     (``/props`` ``max_instances``; 0 when unlimited).
 
-    :raises ValueError: ``url`` is not a llama-server router, or its ``/models`` is not
-        the router's shape.
+    :raises ValueError: ``url`` cannot be reached, refuses the key, is not a llama-server
+        router, or its ``/models`` is not the router's shape.
     """
     import httpx
 
@@ -162,14 +190,19 @@ def models_of_router(url: str, api_key: str | None = None,
     own = client is None
     client = client or httpx.Client(timeout=10, headers=headers)
     try:
-        try:
-            props = client.get(url.rstrip("/") + "/props").json()
-            listing = client.get(url.rstrip("/") + "/models").json()
-        except (httpx.HTTPError, ValueError) as exc:
-            raise ValueError(f"{url} did not answer /props and /models: {exc}") from exc
+        answers = [client.get(url.rstrip("/") + path) for path in ("/props", "/models")]
+    except httpx.HTTPError as exc:
+        raise ValueError(f"{url} did not answer /props and /models: {exc}") from exc
     finally:
         if own:
             client.close()
+    if any(a.status_code in (401, 403) for a in answers):
+        raise ValueError(f"{url} refused the key (HTTP 401/403): give the router's "
+                         "--api-key with --api-key")
+    try:
+        props, listing = (a.json() for a in answers)
+    except ValueError as exc:
+        raise ValueError(f"{url} answered /props or /models with no JSON: {exc}") from exc
     if not isinstance(props, dict) or props.get("role") != "router":
         raise ValueError(f"{url} is not a llama-server router (its /props has no "
                          "role: router)")

@@ -708,7 +708,8 @@ def parse_responses(spec: RouteSpec, raw: bytes) -> ParsedRequest:
 # The parts an embeddings entry ``{"content": [...]}`` may hold: llama-server loads the
 # media ones and concatenates the text ones (tools/server/server-common.cpp,
 # tokenize_oai_content_array and oaicompat_content_load_media).
-_EMBEDDING_PARTS = frozenset({"text", "image_url", "input_audio", "input_video"})
+_EMBEDDING_PARTS = frozenset({"text", "image_url", "input_audio", "input_video",
+                              "video_url"})
 
 
 def _content_entry(value: Any) -> tuple[str, int] | None:
@@ -724,10 +725,11 @@ def _content_entry(value: Any) -> tuple[str, int] | None:
         return None
     parts = value["content"]
     if not isinstance(parts, list) or not all(
-            isinstance(p, dict) and p.get("type") in _EMBEDDING_PARTS for p in parts):
+            isinstance(p, dict) and isinstance(p.get("type"), str)
+            and p["type"] in _EMBEDDING_PARTS for p in parts):
         raise InvalidRequest("An input object's content must be an array of parts of "
-                             "type text, image_url, input_audio or input_video.",
-                             param="input")
+                             "type text, image_url, input_audio, input_video or "
+                             "video_url.", param="input")
     texts = [p.get("text", "") for p in parts if p["type"] == "text"]
     if not all(isinstance(t, str) for t in texts):
         raise InvalidRequest("A text part's text must be a string.", param="input")
@@ -747,22 +749,26 @@ def parse_embeddings(spec: RouteSpec, raw: bytes) -> ParsedRequest:
     entries = given if isinstance(given, list) and given and not _token_ids(given) \
         and not _mixed(given) else [given]
     content = [_content_entry(e) for e in entries]
-    media = _media_of(given) + sum(c[1] for c in content if c is not None)
     wrong = InvalidRequest("input must be a non-empty string, an array of token ids, a "
                            "{content: [parts]} object, or an array of those.",
                            param="input")
     items: list[str | tuple[int | str, ...]] = []
-    pairs = zip(entries, content, strict=True) if any(content) else [(given, None)]
-    for entry, parts in pairs:
+    pairs = list(zip(entries, content, strict=True)) if any(content) else None
+    for entry, parts in pairs if pairs is not None else [(given, None)]:
         if parts is None:  # a string, token ids or a prompt object (or all of them)
             try:
-                items.extend(_prompts({"prompt": entry}))
+                found = _prompts({"prompt": entry})
             except InvalidRequest:
                 raise wrong from None
+            if pairs is not None and len(found) != 1:
+                raise wrong  # beside content entries, each entry is one prompt
+            items.extend(found)
         elif not parts[0] and not parts[1]:
             raise wrong
         else:  # counted as its text; its media are charged apart
             items.append(parts[0])
+    # Counted once every entry is known good (a malformed multimodal_data is a 400 above).
+    media = _media_of(given) + sum(c[1] for c in content if c is not None)
     return ParsedRequest(spec=spec, body=body, max_tokens=0, n=1, stream=False,
                          prompts=tuple(items), queued_batch=True,
                          extra_prompt_tokens=media * IMAGE_TOKENS, media=media)
