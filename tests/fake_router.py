@@ -72,6 +72,7 @@ class FakeRouter:
     load_gate: asyncio.Event | None = None
     fail: set[str] = field(default_factory=set)
     aliases: dict[str, list[str]] = field(default_factory=dict)
+    reload_gate: asyncio.Event | None = None  # when set, GET /models?reload=1 waits on it
     status: dict[str, str] = field(default_factory=dict)
     exit_code: dict[str, int] = field(default_factory=dict)
     req_count: Counter[str] = field(default_factory=Counter)
@@ -165,6 +166,8 @@ class FakeRouter:
         autoload = self.autoload if "autoload" not in query else query["autoload"] in (
             "true", "1")
         if request.method == "GET":
+            if path == "/models" and query.get("reload") and self.reload_gate is not None:
+                await self.reload_gate.wait()
             answer = self.get_sync(path, query)
             if answer is not None:
                 return answer

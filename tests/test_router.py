@@ -537,3 +537,21 @@ async def test_what_a_router_answers_itself_goes_to_the_router() -> None:
     # With models, a /props naming none goes to the only model, as before.
     one = await harness(FakeRouter({"a": FakeLlamaServer()}, loaded={"a"}))
     assert "total_slots" in (await one.client.get("/props")).json()
+
+
+async def test_a_burst_of_reloads_is_one_or_two_at_the_router() -> None:
+    # Found by an adversarial pass: each GET /models?reload=1 reached the router, one
+    # after another on the hub's lock, and delayed every other read of the hub.
+    router = two_models(loaded={"a"})
+    h = await harness(router)
+    gate = router.reload_gate = asyncio.Event()
+    router.requests.clear()
+    burst = [asyncio.ensure_future(h.client.get("/models", params={"reload": "1"}))
+             for _ in range(20)]
+    await asyncio.sleep(0.05)
+    gate.set()
+    answers = await asyncio.gather(*burst)
+    assert all(r.status_code == 200 for r in answers)
+    reloads = [q for q in router.requests if q.url.path == "/models"
+               and "reload" in q.url.params]
+    assert 1 <= len(reloads) <= 2

@@ -467,6 +467,7 @@ class RouterHub:
         self.read_at: float | None = None
         self._seen: dict[str, tuple[tuple[str, ...], Discovered]] = {}
         self._lock = asyncio.Lock()
+        self._reloading = False  # the read under the lock is a reload
         self._loads: set[asyncio.Task[None]] = set()
         self._asked: dict[str, float] = {}  # load_to_learn: when each model was asked
         self.gate = ModelsMaxGate(self, clock, full_pass)
@@ -487,35 +488,44 @@ class RouterHub:
         ``/props?model=ID&autoload=false`` of each model that runs (a sleeping child
         answers ``/props`` from its cache without waking, ``server-context.cpp``). One
         read at a time: a caller arriving during one waits for it instead of starting
-        another (a reload then starts its own).
+        another; a reload arriving during a plain read then starts its own, during a
+        reload it joins that one (so a burst of reloads is one or two at the router).
 
         :raises UpstreamAuthFailed: 401/403, the gateway's key.
         :raises UpstreamUnavailable: the router cannot be reached.
         :raises UpstreamError: an answer that is not the router's ``/models`` shape.
         """
-        if self._lock.locked() and not reload:
+        if self._lock.locked() and (not reload or self._reloading):
             async with self._lock:
                 return
         async with self._lock:
-            with map_upstream_errors(self.name):
-                resp = await self.side.get("/models?reload=1" if reload else "/models")
-            if resp.status_code in (401, 403):
-                raise UpstreamAuthFailed(auth_problem(
-                    self.name, resp.status_code, self.side.settings.api_key is not None,
-                    "llama-server"))
+            self._reloading = reload
             try:
-                entries = parse_models(resp.json())
-            except ValueError as exc:
-                raise UpstreamError(f"Backend {self.name!r} (a llama-server router) "
-                                    f"answered /models with HTTP {resp.status_code} that "
-                                    f"is not the router's shape: {exc}") from exc
-            self.gate.observe(self.entries, entries)
-            self.entries = entries
-            for entry in entries.values():
-                if entry.running and entry.status != "loading":
-                    with contextlib.suppress(GatewayError, ValueError, KeyError, TypeError):
-                        await self._read_props(entry)
-            self.read_at = self.clock.now()
+                await self._read(reload)
+            finally:
+                self._reloading = False
+
+    async def _read(self, reload: bool) -> None:
+        """:meth:`read`'s work, under its lock."""
+        with map_upstream_errors(self.name):
+            resp = await self.side.get("/models?reload=1" if reload else "/models")
+        if resp.status_code in (401, 403):
+            raise UpstreamAuthFailed(auth_problem(
+                self.name, resp.status_code, self.side.settings.api_key is not None,
+                "llama-server"))
+        try:
+            entries = parse_models(resp.json())
+        except ValueError as exc:
+            raise UpstreamError(f"Backend {self.name!r} (a llama-server router) "
+                                f"answered /models with HTTP {resp.status_code} that "
+                                f"is not the router's shape: {exc}") from exc
+        self.gate.observe(self.entries, entries)
+        self.entries = entries
+        for entry in entries.values():
+            if entry.running and entry.status != "loading":
+                with contextlib.suppress(GatewayError, ValueError, KeyError, TypeError):
+                    await self._read_props(entry)
+        self.read_at = self.clock.now()
 
     async def _read_props(self, entry: ModelEntry) -> None:
         """``/props?model=ID&autoload=false``: the running child's slots and context,

@@ -150,7 +150,7 @@ async def models(request: Request) -> Response:
     first, as its own ``GET /models?reload=1`` does."""
     state = _state(request)
     backends = [b for b in state.fleet.backends.values() if b.router.parent is None]
-    reload = request.query_params.get("reload", "") not in ("", "0", "false")
+    reload = bool(request.query_params.get("reload"))  # any value, as server-models.cpp
     answers = await asyncio.gather(*(_listed(b, reload) for b in backends))
     renamed = state.settings.routing.answer_model != "backend"
     data: list[Any] = []
