@@ -779,7 +779,8 @@ async def test_the_slo_limit_caps_the_busy_slots_of_every_process(
         redis_server: Any, view: RedisView) -> None:
     """Process A's SLO limit (2) is a busy cap in the shared grant: with one stream of
     A's and one of B's on a 4-slot backend, A's next request waits though memory has
-    room, and starts once B's ends (the grant counts both processes' slots)."""
+    room, and starts once B's ends (the grant counts both processes' slots); A's limit
+    is published, so B's next request waits for it too."""
     from gateway.admission.admission import Admission
     from gateway.admission.shared import SharedStore
     from gateway.clock import MonotonicClock
@@ -806,7 +807,15 @@ async def test_the_slo_limit_caps_the_busy_slots_of_every_process(
         b.release(theirs)
         third = await asyncio.wait_for(waiting, 5)
         assert len(await view.leases()) == 2
+        # A's limit is published: B's own grants keep to it too (found by an adversarial
+        # pass: B's grant read only B's limit, so the backend ran three streams).
+        blocked = asyncio.ensure_future(b.admit(Charge(10, 10)))
+        await asyncio.sleep(0.3)
+        assert not blocked.done() and len(await view.leases()) == 2
         a.release(third)
+        later = await asyncio.wait_for(blocked, 5)
+        assert len(await view.leases()) == 2
+        b.release(later)
         a.release(mine)
         await view.settled()
     finally:

@@ -182,6 +182,8 @@ class SharedPump:
         store = self.shared.store
         parts = max(1, store.settings.replicas, len(store.processes))
         tokens, slots = layout.capacity_tokens // parts, max(1, layout.slots // parts)
+        if layout.busy_cap is not None:  # this process's SLO limit, split as the slots
+            slots = min(slots, max(1, layout.busy_cap // parts))
         now = self._clock.now()
         while (waiter := self._room.head()) is not None:
             ask, budget = waiter.request, self._budget()

@@ -137,6 +137,7 @@ local function finish()
 end
 """
 
+# KEYS 6: the SLO limits published, a hash: owner -> "cap|until ms".
 # ARGV 5..: pool tokens (0: per-slot layout), slots, usable per slot, capacity tokens,
 # busy cap (0: none; the SLO limit, gateway.admission.slo), preferred slot order
 # (comma-separated), tickets kept waiting (k), then k x (id, score), then asks (a), then
@@ -148,6 +149,24 @@ _GRANT = _PRELUDE + r"""
 local pool, slots, usable, capacity = tonumber(ARGV[5]), tonumber(ARGV[6]),
   tonumber(ARGV[7]), tonumber(ARGV[8])
 local busy_cap = tonumber(ARGV[9])
+-- Each process's SLO limit (gateway.admission.slo), published for 30 s with its grants:
+-- every process's grant keeps to the smallest live one, not only its own.
+local caps = KEYS[6]
+if busy_cap > 0 then
+  redis.call('HSET', caps, owner, busy_cap .. '|' .. (now + 30000))
+else
+  redis.call('HDEL', caps, owner)
+end
+local published = redis.call('HGETALL', caps)
+for i = 1, #published, 2 do
+  local o = published[i]
+  local cap, until_ms = string.match(published[i + 1], '^(%d+)|(%d+)$')
+  if not cap or tonumber(until_ms) <= now or not is_alive(o) then
+    redis.call('HDEL', caps, o)
+  elseif busy_cap == 0 or tonumber(cap) < busy_cap then
+    busy_cap = tonumber(cap)
+  end
+end
 local order = ARGV[10]
 local mine, asks, seq = {}, {}, {}
 local k = tonumber(ARGV[11])
@@ -646,7 +665,8 @@ class SharedAccount:
         self.store = store
         self.backend = backend
         self.keys = [store.key("b", backend, "leases"), store.key("b", backend, "queue"),
-                     store.key("procs"), store.key("epoch"), store.key("b", backend, "live")]
+                     store.key("procs"), store.key("epoch"), store.key("b", backend, "live"),
+                     store.key("b", backend, "caps")]
         self.channel = store.key("wake", backend)
         self.leases: dict[str, str] = {}
         self.providers: list[Provider] = []

@@ -39,9 +39,9 @@ get its first token in time. :class:`SloGuard`, one per
 * **Shared in Redis** (``[state] backend = "redis"``): each process learns from its own
   streams, filed under the slots busy over every process (the shared reply's count), and
   its limit goes to the shared grant as the layout's ``busy_cap``
-  (:meth:`gateway.admission.shared.SharedAccount.grant`): a process grants nothing that
-  would take the backend's busy slots, all processes' together, past its own limit.
-  Processes may learn slightly different limits; each one's grants respect its own.
+  (:meth:`gateway.admission.shared.SharedAccount.grant`), where it is published for 30 s:
+  every process's grant keeps the backend's busy slots, all processes' together, within
+  the smallest live limit.
 """
 
 from __future__ import annotations
