@@ -17,8 +17,9 @@ so that prefills land among the streams, as in a chat service.
    has that ``itl_p95_s``; one unmeasured round first, so that its limit has learnt
    where the target breaks.
 
-For each it prints wall time, goodput (streamed tokens per second of completed
-requests), refusals (answers other than 200), the client-side ITL p50 / p95 / max and
+For each it prints wall time, goodput (tokens streamed per second of wall time),
+refusals (answers other than 200), failures (streams that began and ended on an error
+event: llama-server's own context overflow, directly), the client-side ITL p50 / p95 / max and
 TTFT p50 / p95 (queue wait included), the gaps over twice the median ITL (the stalls a
 chat window shows), and the SLO limit at the end; then each run's ratios to strict.
 
@@ -57,6 +58,7 @@ class Run:
     wall_s: float = 0.0
     tokens: int = 0
     refused: int = 0
+    failed: int = 0  # streams that began (200) and ended on an error event
     gaps: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     limit: float = 0.0
@@ -80,6 +82,9 @@ async def one(client: httpx.AsyncClient, url: str, i: int, tokens: int, run: Run
             run.refused += 1
             return
         async for line in r.aiter_lines():
+            if line.startswith("data: {") and '"error"' in line[:40]:
+                run.failed += 1  # llama-server's "Context size has been exceeded", say
+                return
             if not line.startswith("data: {") or '"text":""' in line.replace(" ", ""):
                 continue
             now = time.monotonic()
@@ -127,7 +132,8 @@ def row(name: str, run: Run) -> str:
     median = statistics.median(run.gaps)
     stalls = sum(1 for g in run.gaps if g > 2 * median) / len(run.gaps)
     limit = f"{run.limit:6.0f}" if run.limit else f"{'-':>6}"
-    return (f"{name:15} {run.wall_s:7.1f} {run.tokens / run.wall_s:8.1f} {run.refused:5d} "
+    return (f"{name:15} {run.wall_s:7.1f} {run.tokens / run.wall_s:8.1f} "
+            f"{run.refused:5d} {run.failed:5d} "
             f"{median * 1000:8.1f} {quantile(run.gaps, 0.95) * 1000:8.1f} "
             f"{max(run.gaps) * 1000:8.1f} {statistics.median(run.ttfts):8.2f} "
             f"{quantile(run.ttfts, 0.95):8.2f} {stalls:7.1%} {limit}")
@@ -172,7 +178,7 @@ def main() -> None:
                 runs[f"{policy}+slo"] = measured(url, registry)
     print(f"learned ITL p95: 2 busy {two * 1000:.1f} ms, 4 busy "
           f"{(four or 0) * 1000:.1f} ms; target {target * 1000:.1f} ms")
-    print(f"{'run':15} {'wall s':>7} {'tok/s':>8} {'refus':>5} {'ITL p50':>8} "
+    print(f"{'run':15} {'wall s':>7} {'tok/s':>8} {'refus':>5} {'fail':>5} {'ITL p50':>8} "
           f"{'ITL p95':>8} {'ITL max':>8} {'TTFT p50':>8} {'TTFT p95':>8} {'stalls':>7} "
           f"{'limit':>6}")
     for name, run in runs.items():
