@@ -555,3 +555,20 @@ async def test_a_burst_of_reloads_is_one_or_two_at_the_router() -> None:
     reloads = [q for q in router.requests if q.url.path == "/models"
                and "reload" in q.url.params]
     assert 1 <= len(reloads) <= 2
+
+
+async def test_a_wait_for_a_turn_is_no_part_of_a_loads_prediction() -> None:
+    # Under --models-max a model waiting for its turn has not begun to load: ten seconds
+    # of that wait leave its predicted load whole, where they used to make it "due".
+    from gateway.backends.router_gate import FIRST_LOAD_S
+
+    clock = ManualClock()
+    h = await harness(two_models(loaded={"a"}, models_max=1), clock=clock)
+    gate = h.hub.router.hub.gate
+    gate.wanted("b")
+    clock.advance(10.0)
+    assert gate.load_wait_s("b") == FIRST_LOAD_S
+    gate._sent["b"] = clock.now()  # its turn given now: the load runs from here
+    clock.advance(2.0)
+    assert gate.load_wait_s("b") == FIRST_LOAD_S - 2.0
+    await gate.close()

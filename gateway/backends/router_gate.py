@@ -241,11 +241,14 @@ class ModelsMaxGate:
     def load_wait_s(self, model_id: str) -> float:
         """Seconds until ``model_id`` is predicted to have loaded (0.0 when it is
         loaded or not listed): :func:`remaining_load_s` of its load (or wake) under way
-        or wanted, timed from its first ``loading`` or first want."""
+        or wanted, timed from its first ``loading``, else from the turn the gateway gave
+        it (without ``--models-max``, from its first want)."""
         entry = self.hub.entries.get(model_id)
         if entry is None or entry.status == "loaded":
             return 0.0
-        since = self._loading_since.get(model_id, self._want_since.get(model_id))
+        # A turn still awaited is no part of the load (without --models-max, none is).
+        since = self._loading_since.get(model_id) or self._sent.get(model_id) or (
+            self._want_since.get(model_id) if self.hub.max_instances <= 0 else None)
         return remaining_load_s(self.load_s.get(model_id), list(self.load_s.values()),
                                 0.0 if since is None else self.clock.now() - since)
 
