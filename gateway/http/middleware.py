@@ -43,6 +43,7 @@ browser sends none with it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -244,8 +245,10 @@ class TitleCaseHeaders:
         await self.app(scope, receive, titled)
 
 
+@functools.lru_cache(maxsize=256)
 def title_case(name: bytes) -> bytes:
-    """``b"access-control-allow-origin"`` as ``b"Access-Control-Allow-Origin"``."""
+    """``b"access-control-allow-origin"`` as ``b"Access-Control-Allow-Origin"`` (kept for
+    the names seen: every answer sends the same few)."""
     return b"-".join(part[:1].upper() + part[1:].lower() for part in name.split(b"-"))
 
 
@@ -280,10 +283,9 @@ class CorsOnApi:
         if scope["type"] != "http" or path in NO_CORS_PATHS or path.startswith(ADMIN_PREFIX):
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or ())
+        headers = dict(scope.get("headers") or ()) if scope["method"] == "OPTIONS" else {}
         origin = headers.get(b"origin")
-        if (scope["method"] == "OPTIONS" and origin is not None
-                and b"access-control-request-method" in headers
+        if (origin is not None and b"access-control-request-method" in headers
                 and not self.cors.is_allowed_origin(origin.decode("latin-1"))):
             # A preflight from an origin not allowed: 200 with no CORS headers, as
             # llama-server answers it (starlette's is a 400); the browser refuses either.

@@ -190,10 +190,10 @@ def _side_backend(state: GatewayState, model: object, path: str) -> Target:
     :raises ModelNotFound: ``model`` is not served here (404).
     :raises RouteNotFound: as :meth:`Fleet.pick`.
     """
-    hubs = [b for b in state.fleet.backends.values() if b.router.hub is not None]
     try:
         picked = state.fleet.pick(model)
     except ModelNotFound:
+        hubs = [b for b in state.fleet.backends.values() if b.router.hub is not None]
         if model is not None or len(hubs) != 1:
             raise
         return hubs[0]  # the only backend is a router that lists no model
@@ -279,21 +279,27 @@ async def slot_action(request: Request, id_slot: str) -> Response:
 
 
 async def changes_server(request: Request) -> Response:
-    """``POST /props``, ``POST /lora-adapters``; a router's ``POST``/``DELETE /models``
-    (download, delete) and ``POST /models/load``, ``/models/unload``: refused.
+    """``POST /props``, ``POST /lora-adapters``: refused.
 
     :raises NotRelayed: always (403).
     """
-    if request.url.path.startswith("/models"):
-        raise NotRelayed(
-            f"The gateway does not relay {request.method} {request.url.path}: it changes "
-            "a llama-server router's models for every client of the gateway, and the "
-            "gateway loads and unloads them itself as requests need them (under "
-            "--models-max). Send it to the router itself; GET /models is relayed.")
     raise NotRelayed(
         f"The gateway does not relay POST {request.url.path}: it changes the backend's "
         "settings for every client of the gateway at once. Send it to the backend "
         f"itself; GET {request.url.path} is relayed.")
+
+
+async def manages_models(request: Request) -> Response:
+    """A router's ``POST``/``DELETE /models`` (download, delete) and ``POST /models/load``,
+    ``/models/unload``: refused.
+
+    :raises NotRelayed: always (403).
+    """
+    raise NotRelayed(
+        f"The gateway does not relay {request.method} {request.url.path}: it changes a "
+        "llama-server router's models for every client of the gateway, and the gateway "
+        "loads and unloads them itself as requests need them (under --models-max). Send "
+        "it to the router itself; GET /models is relayed.")
 
 
 async def cors_proxy(request: Request) -> Response:
@@ -330,9 +336,9 @@ def register_side_routes(app: FastAPI) -> None:
             methods.append("POST")  # GET /tools lists the tools, POST /tools runs one
         app.add_api_route(path, side_route, methods=methods)
     app.add_api_route("/props", changes_server, methods=["POST"])
-    app.add_api_route("/models", changes_server, methods=["POST", "DELETE"])
-    app.add_api_route("/models/load", changes_server, methods=["POST"])
-    app.add_api_route("/models/unload", changes_server, methods=["POST"])
+    app.add_api_route("/models", manages_models, methods=["POST", "DELETE"])
+    app.add_api_route("/models/load", manages_models, methods=["POST"])
+    app.add_api_route("/models/unload", manages_models, methods=["POST"])
     app.add_api_route("/lora-adapters", changes_server, methods=["POST"])
     app.add_api_route("/slots/{id_slot}", slot_action, methods=["POST"])
     app.add_api_route("/cors-proxy", cors_proxy, methods=["GET", "POST"])

@@ -94,18 +94,21 @@ def models_in_dir(models_dir: str | Path) -> list[tuple[str, tuple[str, ...]]]:
             mmproj = next((p for p in files if "mmproj" in p.name), None)
             draft = next((p for p in files if p.name.startswith(_DRAFT_PREFIXES)
                           and "mmproj" not in p.name), None)
-            models = [p for p in files if "mmproj" not in p.name
-                      and not p.name.startswith(_DRAFT_PREFIXES)]
+            models = [p for p in files if not _companion(p.name)]
             shard = next((p for p in models if "-00001-of-" in p.name), None)
             chosen = shard or (models[-1] if models else None)
             if chosen is not None:
                 found.append((entry.name, (
                     "--model", str(chosen), *(("--mmproj", str(mmproj)) if mmproj else ()),
                     *(("--spec-draft-model", str(draft)) if draft else ()))))
-        elif (entry.is_file() and entry.suffix == ".gguf" and "mmproj" not in entry.name
-              and not entry.name.startswith(_DRAFT_PREFIXES)):
+        elif entry.is_file() and entry.suffix == ".gguf" and not _companion(entry.name):
             found.append((entry.stem, ("--model", str(entry))))
     return sorted(found)
+
+
+def _companion(name: str) -> bool:
+    """A projector or a draft model's file: loaded with a model, never one of its own."""
+    return "mmproj" in name or name.startswith(_DRAFT_PREFIXES)
 
 
 def gguf_bytes(gguf: str) -> int:

@@ -753,20 +753,24 @@ def parse_embeddings(spec: RouteSpec, raw: bytes) -> ParsedRequest:
                            "{content: [parts]} object, or an array of those.",
                            param="input")
     items: list[str | tuple[int | str, ...]] = []
-    pairs = list(zip(entries, content, strict=True)) if any(content) else None
-    for entry, parts in pairs if pairs is not None else [(given, None)]:
-        if parts is None:  # a string, token ids or a prompt object (or all of them)
-            try:
-                found = _prompts({"prompt": entry})
-            except InvalidRequest:
-                raise wrong from None
-            if pairs is not None and len(found) != 1:
-                raise wrong  # beside content entries, each entry is one prompt
-            items.extend(found)
-        elif not parts[0] and not parts[1]:
-            raise wrong
-        else:  # counted as its text; its media are charged apart
+    for entry, parts in zip(entries, content, strict=True) if any(content) else ():
+        if parts is not None:  # counted as its text; its media are charged apart
+            if not parts[0] and not parts[1]:
+                raise wrong
             items.append(parts[0])
+            continue
+        try:  # beside content entries, each other entry is one prompt
+            found = _prompts({"prompt": entry})
+        except InvalidRequest:
+            raise wrong from None
+        if len(found) != 1:
+            raise wrong
+        items.extend(found)
+    if not any(content):  # no content entry: the prompts as completions take them
+        try:
+            items.extend(_prompts({"prompt": given}))
+        except InvalidRequest:
+            raise wrong from None
     # Counted once every entry is known good (a malformed multimodal_data is a 400 above).
     media = _media_of(given) + sum(c[1] for c in content if c is not None)
     return ParsedRequest(spec=spec, body=body, max_tokens=0, n=1, stream=False,
