@@ -19,6 +19,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from gateway.admission.shared import close_bounded
 from gateway.config import load_settings
 from gateway.http.app import create_app
 from tests.conftest import Harness
@@ -96,7 +97,7 @@ def redis_server(tmp_path: Any) -> Any:
 async def view(redis_server: Any) -> AsyncIterator[RedisView]:
     v = RedisView(redis_server.url)
     yield v
-    await v.client.aclose()
+    await close_bounded(v.client.aclose())
 
 
 @pytest.fixture
@@ -281,7 +282,7 @@ async def stall_redis(url: str, seconds: float) -> asyncio.Future[Any]:
         try:
             await other.execute_command("DEBUG", "SLEEP", seconds)
         finally:
-            await other.aclose()
+            await close_bounded(other.aclose())
     blocker = asyncio.ensure_future(run())
     await asyncio.sleep(0.05)
     return blocker

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from gateway.admission.admission import Admission
 from gateway.admission.lease import Lease
 from gateway.admission.live import GROWTH_HORIZON_S, LiveAccounting
-from gateway.admission.shared import Ask, SharedStore
+from gateway.admission.shared import Ask, SharedStore, close_bounded
 from gateway.admission.shared_live import (
     LiveFigures,
     LiveRule,
@@ -71,7 +71,7 @@ async def fresh_redis(url: str) -> None:
         await client.flushall()
         await client.set("t:epoch", 0)
     finally:
-        await client.aclose()
+        await close_bounded(client.aclose())
 
 
 @pytest.fixture
@@ -151,7 +151,7 @@ async def test_grant_script_decides_as_live_reserved(
         assert ("P#1" in reply.granted) == capacity.fits(layout, budget, charge)
         assert not await client.hexists("t:b:b:live", "Q#gone")
     finally:
-        await client.aclose()
+        await close_bounded(client.aclose())
 
 
 lease_st = st.builds(
@@ -213,7 +213,7 @@ async def test_grant_script_decides_as_live_accounting_fits(
         assert ("P#new" in reply.granted) == expected
     finally:
         await store.close()
-        await client.aclose()
+        await close_bounded(client.aclose())
 
 
 @settings(max_examples=200)
@@ -312,7 +312,7 @@ async def test_figures_are_batched_sent_when_changed_and_go_with_their_lease(
         await asyncio.wait_for(b.admission.admit(Charge(10, 10)), 5)
         assert await client.hlen("t:b:b:live") == 0
     finally:
-        await client.aclose()
+        await close_bounded(client.aclose())
 
 
 def test_check_config_accepts_predictive_with_redis(tmp_path: Any) -> None:

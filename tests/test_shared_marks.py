@@ -14,6 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
+from gateway.admission.shared import close_bounded
 from gateway.backends.target import Target
 from gateway.config import load_settings
 from gateway.http.app import create_app
@@ -183,7 +184,7 @@ async def test_the_layout_follows_the_heartbeat_when_a_notice_is_lost(
         gen = int(await view.hget(key, "gen"))
         await view.hset(key, mapping={"gen": gen + 1, "slots": 3})
     finally:
-        await view.aclose()
+        await close_bounded(view.aclose())
     await until(lambda: a.backend.admission.layout.slots == 3
                 and b.backend.admission.layout.slots == 3)
 

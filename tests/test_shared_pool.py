@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from gateway.admission.lease import Lease
+from gateway.admission.shared import close_bounded
 from gateway.backends.target import Target
 from gateway.config import load_settings
 from gateway.core.capacity import Charge
@@ -140,7 +141,7 @@ async def resynced(url: str) -> None:
                 return
             await asyncio.sleep(0.05)
     finally:
-        await client.aclose()
+        await close_bounded(client.aclose())
 
 
 @pytest.fixture
@@ -152,7 +153,7 @@ def fakes() -> dict[str, FakeLlamaServer]:
 async def view(redis_server: Any) -> AsyncIterator[Redis]:
     v = Redis(redis_server.url)
     yield v
-    await v.client.aclose()
+    await close_bounded(v.client.aclose())
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.admission.admission import Admission
-from gateway.admission.shared import Ask, SharedStore
+from gateway.admission.shared import Ask, SharedStore, close_bounded
 from gateway.clock import MonotonicClock
 from gateway.config import StateSettings
 from gateway.core import capacity
@@ -57,7 +57,7 @@ async def shared_sums(url: str) -> tuple[int, int]:
     try:
         values = await client.hvals("t:b:b:leases")
     finally:
-        await client.aclose()
+        await close_bounded(client.aclose())
     tokens = slots = 0
     for v in values:
         _, tok, sl, _ = v.decode().split("|")
@@ -188,7 +188,7 @@ async def test_a_waiter_that_times_out_leaves_the_shared_queue(redis_server: Any
         try:
             assert await client.zcard("t:b:b:queue") == 0
         finally:
-            await client.aclose()
+            await close_bounded(client.aclose())
         b.admission.release(held)
 
 
@@ -222,7 +222,7 @@ async def test_script_decides_as_the_capacity_model(
         expected = capacity.fits(layout, Budget(reserved, busy), charge)
         assert ("P#1" in reply.granted) == expected
     finally:
-        await client.aclose()
+        await close_bounded(client.aclose())
 
 
 async def test_interleavings_keep_the_budget_within_the_pool(redis_server: Any) -> None:
@@ -271,7 +271,7 @@ async def test_interleavings_keep_the_budget_within_the_pool(redis_server: Any) 
                 await p.store.heartbeat()
         assert await shared_sums(redis_server.url) == (0, 0)
     finally:
-        await client.aclose()
+        await close_bounded(client.aclose())
         for p in procs:
             await p.store.close()
 
@@ -311,7 +311,7 @@ async def test_a_process_taken_for_dead_says_so_when_it_renews(
         try:
             await client.zadd("t:procs", {"A": 0})  # its liveness lapsed (a long stall)
         finally:
-            await client.aclose()
+            await close_bounded(client.aclose())
         await a.store.heartbeat()
         assert (0, "renewed_late") in seen
         assert "renewed its liveness later than lease_ttl_s" in caplog.text
@@ -366,3 +366,26 @@ async def test_redis_lost_with_a_local_fallback_admits_a_share(redis_server: Any
             await asyncio.sleep(0.1)
         a.admission.release(first)
         a.admission.release(small)
+
+
+async def test_a_close_that_never_ends_is_left_after_its_bound() -> None:
+    """redis-py's asyncio close can wait for ever on the socket's ``wait_closed``
+    (redis/redis-py#3941): a run of the shared-state tests hung in a fixture's close with
+    the event loop idle. ``close_bounded`` gives such a close its bound and goes on, and
+    one that fails is quiet."""
+    import time
+
+    ever = asyncio.Event()
+
+    async def hangs() -> None:
+        await ever.wait()
+
+    async def fails() -> None:
+        raise ConnectionError("gone")
+
+    started = time.monotonic()
+    await close_bounded(hangs(), 0.2)
+    assert 0.15 < time.monotonic() - started < 2.0
+    await close_bounded(fails(), 1.0)  # (raises nothing)
+    await asyncio.sleep(0)  # the abandoned close was cancelled, not left running
+    assert not [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "hangs"]

@@ -13,6 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
+from gateway.admission.shared import close_bounded
 from gateway.config import load_settings
 from gateway.http.app import create_app
 from tests.conftest import Harness
@@ -131,4 +132,4 @@ async def test_a_dead_process_s_queued_places_expire(pair: Any, redis_server: An
         assert r.status_code == 200, r.text
         assert b"ghost#1" not in await view.zrange("tt:t:web:queued", 0, -1)
     finally:
-        await view.aclose()
+        await close_bounded(view.aclose())

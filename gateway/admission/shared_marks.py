@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from redis.exceptions import RedisError
 
+from gateway.admission.shared import close_bounded
 from gateway.core.health import Health
 from gateway.core.pool_model import Reported
 from gateway.errors import StateUnavailable
@@ -213,8 +214,7 @@ class MarksHub:
             except Exception:  # never let the marks' loop die
                 log.exception("shared state: reading the backends' marks failed")
             finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                await close_bounded(pubsub.aclose())
             await asyncio.sleep(renew_s)
 
 
