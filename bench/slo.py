@@ -14,17 +14,23 @@ so that prefills land among the streams, as in a chat service.
    ``--target`` times the learned ITL p95 with two slots busy (1.25 by default: what two
    streams get, with a quarter to spare).
 3. **strict+slo**, **predictive+slo**: a fresh gateway under each policy whose one class
-   has that ``itl_p95_s``; one unmeasured round first, so that its limit has learnt
-   where the target breaks.
+   has that ``itl_p95_s``, prefill deferral off (``prefill_defer_s = 0``); one
+   unmeasured round first, so that its limit has learnt where the target breaks.
+4. **strict+slo+hold**, **predictive+slo+hold**: the same with ``prefill_defer_s =
+   --defer`` (2 s by default): a long prompt is held back while the streams decode.
+
+With ``--stagger S``, client ``i`` of a round starts ``i × S`` seconds after the first,
+so that long prompts arrive while earlier streams decode (a chat service's arrivals).
 
 For each it prints wall time, goodput (tokens streamed per second of wall time),
 refusals (answers other than 200), failures (streams that began and ended on an error
 event: llama-server's own context overflow, directly), the client-side ITL p50 / p95 / max and
 TTFT p50 / p95 (queue wait included), the gaps over twice the median ITL (the stalls a
-chat window shows), and the SLO limit at the end; then each run's ratios to strict.
+chat window shows), the SLO limit at the end and the requests held back for their prefill;
+then each run's ratios to strict.
 
 Usage: python bench/slo.py [--clients 6] [--tokens 120] [--rounds 2] [--target 1.25]
-       [--long-words 300]
+       [--long-words 300] [--defer 2.0] [--stagger 0.0]
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class Run:
     gaps: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     limit: float = 0.0
+    held: float = 0.0  # requests whose prefill was deferred (gateway_prefill_deferred_total)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -70,7 +77,8 @@ def quantile(values: list[float], q: float) -> float:
 
 
 async def one(client: httpx.AsyncClient, url: str, i: int, tokens: int, run: Run,
-              long_words: int) -> None:
+              long_words: int, stagger_s: float = 0.0) -> None:
+    await asyncio.sleep(i * stagger_s)
     sent = time.monotonic()
     last: float | None = None
     story = " ".join(f"word{j}" for j in range(long_words)) if i % 3 == 2 else ""
@@ -96,24 +104,25 @@ async def one(client: httpx.AsyncClient, url: str, i: int, tokens: int, run: Run
             run.tokens += 1
 
 
-async def rounds(url: str, clients: int, tokens: int, count: int, long_words: int) -> Run:
+async def rounds(url: str, clients: int, tokens: int, count: int, long_words: int,
+                 stagger_s: float = 0.0) -> Run:
     run = Run()
     async with httpx.AsyncClient(timeout=900) as client:
         start = time.monotonic()
         for _ in range(count):
-            await asyncio.gather(*(one(client, url, i, tokens, run, long_words)
+            await asyncio.gather(*(one(client, url, i, tokens, run, long_words, stagger_s)
                                    for i in range(clients)))
         run.wall_s = time.monotonic() - start
     return run
 
 
 @contextmanager
-def gateway(backend_url: str, classes: list[dict[str, Any]], policy: str = "strict"
-            ) -> Iterator[tuple[str, CollectorRegistry]]:
-    """The gateway under ``policy`` with these ``[[classes]]`` on a free port in a
-    thread."""
+def gateway(backend_url: str, classes: list[dict[str, Any]], policy: str = "strict",
+            defer_s: float = 2.0) -> Iterator[tuple[str, CollectorRegistry]]:
+    """The gateway under ``policy`` with these ``[[classes]]`` and
+    ``prefill_defer_s`` on a free port in a thread."""
     settings = load_settings(admission={"max_queue_wait_s": 600.0, "max_queue": 64,
-                                        "policy": policy},
+                                        "policy": policy, "prefill_defer_s": defer_s},
                              backends=[{"name": "local", "url": backend_url}],
                              classes=classes)
     with gateway_thread(settings) as running:
@@ -136,7 +145,7 @@ def row(name: str, run: Run) -> str:
             f"{run.refused:5d} {run.failed:5d} "
             f"{median * 1000:8.1f} {quantile(run.gaps, 0.95) * 1000:8.1f} "
             f"{max(run.gaps) * 1000:8.1f} {statistics.median(run.ttfts):8.2f} "
-            f"{quantile(run.ttfts, 0.95):8.2f} {stalls:7.1%} {limit}")
+            f"{quantile(run.ttfts, 0.95):8.2f} {stalls:7.1%} {limit} {run.held:5.0f}")
 
 
 def main() -> None:
@@ -145,6 +154,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=120)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--long-words", type=int, default=300)
+    parser.add_argument("--stagger", type=float, default=0.0,
+                        help="seconds between the starts of a round's clients")
+    parser.add_argument("--defer", type=float, default=2.0,
+                        help="prefill_defer_s of the +hold runs (the +slo runs have 0)")
     parser.add_argument("--target", type=float, default=1.25,
                         help="the ITL target as a multiple of the learned p95 at 2 busy")
     args = parser.parse_args()
@@ -153,8 +166,8 @@ def main() -> None:
 
     def measured(url: str, registry: CollectorRegistry | None, warm: bool = True) -> Run:
         if warm:  # the warm-up round (and, with a target, the round the limit learns in)
-            asyncio.run(rounds(url, *work, 1, args.long_words))
-        run = asyncio.run(rounds(url, *work, args.rounds, args.long_words))
+            asyncio.run(rounds(url, *work, 1, args.long_words, args.stagger))
+        run = asyncio.run(rounds(url, *work, args.rounds, args.long_words, args.stagger))
         if registry is not None:
             run.limit = sample(registry, "gateway_slo_limit", backend="local") or 0
         return run
@@ -174,13 +187,19 @@ def main() -> None:
             runs["predictive"] = measured(url, registry)
         for policy in ("strict", "predictive"):
             with gateway(server.url, [{"name": "chat", "itl_p95_s": target}],
-                         policy) as (url, registry):
+                         policy, 0.0) as (url, registry):
                 runs[f"{policy}+slo"] = measured(url, registry)
+            with gateway(server.url, [{"name": "chat", "itl_p95_s": target}],
+                         policy, args.defer) as (url, registry):
+                runs[f"{policy}+slo+hold"] = measured(url, registry)
+                run = runs[f"{policy}+slo+hold"]
+                run.held = sample(registry, "gateway_prefill_deferred_total",
+                                  backend="local") or 0
     print(f"learned ITL p95: 2 busy {two * 1000:.1f} ms, 4 busy "
           f"{(four or 0) * 1000:.1f} ms; target {target * 1000:.1f} ms")
     print(f"{'run':15} {'wall s':>7} {'tok/s':>8} {'refus':>5} {'fail':>5} {'ITL p50':>8} "
           f"{'ITL p95':>8} {'ITL max':>8} {'TTFT p50':>8} {'TTFT p95':>8} {'stalls':>7} "
-          f"{'limit':>6}")
+          f"{'limit':>6} {'held':>5}")
     for name, run in runs.items():
         print(row(name, run))
     base = runs["strict"]

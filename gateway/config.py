@@ -246,6 +246,12 @@ class AdmissionSettings(_Strict):
     # may still be queued inside a busy backend, or may never have reached it. Released
     # sooner once every slot has been seen idle.
     abandon_confirm_timeout_s: float = Field(120.0, gt=0.0)
+    # Prefill deferral (docs/latency.md): while streams of a class with itl_p95_s decode
+    # on a backend, a request whose prefill is predicted to take longer than their
+    # target is held back for at most this many seconds since it came (never past its
+    # TTFT deadline), or until they end; 0 turns it off. Without an ITL target in flight,
+    # nothing is held.
+    prefill_defer_s: float = Field(2.0, ge=0.0, allow_inf_nan=False)
     # Priority ageing (gateway/core/fairness.py): a waiting request competes one class higher
     # for every this many seconds it has waited, so that lower classes are never starved.
     priority_age_s: float = Field(30.0, gt=0.0)

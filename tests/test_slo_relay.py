@@ -154,3 +154,29 @@ async def test_the_gaps_of_an_n_above_one_stream_are_not_learnt() -> None:
         assert sum(hist.samples for hist in h.backend.admission.slo.model.levels.values()) > 10
     finally:
         await h.client.aclose()
+
+
+async def test_a_long_prompt_waits_for_the_targeted_streams_decoding() -> None:
+    """Prefill deferral through the relay, in strict mode (found on the real llama-server:
+    a strict stream's lease never got a first-token time, so nothing was ever held).
+    The fake's prefill costs 2 ms a prompt token: a 600-word prompt would stall the
+    streams 1.2 s, over the 50 ms target. It waits until the streams decoding beside it
+    end (about 0.6 s), under admission.prefill_defer_s (2 s)."""
+    fake = FakeLlamaServer(prefill_s_per_token=0.002, tokens=1000, token_delay=0.02)
+    h = await _harness(fake, [{"name": "chat", "itl_p95_s": 0.05}])
+    try:
+        for _ in range(3):  # the prefill rate is learnt
+            assert (await _stream(h, 2, words=100)).status_code == 200
+        fake.peak = 0
+        streams = [asyncio.ensure_future(_stream(h, 30)) for _ in range(2)]
+        await asyncio.sleep(0.2)  # they decode now
+        long = await _stream(h, 2, words=600)
+        assert long.status_code == 200
+        assert h.sample("gateway_prefill_deferred_total", backend="local") == 1
+        for done in await asyncio.gather(*streams):
+            assert done.status_code == 200
+        # The long prompt started after the streams ended, not beside them (without
+        # deferral, three ran at once).
+        assert fake.peak == 2
+    finally:
+        await h.client.aclose()

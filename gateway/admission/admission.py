@@ -96,15 +96,11 @@ class Admission:
         part of it.
 
     It is the one admission API of a backend that the target, the relay and the slot
-    watch call (queue and grant, Retry-After and wait forecasts, live accounting), each a
-    few lines over its part: :class:`~gateway.admission.waitroom.Waitroom`,
-    :class:`~gateway.core.slots.SlotMap`,
-    :class:`~gateway.admission.forecast.WaitForecast`,
-    :class:`~gateway.admission.live.LiveAccounting` and, when shared,
-    :class:`~gateway.admission.pump.SharedPump`. It stays over the size the layering issue
-    aims at (about 400 lines, 205 statements; ``tests/test_relay_layout.py`` holds it
-    there) because that API is public and kept whole; what is left of its own is the
-    queue-and-grant logic (``try_admit``, ``admit``, ``release``, ``set_layout``).
+    watch call, each a few lines over its part: ``Waitroom``, ``SlotMap``,
+    ``WaitForecast``, ``LiveAccounting``, ``SloGuard`` and, when shared, ``SharedPump``.
+    It stays over the size the layering issue aims at (``tests/test_relay_layout.py``
+    holds it at about 410 lines) because that API is public and kept whole; its own is
+    the queue-and-grant logic.
     """
 
     def __init__(
@@ -174,12 +170,14 @@ class Admission:
         outside the budget changed: a backend drained or undrained)."""
         self._wake()
 
-    def fits_now(self, charge: Charge) -> bool:
-        """True when ``charge`` would be granted now by :meth:`try_admit` (no one waits
-        here and it fits what is left). False while the layout is unknown."""
+    def fits_now(self, charge: Charge, party: Party | None = None, waited_s: float = 0.0,
+                 cached: bool = False) -> bool:
+        """True when ``charge`` would be granted now by :meth:`try_admit`: no one waits,
+        it fits, and its prefill is not held back after ``waited_s`` s (``slo.hold_s``)."""
         layout = self._layout
         return (layout is not None and not self._room and self._shared is None
-                and capacity.fits_alone(layout, charge) and self._fits(layout, charge))
+                and capacity.fits_alone(layout, charge) and self._fits(layout, charge)
+                and not self.slo.defer.hold_s(charge, party or Party(), waited_s, cached=cached))
 
     def headroom(self, charge: Charge) -> tuple[float, float]:
         """What would be left after granting ``charge``, as fractions of the backend:
@@ -241,8 +239,7 @@ class Admission:
         )
 
     def oldest_wait_s(self) -> float:
-        """How long the request waiting longest in this queue has waited so far,
-        seconds (0.0 when none waits)."""
+        """Seconds the request waiting longest here has waited so far (0.0: none)."""
         return self._room.oldest_wait_s()
 
     # -- waits and Retry-After (gateway.core.waits) ---------------------------------------
@@ -309,8 +306,10 @@ class Admission:
             return None  # the shared queue decides (SharedPump)
         if (self._room and not front) or not self._fits(layout, charge):
             return None
-        if not front:  # (a preempted request coming back is never refused)
+        if not front:  # (a preempted request coming back is never refused nor held)
             self.slo.check_ttft(charge, party or Party(), 0.0)
+            if self.slo.defer.hold_s(charge, party or Party(), 0.0, cached=prefer is not None):
+                return None
         self._room.charge(party or Party(), charge.tokens)
         return self._grant(charge, waited_s=0.0, prefer=prefer)
 
@@ -432,7 +431,7 @@ class Admission:
             return
         now = self._clock.now()
         while (waiter := self._room.head()) is not None and self._fits(
-                layout, waiter.request.charge):
+                layout, waiter.request.charge) and not self.slo.defer.holds(waiter):
             ask = waiter.request
             lease = self._grant(ask.charge, waited_s=now - waiter.since, prefer=ask.prefer)
             lease.predicted_wait_s = ask.predicted

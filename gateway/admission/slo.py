@@ -33,6 +33,17 @@ get its first token in time. :class:`SloGuard`, one per
   for ever. So once :data:`PROBE_S` seconds have passed with no prefill observed and no
   probe let through, one request whose lateness is the prefill rate's doing is served
   anyway, and its prefill is learnt.
+* **Prefill deferral.** While streams with an ITL target decode here (leases with a
+  target that have their first token), a request whose predicted prefill (its prompt
+  over the learned prefill throughput) is longer than the tightest of their targets is
+  held back (:class:`~gateway.admission.defer.PrefillDeferral`): for
+  at most ``admission.prefill_defer_s`` seconds since it came, never past its TTFT
+  slack, and not at all when it goes to a slot that caches its prefix (only its new
+  part is computed). It waits at the head of the queue, holding those behind it, as a
+  request that does not fit does; the queue is looked at again when the hold runs out.
+  In a pool, a backend that holds it does not offer it room, so it goes to one where no
+  targeted stream decodes, if any has room. Not applied under ``[state] backend =
+  "redis"`` (the shared queue's script grants in arrival order over every process).
 * **Pools.** :func:`late_backends` leaves out, for a request of a pool, the backends
   where it would start late even at once, and refuses it when that is all of them.
 
@@ -51,11 +62,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TypeVar, overload
 
+from gateway.admission.defer import PrefillDeferral
 from gateway.admission.lease import Lease
 from gateway.clock import Clock
 from gateway.core.capacity import Charge, Layout
 from gateway.core.fairness import Party
-from gateway.core.latency import LatencyModel, LatencyParams, SloLimit, predict_ttft, tightest
+from gateway.core.latency import (
+    LatencyModel,
+    LatencyParams,
+    SloLimit,
+    predict_ttft,
+    tightest,
+)
 from gateway.errors import SloUnattainable
 
 __all__ = ["FIRST_SAMPLES", "PROBE_S", "STEP_S", "TARGET_MEMORY_S", "SloGuard", "deadline_of",
@@ -132,6 +150,7 @@ class SloGuard:
         is filed under and a prediction read at is then the larger of it and this
         process's own, since the backend's ITL follows every process's streams.
     :param probe_s: seconds between probes (:data:`PROBE_S`).
+    :ivar defer: its prefill deferral (:class:`~gateway.admission.defer.PrefillDeferral`).
     :ivar limit: the SLO limit in force, sequences, or ``None`` while it does not bind
         admission (no target in flight, or no level known to break it).
     """
@@ -159,6 +178,7 @@ class SloGuard:
         self._next_step = 0.0
         self._capped: tuple[Layout, int, Layout] | None = None  # (layout, cap) -> limited
         self._seen: dict[float, float] = {}  # ITL target -> when last seen in flight
+        self.defer = PrefillDeferral(self, clock, active=active, wake=wake)
 
     def busy(self) -> int:
         """Slots held by the leases in flight (over every process, when shared): the
@@ -321,6 +341,15 @@ class SloGuard:
             return False
         self._probe_at, self._probe_of = now, party
         return True
+
+    def slack_s(self, charge: Charge, party: Party) -> float | None:
+        """Seconds ``charge`` could still lose and get its first token by its deadline,
+        if it started now (its deadline less the time spent and its predicted TTFT);
+        ``None`` without a deadline."""
+        deadline = deadline_of(party)
+        if deadline is None:
+            return None
+        return deadline - party.ttft_spent_s - (self.predicted_ttft_s(charge, 0.0) or 0.0)
 
     def check_ttft(self, charge: Charge, party: Party, queue_wait_s: float | None) -> None:
         """Refuse a request whose predicted TTFT misses its deadline (:meth:`late`),

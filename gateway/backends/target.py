@@ -69,7 +69,7 @@ PREEMPTION_WATCH_S = 5.0  # discovery interval at most, where the server counts 
 def _admission(settings: AdmissionSettings, layout: Layout | None, clock: Clock, *,
                predictive: bool, shared: SharedAccount | None) -> Admission:
     """A backend's admission with the queue bounds and policy of ``[admission]``."""
-    return Admission(
+    admission = Admission(
         layout,
         max_queue=settings.max_queue,
         max_wait_s=settings.max_queue_wait_s,
@@ -80,6 +80,8 @@ def _admission(settings: AdmissionSettings, layout: Layout | None, clock: Clock,
         age_s=settings.priority_age_s,
         shared=shared,
     )
+    admission.slo.defer.defer_s = settings.prefill_defer_s
+    return admission
 
 
 class Target:

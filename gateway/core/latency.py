@@ -51,6 +51,12 @@ backend whose ITL grows with concurrency).
 
 The TTFT prediction (:func:`predict_ttft`) is the predicted queue wait plus the uncached
 prompt tokens over the learned prefill throughput, plus one decode step.
+
+Prefill deferral (:func:`prefill_hold_s`, item 4): a prompt whose prefill would take
+longer than the ITL target of the streams decoding beside it stalls every one of them
+by that much (llama-server computes the prompt, in ``n_batch`` chunks, inside the decode
+steps of the slots already generating: tools/server/server-context.cpp, one batch per
+step for every slot), so it is held back while they decode, for a bounded time.
 """
 
 from __future__ import annotations
@@ -60,12 +66,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 __all__ = [
+    "HOLD_RECHECK_S",
     "DecayedHistogram",
     "LatencyModel",
     "LatencyParams",
     "LevelStats",
     "SloLimit",
     "predict_ttft",
+    "prefill_hold_s",
     "tightest",
 ]
 
@@ -350,3 +358,57 @@ def predict_ttft(*, queue_wait_s: float | None, prompt_tokens: int, cached_token
         return None
     uncached = max(0, prompt_tokens - max(0, cached_tokens))
     return max(0.0, queue_wait_s) + uncached / prefill_tps + max(0.0, first_step_s or 0.0)
+
+
+def prefill_hold_s(*, prompt_tokens: int, prefill_tps: float | None,
+                   itl_target_s: float | None, defer_s: float, waited_s: float,
+                   slack_s: float | None = None, streams_left_s: float | None = None
+                   ) -> float:
+    """How much longer a request should be held back so that its prefill does not stall
+    the streams decoding on its backend, seconds; 0.0 when it may start now.
+
+    Its prefill is predicted to take ``prompt_tokens / prefill_tps`` seconds, and every
+    stream decoding beside it waits that long for its next tokens. It is held when that
+    is longer than ``itl_target_s``, the tightest ITL p95 target of those streams, for
+    at most ``defer_s`` seconds since it came (``waited_s`` of which have passed), and
+    never past its TTFT slack (``slack_s``: its deadline less its predicted TTFT if it
+    started now). The hold ends sooner when the streams end (the caller asks again).
+
+    A hold only pays if the streams end during it: one released while they still decode
+    stalls them all the same, later. So when ``streams_left_s`` (the seconds until the
+    last of them is predicted to end) is longer than what is left of the hold, nothing
+    is held; otherwise the hold is asked again once that time has passed (at least
+    :data:`HOLD_RECHECK_S` later), since a stream may run longer than predicted.
+
+    :param prompt_tokens: tokens its prefill computes (those not in a slot's cache).
+    :param prefill_tps: the learned prefill throughput, prompt tokens per second
+        (:meth:`LatencyModel.prefill_tps`); ``None`` (not learnt) never holds.
+    :param itl_target_s: the tightest ITL p95 target of the streams decoding now,
+        seconds; ``None`` (none has one) never holds.
+    :param defer_s: the longest hold, seconds (``admission.prefill_defer_s``; 0: off).
+    :param waited_s: seconds since the request came to admission.
+    :param slack_s: seconds it can still lose and meet its TTFT deadline, or ``None``
+        when it has no deadline.
+    :param streams_left_s: seconds until the last of those streams is predicted to
+        end, or ``None`` when not known (the hold then runs to its bound).
+    :returns: seconds, in ``[0, defer_s]``.
+    """
+    if (itl_target_s is None or prefill_tps is None or not prefill_tps > 0
+            or not defer_s > 0 or prompt_tokens <= 0):
+        return 0.0
+    if prompt_tokens / prefill_tps <= itl_target_s:
+        return 0.0
+    bound = defer_s if slack_s is None else min(defer_s, slack_s)
+    left = bound - max(0.0, waited_s)
+    if not (left > 0 and math.isfinite(left)):
+        return 0.0
+    if streams_left_s is None:
+        return left
+    if streams_left_s > left:
+        return 0.0  # they would still decode when it went: holding spares nothing
+    return min(left, max(streams_left_s, HOLD_RECHECK_S))
+
+
+#: Seconds at least between two looks at a held request whose streams were predicted
+#: to have ended (their leases end a little after their last token).
+HOLD_RECHECK_S = 0.05

@@ -336,7 +336,7 @@ class ModelQueue:
         ahead = self._room.ahead_of(party, cost) if self._room else []
         blocked = self._blocked(ahead) | self._late(candidates, party)
         got = self._grant([c for c in candidates if id(c.backend) not in blocked], affinity,
-                          prefix=prefix)
+                          prefix=prefix, hold=(party, 0.0))
         if got is not None:
             self._room.charge(party, got[0].charge.tokens)
         return got
@@ -394,7 +394,9 @@ class ModelQueue:
         for waiter in self._room.order():
             ask = waiter.request
             allowed = [c for c in ask.usable() if id(c.backend) not in blocked]
-            got = (self._grant(allowed, ask.affinity, ask.reason, ask.prefix)
+            hold = None if ask.reason == "failover" else (
+                waiter.party, self.clock.now() - waiter.since)
+            got = (self._grant(allowed, ask.affinity, ask.reason, ask.prefix, hold)
                    if allowed else None)
             if got is None:
                 blocked.update(id(c.backend) for c in ask.usable())
@@ -446,15 +448,25 @@ class ModelQueue:
         return min((b.admission.retry_after_s() for b in self.members), default=1.0)
 
     def _grant(self, candidates: Iterable[Candidate], affinity: str | None,
-               reason: str | None = None, prefix: Prefix | None = None
-               ) -> tuple[Candidate, Lease] | None:
+               reason: str | None = None, prefix: Prefix | None = None,
+               hold: tuple[Party, float] | None = None) -> tuple[Candidate, Lease] | None:
+        """A lease on the best backend of ``candidates`` where the request fits now, or
+        ``None``. With ``hold`` (its party and the seconds it has waited), a backend
+        where its prefill is held back (:meth:`SloGuard.hold_s
+        <gateway.admission.slo.SloGuard.hold_s>`: targeted streams decode there) offers
+        no room, so it goes where none would stall; without, nothing holds it (a request
+        coming back after a failure)."""
         now = self.clock.now()
-        fitting = [c for c in candidates if c.backend.usable(now)
-                   and c.backend.admission.fits_now(c.charge)]
+        fitting = [c for c in candidates if c.backend.usable(now) and (
+            c.backend.admission.fits_now(c.charge) if hold is None
+            else c.backend.admission.fits_now(c.charge, hold[0], hold[1],
+                                              cached=c.backend.slot_for(prefix) is not None))]
         if not fitting:
             return None
         best = max(fitting, key=lambda c: score(c, affinity))  # first of equals wins
-        lease = best.backend.admission.try_admit(best.charge,
+        # front: fits_now judged its room and its hold already (the pool's own queue
+        # is what it waited in; none waits in the backend's).
+        lease = best.backend.admission.try_admit(best.charge, front=True,
                                                  prefer=best.backend.slot_for(prefix))
         if lease is None:  # fits_now said yes; a race is impossible on one loop
             return None

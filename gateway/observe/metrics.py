@@ -95,6 +95,9 @@ def _slo_families(rows: list[tuple[str, AdmissionStats, bool]]) -> Iterator[Metr
     prefill = GaugeMetricFamily(
         "gateway_latency_prefill_tokens_per_second", "Learned prefill throughput, prompt "
         "tokens per second (absent until learned).", labels=["backend"])
+    deferred = CounterMetricFamily(
+        "gateway_prefill_deferred", "Requests held back because their prefill would have "
+        "stalled streams with an ITL target (admission.prefill_defer_s).", labels=["backend"])
     for name, stats, _ready in rows:
         slo = stats.slo
         if slo is None:
@@ -109,7 +112,8 @@ def _slo_families(rows: list[tuple[str, AdmissionStats, bool]]) -> Iterator[Metr
             p95.add_metric([name, str(level)], p95_s)
         if (tps := slo.model.prefill_tps()) is not None:
             prefill.add_metric([name], tps)
-    yield from (limit, target, p95, samples, prefill)
+        deferred.add_metric([name], float(slo.defer.deferred))
+    yield from (limit, target, p95, samples, prefill, deferred)
 
 
 class _AdmissionCollector(Collector):

@@ -59,8 +59,12 @@ class UsageBook:
         self.streamed += 1
         now = self.clock.now()
         slo = self.x.backend.admission.slo
+        if lease is not None:
+            lease.streamed += 1
         if first and lease is not None:
             slo.observe_prefill(lease.charge.prompt_tokens, now - lease.granted_at)
+            if lease.first_token_at is None:  # it decodes now (what prefill deferral reads)
+                lease.first_token_at = now
         if not self.x.stream:
             return
         if times.last_token is None:
