@@ -389,3 +389,22 @@ async def test_a_close_that_never_ends_is_left_after_its_bound() -> None:
     await close_bounded(fails(), 1.0)  # (raises nothing)
     await asyncio.sleep(0)  # the abandoned close was cancelled, not left running
     assert not [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "hangs"]
+
+
+async def test_a_close_left_behind_that_fails_later_is_not_reported(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A close cancelled at its bound that then fails in its cleanup was logged by the
+    loop as "Task exception was never retrieved"."""
+    async def fails_when_cancelled() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)
+            raise ConnectionError("cleanup failed after cancel") from None
+
+    await close_bounded(fails_when_cancelled(), 0.05)
+    await asyncio.sleep(0.2)
+    import gc
+    gc.collect()
+    await asyncio.sleep(0)
+    assert "never retrieved" not in caplog.text

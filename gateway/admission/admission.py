@@ -135,6 +135,7 @@ class Admission:
         self.slo = SloGuard(self._clock, active=self._active, waiting=lambda: len(self._room),
                             wake=self._wake, shared_busy=None if shared is None
                             else lambda: shared.busy_slots)  # (admission.slo)
+        self.slo.defer.max_wait_s = max_wait_s
         self.forecast = WaitForecast(
             self._room, WaitPredictor(),
             lambda: (self.slo.limited(self._layout), self._budget, self._active.values()),
@@ -173,11 +174,11 @@ class Admission:
     def fits_now(self, charge: Charge, party: Party | None = None, waited_s: float = 0.0,
                  cached: bool = False) -> bool:
         """True when ``charge`` would be granted now by :meth:`try_admit`: no one waits,
-        it fits, and its prefill is not held back after ``waited_s`` s (``slo.hold_s``)."""
+        it fits, and, given its ``party``, its prefill is not held back (``slo.defer``)."""
         layout = self._layout
         return (layout is not None and not self._room and self._shared is None
                 and capacity.fits_alone(layout, charge) and self._fits(layout, charge)
-                and not self.slo.defer.hold_s(charge, party or Party(), waited_s, cached=cached))
+                and not (party and self.slo.defer.hold_s(charge, party, waited_s, cached=cached)))
 
     def headroom(self, charge: Charge) -> tuple[float, float]:
         """What would be left after granting ``charge``, as fractions of the backend:
@@ -338,7 +339,8 @@ class Admission:
         max_wait = self._max_wait_s if party.max_wait_s is None else party.max_wait_s
         victim = (None if front or self._shared is not None  # shared: the pump's bound
                   else self._room.victim_for(party))
-        predicted = None if front else self.predict_wait_s(charge, party)
+        predicted = None if front else (0.0 if self.slo.defer.was_held(charge)  # (held:
+                                        else self.predict_wait_s(charge, party))  # in time)
         if self._reject_doomed and predicted is not None and predicted > max_wait:
             raise _doomed(predicted, max_wait)
         if not front:

@@ -15,7 +15,7 @@ prefill throughput) is longer than the tightest of their ITL targets is held bac
 * only when those streams are predicted to end within that time (their output cap left
   at the learned decode pace): one let go while they still decode stalls them anyway,
   so holding it would only make it later (measured on llama-server: with a bound alone,
-  the hold moved the stall and lengthened TTFT p95 by 30 %);
+  the hold moved the stall and lengthened TTFT p95 by 32-41 %);
 * not at all when it goes to a slot that caches its prefix (only its new part is
   computed), nor when it comes back to the front of the queue (preempted or failed over);
 * a stream counts from its first token (one still in its own prefill loses nothing);
@@ -32,6 +32,8 @@ and nothing is held.
 from __future__ import annotations
 
 import asyncio
+import math
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -41,7 +43,7 @@ from gateway.admission.waitroom import Waiter
 from gateway.clock import Clock
 from gateway.core.capacity import Charge
 from gateway.core.fairness import Party
-from gateway.core.latency import prefill_hold_s, tightest
+from gateway.core.latency import HOLD_RECHECK_S, prefill_hold_s, tightest
 
 if TYPE_CHECKING:
     from gateway.admission.slo import SloGuard
@@ -58,6 +60,9 @@ class PrefillDeferral:
     :param active: the admission's leases in flight, by key (read, never changed).
     :param wake: serves the admission's queue (called when a hold runs out).
     :param defer_s: the longest hold, seconds (``admission.prefill_defer_s``; 0: off).
+    :ivar max_wait_s: the queue's wait limit, seconds (``admission.max_queue_wait_s``):
+        a hold ends :data:`~gateway.core.latency.HOLD_RECHECK_S` before the request's
+        own limit (its class's, else this), so that it never times out held.
     :ivar deferred: requests held back so far, each counted once
         (``gateway_prefill_deferred_total``).
     """
@@ -69,8 +74,11 @@ class PrefillDeferral:
         self._active = active
         self._wake = wake
         self.defer_s = defer_s
+        self.max_wait_s = math.inf
         self.deferred = 0
-        self._held: dict[int, float] = {}  # id of a held request's charge -> first held
+        # id of a held request's charge -> (a weak reference to it, when first held); the
+        # reference tells a new charge at a reused address from the one held
+        self._held: dict[int, tuple[weakref.ref[Charge], float]] = {}
         self._due: float | None = None  # clock time the pending wake fires
         self._timers: set[asyncio.Task[None]] = set()
 
@@ -114,10 +122,13 @@ class PrefillDeferral:
         target = self.decoding_target()
         if target is None:
             return 0.0
+        slack = self._guard.slack_s(charge, party)
+        limit = (self.max_wait_s if party.max_wait_s is None else party.max_wait_s
+                 ) - HOLD_RECHECK_S  # (both count from its arrival)
         left = prefill_hold_s(prompt_tokens=charge.prompt_tokens,
                               prefill_tps=self._guard.model.prefill_tps(),
-                              itl_target_s=target, defer_s=self.defer_s, waited_s=waited_s,
-                              slack_s=self._guard.slack_s(charge, party),
+                              itl_target_s=target, defer_s=min(self.defer_s, limit),
+                              waited_s=waited_s, slack_s=slack,
                               streams_left_s=self.streams_left_s(target))
         if left > 0:
             self._count(charge)
@@ -132,13 +143,22 @@ class PrefillDeferral:
                                              self._clock.now() - waiter.since,
                                              cached=ask.prefer is not None) > 0
 
+    def was_held(self, charge: Charge) -> bool:
+        """``charge`` (this very object) was held back lately. A request held at
+        arrival waits for its hold, not for room, and its hold is within its TTFT
+        slack: its predicted queue wait is then 0, not the replay of the queue (which
+        refused it as late, found by the fresh-user pass)."""
+        seen = self._held.get(id(charge))
+        return seen is not None and seen[0]() is charge
+
     def _count(self, charge: Charge) -> None:
         now = self._clock.now()
-        for old, at in list(self._held.items()):  # (a hold lasts defer_s at most)
-            if now - at > 2 * self.defer_s + 1.0:
+        for old, (ref, at) in list(self._held.items()):  # (a hold lasts defer_s at most)
+            if ref() is None or now - at > 2 * self.defer_s + 1.0:
                 del self._held[old]
-        if id(charge) not in self._held:
-            self._held[id(charge)] = now
+        seen = self._held.get(id(charge))
+        if seen is None or seen[0]() is not charge:
+            self._held[id(charge)] = (weakref.ref(charge), now)
             self.deferred += 1
 
     def _wake_in(self, seconds: float) -> None:

@@ -72,13 +72,14 @@ async def close_bounded(closing: Awaitable[Any], seconds: float = CLOSE_S) -> No
     before that wait, so nothing is lost by leaving it. Cancelling the caller cancels
     the close too."""
     task = asyncio.ensure_future(closing)
+    # Its outcome is retrieved whenever it comes, so that one left behind and failing
+    # later is not reported as an exception never retrieved.
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
     try:
-        done, _ = await asyncio.wait({task}, timeout=seconds)
+        await asyncio.wait({task}, timeout=seconds)
     finally:
         if not task.done():
             task.cancel()  # (not awaited: a close that ignores it must not hold us)
-    if done and not task.cancelled():
-        task.exception()  # retrieved: its error is of no use after a close
 
 #: Slot ids of this process's preferred order sent with each grant (the least recently
 #: used free ones first); past them the script takes the lowest free.

@@ -96,8 +96,9 @@ def _slo_families(rows: list[tuple[str, AdmissionStats, bool]]) -> Iterator[Metr
         "gateway_latency_prefill_tokens_per_second", "Learned prefill throughput, prompt "
         "tokens per second (absent until learned).", labels=["backend"])
     deferred = CounterMetricFamily(
-        "gateway_prefill_deferred", "Requests held back because their prefill would have "
-        "stalled streams with an ITL target (admission.prefill_defer_s).", labels=["backend"])
+        "gateway_prefill_deferred", "Requests this backend held back because their prefill "
+        "would have stalled its streams with an ITL target (admission.prefill_defer_s); in "
+        "a pool, also those it sent to another backend so.", labels=["backend"])
     for name, stats, _ready in rows:
         slo = stats.slo
         if slo is None:
