@@ -70,3 +70,13 @@ def test_a_taken_port_is_a_clear_error_and_keeps_the_other_servers_log(tmp_path:
         with pytest.raises(BuildError, match="in use.*gateway serve --config"):
             server.start(timeout_s=5)
     assert server.proc is None and log.read_text() == "the first server's log\n"
+
+
+def test_a_bad_config_is_a_clear_error_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by the fresh-user pass: ``run --config bad.toml`` printed a traceback."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[admission]\nprefill_defer_s = -1\n")
+    assert localbackend.main(["run", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "admission.prefill_defer_s" in err and "Traceback" not in err

@@ -338,12 +338,16 @@ class LlamaServer:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from gateway.config import load_settings
+    from gateway.config import ConfigError, load_settings
     from gateway.http.app import create_app
     from gateway.http.serving import serve
     from gateway.observe.logs import configure_logging
 
-    settings = load_settings(args.config)
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:  # the clean message, as `gateway serve` prints it
+        _say(f"error: {exc}")
+        return 2
     configure_logging(settings.server)  # as `gateway serve` does
     backend = settings.backends[0]
     port = int(backend.url.rsplit(":", 1)[1])
