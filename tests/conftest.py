@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -12,8 +12,11 @@ from hypothesis import settings as hypothesis_settings
 from prometheus_client import CollectorRegistry
 
 from gateway.config import Settings, load_settings
-from gateway.http.app import GatewayState, create_app
+from gateway.http.app import GatewayState, create_app, shutdown
 from tests.fakes import FakeLlamaServer, ManualClock
+from tests.leaks import _tasks_end_with_the_test  # noqa: F401 (a fixture)
+
+pytest_plugins = ["pytester"]
 
 # These machines are shared and noisy: a property's example may take far longer than
 # Hypothesis's default 200 ms deadline without anything being wrong, so no deadline.
@@ -24,6 +27,41 @@ hypothesis_settings.load_profile("shared-machine")
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def _no_task_left(request: pytest.FixtureRequest) -> None:
+    """An async test fails if it leaves a task running (tests/leaks.py)."""
+    if "anyio_backend" in request.fixturenames:
+        request.getfixturevalue("_tasks_end_with_the_test")
+        request.getfixturevalue("_harnesses_closed")  # torn down first
+
+
+#: How to close what a test opened and has not closed yet (harnesses, admissions,
+#: fakes with tasks of their own): async callables, which the test's teardown calls,
+#: the last opened first, before the leak check.
+OPEN: list[Callable[[], Awaitable[Any]]] = []
+
+
+def closed_at_test_end(close: Callable[[], Awaitable[Any]]) -> None:
+    """Call ``close()`` when the test ends, unless :func:`closed_now` said it ran."""
+    OPEN.append(close)
+
+
+def closed_now(close: Callable[[], Awaitable[Any]]) -> None:
+    """``close`` is being called by its owner: not again at the test's end."""
+    if close in OPEN:
+        OPEN.remove(close)
+
+
+@pytest.fixture
+async def _harnesses_closed() -> AsyncIterator[None]:
+    """Every :class:`Harness` (and whatever else was registered with
+    :func:`closed_at_test_end`) is stopped at the test's end, as its lifespan would
+    stop the app."""
+    yield
+    while OPEN:
+        await OPEN.pop()()
 
 
 @pytest.fixture(autouse=True)
@@ -53,8 +91,11 @@ def make_settings() -> SettingsFactory:
 
 
 @pytest.fixture
-def fake() -> FakeLlamaServer:
-    return FakeLlamaServer()
+def fake() -> Iterator[FakeLlamaServer]:
+    server = FakeLlamaServer()
+    yield server
+    for task in server.lingering:  # slots kept busy after their request (linger)
+        task.cancel()
 
 
 @pytest.fixture
@@ -75,15 +116,24 @@ def sample_sum(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return total
 
 class Harness:
-    """An app over a fake upstream, plus an httpx client that calls it in-process."""
+    """An app over a fake upstream, plus an httpx client that calls it in-process.
+    The app is stopped (:func:`gateway.http.app.shutdown`) by :meth:`aclose`, at the
+    latest when the test ends."""
 
     def __init__(self, app: FastAPI, fake: FakeLlamaServer) -> None:
+        closed_at_test_end(self.aclose)
         self.app = app
         self.fake = fake
         self.state: GatewayState = app.state.gateway
         self.client = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://gateway"
         )
+
+    async def aclose(self) -> None:
+        """Close the client, then stop the app as its lifespan would."""
+        closed_now(self.aclose)
+        await self.client.aclose()
+        await shutdown(self.app)
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -124,7 +174,7 @@ async def harness_factory(
 
     yield build
     for h in harnesses:
-        await h.client.aclose()
+        await h.aclose()
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ class ClosingUpstream:
         self.connections = 0
         self.paths: list[str] = []
         self.server: asyncio.base_events.Server | None = None
+        self.serving: set[asyncio.Task[Any]] = set()  # one per open connection
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -207,16 +208,26 @@ class StreamingUpstream:
         self.generations: list[tuple[int, str | None]] = []
         self.cookies: list[str] = []  # Cookie headers received
         self.server: asyncio.base_events.Server | None = None
+        self.serving: set[asyncio.Task[Any]] = set()  # one per open connection
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     async def stop(self) -> None:
+        """Stop listening and end every connection still open (Python 3.11's
+        ``Server.close`` leaves them)."""
         assert self.server is not None
         self.server.close()
+        for task in self.serving:
+            task.cancel()
+        await asyncio.gather(*self.serving, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        self.serving.add(me)
+        me.add_done_callback(self.serving.discard)
         self.connections += 1
         conn = self.connections
         try:

@@ -24,8 +24,8 @@ from gateway.backends.target import Target
 from gateway.config import load_settings
 from gateway.core.capacity import Charge, Layout
 from gateway.fleet.pool import Candidate, ModelQueue
-from gateway.http.app import create_app
-from tests.conftest import sample_sum
+from gateway.http.app import create_app, shutdown
+from tests.conftest import closed_at_test_end, closed_now, sample_sum
 from tests.fakes import FakeLlamaServer, ManualClock
 
 pytestmark = pytest.mark.anyio
@@ -56,6 +56,13 @@ class Fleet:
         self.state = self.app.state.gateway
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app),
                                         base_url="http://gateway")
+        closed_at_test_end(self.aclose)
+
+    async def aclose(self) -> None:
+        """Close the client, then stop the app as its lifespan would."""
+        closed_now(self.aclose)
+        await self.client.aclose()
+        await shutdown(self.app)
 
     async def discover(self) -> None:
         for backend in self.state.fleet.backends.values():
@@ -93,7 +100,7 @@ async def make_fleet() -> AsyncIterator[Any]:
 
     yield build
     for fleet in built:
-        await fleet.client.aclose()
+        await fleet.aclose()
 
 
 async def test_a_pool_spreads_requests_by_fit(make_fleet: Any) -> None:

@@ -25,7 +25,7 @@ PKG = Path(gateway.__file__).parent
 
 #: Layer of each top-level part of the package (a subpackage or a module), bottom first.
 LAYERS: dict[str, int] = {
-    "errors": 0, "clock": 0,
+    "errors": 0, "clock": 0, "tasks": 0,
     "core": 1,
     "wire": 2,
     "config": 3,

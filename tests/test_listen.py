@@ -67,3 +67,5 @@ def test_one_process_answers_on_each_address(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out.decode(errors="replace")[-2000:]
+    # Its shutdown left no task running (gateway.http.serving._end_leftovers).
+    assert b"still running after their owner ended" not in out, out.decode()[-3000:]

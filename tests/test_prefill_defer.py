@@ -21,6 +21,7 @@ from gateway.core.capacity import Charge, Layout
 from gateway.core.fairness import Party
 from gateway.core.latency import HOLD_RECHECK_S, prefill_hold_s
 from gateway.fleet.pool import Candidate, ModelQueue
+from tests.conftest import closed_at_test_end
 from tests.fakes import ManualClock
 
 LAYOUT = Layout(slots=4, ctx_per_slot=4096, pool_tokens=16384)
@@ -54,6 +55,7 @@ def _admission(clock: ManualClock, defer_s: float = 2.0) -> Admission:
     adm = Admission(LAYOUT, max_queue=16, max_wait_s=60.0, clock=clock)
     adm.slo.defer.defer_s = defer_s
     _learn_prefill(adm)
+    closed_at_test_end(adm.close)  # its wakes end with the test
     return adm
 
 

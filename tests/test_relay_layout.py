@@ -92,7 +92,8 @@ ALLOWED = {
     # The one admission API of a backend (26 public members the target, the relay, the
     # slot watch and the tests call), each a few lines over its parts (Waitroom, SlotMap,
     # WaitForecast, LiveAccounting, SharedPump); the queue and grant logic is what is left.
-    "admission/admission.py: class Admission": (410, 210),
+    # Its close (issue 42: every background task has an owner that ends it) took 4 lines.
+    "admission/admission.py: class Admission": (415, 212),
     # A whole dialect of llama-server in one file (the layout's rule: a backend kind is
     # one file): discovery, the request check, pinning, /slots, exact counting on four
     # endpoints, and its error bodies.

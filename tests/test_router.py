@@ -16,8 +16,8 @@ from gateway.config import load_settings
 from gateway.core.capacity import Charge
 from gateway.errors import BackendNotReady, UpstreamUnavailable
 from gateway.fleet.reload import reload
-from gateway.http.app import create_app
-from tests.conftest import sample_sum
+from gateway.http.app import create_app, shutdown
+from tests.conftest import closed_at_test_end, closed_now, sample_sum
 from tests.fake_router import FakeRouter, child_args
 from tests.fakes import FakeLlamaServer, ManualClock
 
@@ -38,6 +38,13 @@ class RouterHarness:
         self.state = self.app.state.gateway
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app),
                                         base_url="http://gateway")
+        closed_at_test_end(self.aclose)
+
+    async def aclose(self) -> None:
+        """Close the client, then stop the app as its lifespan would."""
+        closed_now(self.aclose)
+        await self.client.aclose()
+        await shutdown(self.app)
 
     @property
     def hub(self) -> Any:

@@ -130,8 +130,7 @@ async def apps(fake: FakeLlamaServer, redis_server: Any
 
     yield build
     for h in made:
-        await h.client.aclose()
-        await h.state.shared.close()
+        await h.aclose()
 
 
 def scope_of(path: str, body: bytes, headers: list[tuple[bytes, bytes]] = ()

@@ -215,3 +215,36 @@ async def test_health_calls_are_counted(pair: Any) -> None:
     a.backend.request_failed(1.0, 30.0)
     await until(lambda: (a.state.metrics.registry.get_sample_value(
         "gateway_state_ops_total", {"op": "health", "outcome": "ok"}) or 0) >= 1)
+
+
+async def test_the_marks_loop_ends_when_a_redis_call_swallows_its_cancellation(
+        pair: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+        ) -> None:
+    """Issue 42: on Python 3.11, redis-py's ``send_packed_command`` (an
+    ``asyncio.wait_for``) returns normally when the write ends as the task is cancelled,
+    and the cancellation is lost. The marks' loop, cancelled by the store's close at
+    such a moment, went round again for ever and held the test run's loop open. Here a
+    read of the marks swallows the cancellation the same way, every time: the loop must
+    still end within the close's bound, with nothing logged as left running."""
+    from gateway.admission.shared_marks import MarksHub
+
+    a, _ = await pair()
+    hub = MarksHub.of(a.state.shared)
+    in_sync = asyncio.Event()
+
+    async def swallowing_sync() -> None:
+        in_sync.set()
+        try:
+            await asyncio.sleep(0.5)
+        except asyncio.CancelledError:
+            pass  # what wait_for does on 3.11 when the call ends as it is cancelled
+
+    monkeypatch.setattr(hub, "sync", swallowing_sync)
+    in_sync.clear()
+    await asyncio.wait_for(in_sync.wait(), 5)  # the loop is inside a "Redis call"
+    running = [t for t in a.state.shared._tasks if "MarksHub._run" in repr(t.get_coro())]
+    assert len(running) == 1
+    with caplog.at_level("ERROR"):
+        await a.state.shared.close()
+    assert running[0].done()
+    assert "did not end" not in caplog.text

@@ -15,14 +15,13 @@ wait predictions (:class:`gateway.core.waits.WaitPredictor`).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from gateway.admission.forecast import WaitForecast
 from gateway.admission.lease import AdmissionStats, Lease
 from gateway.admission.live import GROWTH_HORIZON_S, LiveAccounting
 from gateway.admission.pump import QueuedAsk, SharedPump
-from gateway.admission.shared import SharedAccount
+from gateway.admission.shared import CLOSE_S, SharedAccount
 from gateway.admission.slo import SloGuard
 from gateway.admission.waitroom import Waitroom, shed_error
 from gateway.clock import Clock, MonotonicClock
@@ -38,6 +37,7 @@ from gateway.errors import (
     QueueTimeout,
     QueueWaitPredicted,
 )
+from gateway.tasks import TaskSet, cancel_bounded
 
 __all__ = ["GROWTH_HORIZON_S", "MIN_HISTORY", "Admission"]
 
@@ -141,7 +141,7 @@ class Admission:
             lambda: (self.slo.limited(self._layout), self._budget, self._active.values()),
             lambda: self._max_wait_s,
             self._clock, first_rate=self.slo.seconds_per_token)
-        self._delayed: set[asyncio.Task[None]] = set()
+        self._delayed = TaskSet("admission")  # release_later's
         #: Which slot each pinned lease holds, least recently used free first.
         self.slots = SlotMap(layout.slots if layout else 0)
         # Called after every change that may make room (a release, a new layout, a
@@ -381,6 +381,13 @@ class Admission:
             self._shared.release([lease.shared_id])
         self._wake()
 
+    async def close(self) -> None:
+        """Shutdown: end the delayed releases (each releases its lease as it ends), the
+        prefill deferral's wakes and the shared pump's run, within :data:`CLOSE_S` s."""
+        pump = [] if self._pump is None or self._pump.task is None else [self._pump.task]
+        await cancel_bounded([*self._delayed, *self.slo.defer.timers, *pump], "admission",
+                             CLOSE_S)
+
     def release_later(self, lease: Lease, delay_s: float, *, served: bool = True) -> None:
         """Release ``lease`` after ``delay_s`` seconds (on the injected clock), in the
         background. It is released even if that wait is cancelled (shutdown)."""
@@ -391,9 +398,7 @@ class Admission:
             finally:
                 self.release(lease, served=served)
 
-        task = asyncio.ensure_future(later())
-        self._delayed.add(task)
-        task.add_done_callback(self._delayed.discard)
+        self._delayed.spawn(later())
 
     @property
     def held_slots(self) -> frozenset[int]:

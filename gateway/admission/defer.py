@@ -161,6 +161,11 @@ class PrefillDeferral:
             self._held[id(charge)] = (weakref.ref(charge), now)
             self.deferred += 1
 
+    @property
+    def timers(self) -> tuple[asyncio.Task[None], ...]:
+        """The wakes scheduled and not yet due (their owner's close cancels them)."""
+        return tuple(self._timers)
+
     def _wake_in(self, seconds: float) -> None:
         """Serve the queue ``seconds`` from now, unless a wake is due sooner."""
         due = self._clock.now() + seconds

@@ -21,6 +21,7 @@ from gateway.clock import Clock, wait
 from gateway.core.capacity import Budget, Charge, Layout
 from gateway.core.slots import SlotMap
 from gateway.errors import StateUnavailable
+from gateway.tasks import not_cancelled
 
 __all__ = ["QueuedAsk", "SharedPump"]
 
@@ -96,6 +97,11 @@ class SharedPump:
             except RuntimeError:  # no loop running: nothing can be waiting
                 self._task = None
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The pump's run, while one is under way."""
+        return self._task
+
     def _score(self, waiter: Waiter[QueuedAsk, Lease]) -> int:
         return 0 if waiter.request.front else self.shared.store.score_ms(waiter.since)
 
@@ -107,7 +113,7 @@ class SharedPump:
         waiter here gets :class:`~gateway.errors.StateUnavailable`."""
         settings = self.shared.store.settings
         sent = True
-        while self._room or sent:
+        while not_cancelled() and (self._room or sent):
             self._stirred.clear()
             layout = self._layout()
             if layout is None:  # set_layout stirs it

@@ -39,7 +39,7 @@ import os
 import secrets
 import socket
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,7 @@ from gateway.clock import Clock
 from gateway.config import StateSettings, redact_url
 from gateway.core.capacity import Charge, Layout
 from gateway.errors import StateUnavailable
+from gateway.tasks import TaskSet, not_cancelled, stop_if_cancelled
 
 __all__ = ["CLOSE_S", "Ask", "GrantReply", "SharedAccount", "SharedStore", "close_bounded"]
 
@@ -421,7 +422,7 @@ class SharedStore:
         self._grant = self.client.register_script(_GRANT)
         self._sync = self.client.register_script(_SYNC)
         self._release = self.client.register_script(_RELEASE)
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet("shared state")
         # Redis's clock minus ours, seconds: recent samples (see OFFSET_SAMPLES).
         self._offsets: deque[float] = deque(maxlen=OFFSET_SAMPLES)
         self._serial = 0
@@ -483,11 +484,7 @@ class SharedStore:
         """Stop the background tasks, give back this process's leases and tickets, and
         close the client it created."""
         self._running = False
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await task
+        await self._tasks.close(CLOSE_S)
         with contextlib.suppress(Exception):
             for account in self.accounts.values():
                 account.leases.clear()
@@ -568,7 +565,11 @@ class SharedStore:
         """
         start = self.clock.now()
         try:
-            raw = await asyncio.wait_for(make(), self.settings.op_timeout_s)
+            # Not asyncio.wait_for: on Python 3.11 it returns the call's result when the
+            # call ends as the caller is cancelled, swallowing the cancellation, and a
+            # loop around it (the heartbeat) then runs on for ever (issue 42).
+            async with asyncio.timeout(self.settings.op_timeout_s):
+                raw = await make()
         except (RedisError, OSError, TimeoutError) as exc:
             self._count(op, "error", start)
             if self.up:
@@ -605,12 +606,10 @@ class SharedStore:
         if self._on_op is not None:
             self._on_op(op, outcome, max(0.0, self.clock.now() - start))
 
-    def spawn(self, coro: Any) -> None:
-        """Run ``coro`` as one of the store's background tasks (cancelled by
-        :meth:`close`)."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` as one of the store's background tasks (ended by :meth:`close`;
+        ``RuntimeError`` after it: see :meth:`TaskSet.spawn <gateway.tasks.TaskSet.spawn>`)."""
+        return self._tasks.spawn(coro)
 
     def background(self, op: str, make: Callable[[], Any],
                    lock: asyncio.Lock | None = None) -> None:
@@ -629,7 +628,7 @@ class SharedStore:
 
 
     async def _beat_forever(self) -> None:
-        while self._running:
+        while not_cancelled() and self._running:
             await self.clock.sleep(self.settings.renew_interval_s)
             with contextlib.suppress(StateUnavailable):
                 await self.heartbeat()
@@ -638,13 +637,14 @@ class SharedStore:
         """Wake each account's admissions when its channel is published; reconnect after
         a loss, every renewal period."""
         prefix, tenants = self.key("wake", ""), self.key("twake", "")
-        while self._running:
+        while not_cancelled() and self._running:
             pubsub = self._sub_client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.psubscribe(prefix + "*", tenants + "*")
                 for target in [*self.accounts.values(), *self.tenants.values()]:
                     target.stir()  # what was published before this subscription
                 async for message in pubsub.listen():
+                    stop_if_cancelled()
                     channel = message.get("channel")
                     name = (channel.decode() if isinstance(channel, bytes)
                             else str(channel))

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.core.capacity import LiveUse
 from gateway.errors import StateUnavailable
+from gateway.tasks import not_cancelled
 
 if TYPE_CHECKING:
     from gateway.admission.shared import SharedAccount
@@ -344,8 +345,8 @@ class SharedLive:
             asyncio.get_running_loop()
         except RuntimeError:
             return
-        self._task = asyncio.ensure_future(self._run())
-        self.store.spawn(self._task)
+        with contextlib.suppress(RuntimeError):  # the store is closed
+            self._task = self.store.spawn(self._run())
 
     def collect(self) -> dict[str, LiveFigures]:
         """This process's figures on the backend, by lease id."""
@@ -372,7 +373,7 @@ class SharedLive:
         return True
 
     async def _run(self) -> None:
-        while await self.step():
+        while not_cancelled() and await self.step():
             await self.store.clock.sleep(self.interval_s)
 
     def _due(self, mine: Mapping[str, LiveFigures]) -> bool:

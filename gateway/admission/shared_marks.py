@@ -46,6 +46,7 @@ from gateway.admission.shared import close_bounded
 from gateway.core.health import Health
 from gateway.core.pool_model import Reported
 from gateway.errors import StateUnavailable
+from gateway.tasks import not_cancelled
 
 if TYPE_CHECKING:
     from gateway.admission.shared import SharedAccount, SharedStore
@@ -196,16 +197,20 @@ class MarksHub:
             await marks.sync()
 
     async def _run(self) -> None:
+        """Read the marks until cancelled (by the store's close). Each turn of each
+        loop first checks for a cancellation swallowed by a Redis call
+        (:func:`gateway.tasks.stop_if_cancelled`): this loop once went on after its
+        cancellation and held the test run's event loop open for ever (issue 42)."""
         renew_s = self.store.settings.renew_interval_s
         loop = asyncio.get_running_loop()
-        while True:
+        while not_cancelled():
             pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.psubscribe(self.store.key("marks", "*"))
-                while True:
+                while not_cancelled():
                     await self.sync()  # also what was published before subscribing
                     end = loop.time() + renew_s
-                    while (left := end - loop.time()) > 0:
+                    while not_cancelled() and (left := end - loop.time()) > 0:
                         message = await pubsub.get_message(timeout=left)
                         if message is not None:
                             self.stir(_text(message.get("channel")))

@@ -56,6 +56,7 @@ from gateway.admission.admission import Admission
 from gateway.admission.lease import Lease
 from gateway.clock import Clock
 from gateway.errors import GatewayError, UpstreamUnavailable
+from gateway.tasks import not_cancelled
 
 __all__ = [
     "Seen",
@@ -325,7 +326,7 @@ class SlotWatch:
 
     async def _run(self, first_s: float = POLL_INTERVAL_S) -> None:
         wait = first_s
-        while self._held:
+        while not_cancelled() and self._held:
             self._waiting_long = wait >= POLL_INTERVAL_S
             try:
                 await self._clock.sleep(wait)

@@ -47,6 +47,7 @@ from gateway.errors import (
     StateUnavailable,
     Unauthorized,
 )
+from gateway.tasks import not_cancelled
 from gateway.wire import routes
 
 __all__ = ["OPEN_PATHS", "PRIORITY_HEADER", "TOKENS_WINDOW_S", "Tenant", "Tenants",
@@ -396,7 +397,7 @@ class Tenant:
         self._refused = None
         await self.begin_waiting(clock.now())
         try:
-            while True:
+            while not_cancelled():
                 left = timeout_s - (clock.now() - start)
                 if self._refused is not None:
                     raise self._refused

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from gateway.clock import Clock
 from gateway.core.capacity import Layout
 from gateway.errors import GatewayError
+from gateway.tasks import not_cancelled
 
 __all__ = ["RETRY_DISCOVERY_S", "DiscoveryLoop"]
 
@@ -45,7 +46,7 @@ class DiscoveryLoop:
         """Read forever: every :data:`RETRY_DISCOVERY_S` while the backend is not ready,
         else after ``interval_s``. Logs the backend going and coming back."""
         failing = False
-        while True:
+        while not_cancelled():
             try:
                 delay = self._interval_s(await self._read())
                 if failing:
@@ -67,7 +68,7 @@ class DiscoveryLoop:
 
     async def _reread(self) -> None:
         """Re-read capacity, every second until the backend answers again."""
-        while True:
+        while not_cancelled():
             try:
                 await self._read()
                 return

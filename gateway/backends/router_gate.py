@@ -50,6 +50,7 @@ from gateway.admission.lease import Lease
 from gateway.clock import Clock, wait
 from gateway.core.capacity import Charge
 from gateway.errors import GatewayError, QueueTimeout
+from gateway.tasks import not_cancelled
 
 if TYPE_CHECKING:
     from gateway.backends.router import ModelEntry, RouterHub
@@ -381,7 +382,7 @@ class ModelsMaxGate:
 
     async def _polling(self) -> None:
         """Read the hub every :data:`POLL_S` while :attr:`active`."""
-        while True:
+        while not_cancelled():
             await self.clock.sleep(POLL_S)
             with contextlib.suppress(Exception):  # the hub's discovery logs its failures
                 await self._full_pass()

@@ -27,6 +27,7 @@ from gateway.fleet.pool import ModelQueue
 from gateway.fleet.routers import refuse_for_routers, sync_members, with_members
 from gateway.fleet.shared_pool import SharedModelQueue
 from gateway.fleet.tasks import TaskSet
+from gateway.tasks import not_cancelled
 
 __all__ = ["Fleet", "MakeTarget", "RouteCounter"]
 
@@ -110,7 +111,7 @@ class Fleet:
         self.tasks.spawn(self._close_when_idle(backend))
 
     async def _close_when_idle(self, backend: Target) -> None:
-        while True:
+        while not_cancelled():
             stats = backend.stats()
             if not (stats.inflight or stats.queued):
                 break
@@ -340,9 +341,10 @@ class Fleet:
 
 
 async def _close(backend: Target) -> None:
-    """Stop ``backend``'s background work (a router hub's loads and holds too) and close
-    the clients it owns."""
+    """Stop ``backend``'s background work (its admission's and a router hub's loads and
+    holds too) and close the clients it owns."""
     await backend.close()
+    await backend.admission.close()
     if backend.router.hub is not None:
         await backend.router.hub.close()
     for client in backend.owned_clients:

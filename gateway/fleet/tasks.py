@@ -9,37 +9,18 @@ app's tasks in the same process (tests build many apps).
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Coroutine, Iterator
-from typing import Any
+from gateway import tasks
 
-__all__ = ["TaskSet"]
+__all__ = ["CANCEL_ALL_S", "TaskSet"]
+
+#: Seconds the app's background tasks get to end once cancelled at shutdown (their
+#: ``finally`` blocks give back what they hold, in Redis too).
+CANCEL_ALL_S = 5.0
 
 
-class TaskSet:
-    """Tasks running in the background, held against collection until they end."""
+class TaskSet(tasks.TaskSet):
+    """The app's background tasks (:class:`gateway.tasks.TaskSet`)."""
 
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """Run ``coro`` as a task of this set (on the running loop); it leaves the set
-        when it ends."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    def __len__(self) -> int:
-        return len(self._tasks)
-
-    def __iter__(self) -> Iterator[asyncio.Task[Any]]:
-        return iter(list(self._tasks))
-
-    async def cancel_all(self) -> None:
-        """Cancel every task still running and wait until they have all ended (their
-        ``finally`` blocks run); exceptions they end with are dropped."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async def cancel_all(self, seconds: float = CANCEL_ALL_S) -> None:
+        """Cancel them and wait, for at most :data:`CANCEL_ALL_S` seconds by default."""
+        await super().cancel_all(seconds)

@@ -44,7 +44,7 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import record_of
 from gateway.wire.shapes import render, shape_of
 
-__all__ = ["GatewayState", "create_app", "uvicorn_options"]
+__all__ = ["GatewayState", "create_app", "shutdown", "uvicorn_options"]
 
 log = logging.getLogger(__name__)
 
@@ -189,11 +189,21 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await state.tasks.cancel_all()  # discovery, retirements, streams' tails
-        await state.fleet.close()
-        await app.state.side_routes.aclose()
-        if state.shared is not None:
-            await state.shared.close()
+        await shutdown(app)
+
+
+async def shutdown(app: FastAPI) -> None:
+    """Stop everything ``app`` (from :func:`create_app`) runs in the background: cancel
+    its tasks (discovery, retirements, streams' tails) and wait for them, close every
+    backend (its re-reads and slot watches), the side routes' client and the shared
+    state. Its lifespan ends with this; a test that drives the app without a lifespan
+    calls it itself."""
+    state: GatewayState = app.state.gateway
+    await state.tasks.cancel_all()
+    await state.fleet.close()
+    await app.state.side_routes.aclose()
+    if state.shared is not None:
+        await state.shared.close()
 
 
 async def _render(request: Request, exc: GatewayError) -> Response:

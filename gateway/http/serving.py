@@ -38,10 +38,16 @@ from gateway.config import Settings, open_files_needed
 from gateway.errors import GatewayError
 from gateway.fleet.reload import reload_config
 from gateway.http.app import uvicorn_options
+from gateway.tasks import end_leftovers
 
 __all__ = ["DrainingServer", "listen_hosts", "serve", "serve_workers"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds a task still running after the shutdown gets to end by itself, then seconds
+#: it gets once cancelled (see :func:`_end_leftovers`).
+LEFTOVER_GRACE_S = 1.0
+LEFTOVER_CANCEL_S = 2.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -61,7 +67,10 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             self._loop.add_signal_handler(signal.SIGHUP, self._reload)
-        await super().serve(sockets)
+        try:
+            await super().serve(sockets)
+        finally:
+            await _end_leftovers()
 
     def _reload(self) -> None:
         """SIGHUP: read the configuration file again (see :func:`reload_config`)."""
@@ -113,6 +122,17 @@ class DrainingServer(uvicorn.Server):
         with super().capture_signals():
             yield
             self._captured_signals.clear()  # a drained stop is a clean exit (status 0)
+
+
+async def _end_leftovers() -> None:
+    """After uvicorn's shutdown (the lifespan's included), every task the gateway
+    started has been ended by its owner. One still running is a bug: it is logged with
+    its name and stack, then cancelled, within :data:`LEFTOVER_GRACE_S` +
+    :data:`LEFTOVER_CANCEL_S` seconds, so that the process's exit never waits on it
+    for ever (``asyncio.run`` would, for a task that ignores its cancellation)."""
+    found = await end_leftovers(grace_s=LEFTOVER_GRACE_S, cancel_s=LEFTOVER_CANCEL_S)
+    if found:
+        log.error("shutdown: %s", found.report())
 
 
 def serve(app: Any, settings: Settings, *, host: str | None = None,

@@ -47,13 +47,12 @@ class DisconnectWatcher:
                 return
 
     async def stop(self) -> None:
-        for task in (self._task, self._cut_seen):
-            if task is not None and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+        # gather, not ``try: await task except CancelledError``: a cancellation of the
+        # caller during the wait must go on, not be taken for the task's (issue 42).
+        tasks = [t for t in (self._task, self._cut_seen) if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def race(self, work: Awaitable[T], *, cancel: bool = True) -> T:
         """Await ``work``; raise :class:`ClientDisconnected` if the client goes away
@@ -80,10 +79,7 @@ class DisconnectWatcher:
         finally:
             if cancel and not task.done():
                 task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):
-                    pass
+                await asyncio.gather(task, return_exceptions=True)  # (see stop)
 
 
 def _cut_off() -> ShuttingDown:
