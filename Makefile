@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: install run test test-fast lint docs demo bench backend clean
+.PHONY: install run test test-fast lint docs demo bench score score-quick backend clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,12 @@ demo: backend             ## the shared-KV overflow, straight vs through the gat
 bench: install            ## gateway vs the bare-proxy floor: JSON, SSE, then 2,000 open streams
 	$(PY) bench/bench.py
 	$(PY) bench/streams.py
+
+score: backend            ## the scoreboard: every headline promise, side by side (about 15 min)
+	$(PY) bench/scoreboard.py --write-docs
+
+score-quick: backend      ## one cell of each scoreboard row, once (a few minutes)
+	$(PY) bench/scoreboard.py --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

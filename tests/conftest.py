@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -11,12 +11,16 @@ from fastapi import FastAPI
 from hypothesis import settings as hypothesis_settings
 from prometheus_client import CollectorRegistry
 
-from gateway.config import Settings, load_settings
-from gateway.http.app import GatewayState, create_app, shutdown
-from tests.fakes import FakeLlamaServer, ManualClock
-from tests.leaks import _tasks_end_with_the_test  # noqa: F401 (a fixture)
+pytest.register_assert_rewrite("tests.leaks")  # a plugin (below), imported here first
 
-pytest_plugins = ["pytester"]
+from gateway.config import Settings, load_settings  # noqa: E402
+from gateway.http.app import GatewayState, create_app, shutdown  # noqa: E402
+from tests.fakes import FakeLlamaServer, ManualClock  # noqa: E402
+from tests.leaks import closed_at_test_end, closed_now  # noqa: E402
+
+# tests/leaks.py is a plugin, so that its autouse fixture is set up before any of this
+# file's, and its leak check torn down after all of them.
+pytest_plugins = ["pytester", "tests.leaks"]
 
 # These machines are shared and noisy: a property's example may take far longer than
 # Hypothesis's default 200 ms deadline without anything being wrong, so no deadline.
@@ -27,41 +31,6 @@ hypothesis_settings.load_profile("shared-machine")
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(autouse=True)
-def _no_task_left(request: pytest.FixtureRequest) -> None:
-    """An async test fails if it leaves a task running (tests/leaks.py)."""
-    if "anyio_backend" in request.fixturenames:
-        request.getfixturevalue("_tasks_end_with_the_test")
-        request.getfixturevalue("_harnesses_closed")  # torn down first
-
-
-#: How to close what a test opened and has not closed yet (harnesses, admissions,
-#: fakes with tasks of their own): async callables, which the test's teardown calls,
-#: the last opened first, before the leak check.
-OPEN: list[Callable[[], Awaitable[Any]]] = []
-
-
-def closed_at_test_end(close: Callable[[], Awaitable[Any]]) -> None:
-    """Call ``close()`` when the test ends, unless :func:`closed_now` said it ran."""
-    OPEN.append(close)
-
-
-def closed_now(close: Callable[[], Awaitable[Any]]) -> None:
-    """``close`` is being called by its owner: not again at the test's end."""
-    if close in OPEN:
-        OPEN.remove(close)
-
-
-@pytest.fixture
-async def _harnesses_closed() -> AsyncIterator[None]:
-    """Every :class:`Harness` (and whatever else was registered with
-    :func:`closed_at_test_end`) is stopped at the test's end, as its lifespan would
-    stop the app."""
-    yield
-    while OPEN:
-        await OPEN.pop()()
 
 
 @pytest.fixture(autouse=True)

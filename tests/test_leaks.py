@@ -80,11 +80,7 @@ def test_a_test_that_leaves_a_task_fails_naming_it(pytester: pytest.Pytester,
     pytester.makeini("[pytest]\nanyio_mode = auto\n")
     pytester.makeconftest(
         "import pytest\n"
-        "from tests.leaks import _tasks_end_with_the_test  # noqa: F401\n"
-        "@pytest.fixture(autouse=True)\n"
-        "def _check(request):\n"
-        "    if 'anyio_backend' in request.fixturenames:\n"
-        "        request.getfixturevalue('_tasks_end_with_the_test')\n"
+        "pytest_plugins = ['tests.leaks']\n"
         "@pytest.fixture\n"
         "def anyio_backend():\n"
         "    return 'asyncio'\n")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gateway.admission.forecast import WaitForecast
-from gateway.admission.lease import AdmissionStats, Lease
+from gateway.admission.lease import AdmissionStats, InFlight, Lease
 from gateway.admission.live import GROWTH_HORIZON_S, LiveAccounting
 from gateway.admission.pump import QueuedAsk, SharedPump
 from gateway.admission.shared import CLOSE_S, SharedAccount
@@ -121,7 +121,7 @@ class Admission:
         self._max_wait_s = max_wait_s
         self._reject_doomed = reject_doomed
         self._clock = clock or MonotonicClock()
-        self._active: dict[int, Lease] = {}  # leases in flight, by id
+        self._active = InFlight()  # leases in flight, by id
         self._live = LiveAccounting(self._clock, predictive=predictive, shared=shared,
                                     margin_tokens=preempt_margin_tokens, active=self._active)
         self._budget = Budget()
@@ -382,11 +382,11 @@ class Admission:
         self._wake()
 
     async def close(self) -> None:
-        """Shutdown: end the delayed releases (each releases its lease as it ends), the
-        prefill deferral's wakes and the shared pump's run, within :data:`CLOSE_S` s."""
-        pump = [] if self._pump is None or self._pump.task is None else [self._pump.task]
-        await cancel_bounded([*self._delayed, *self.slo.defer.timers, *pump], "admission",
-                             CLOSE_S)
+        """Shutdown: end the delayed releases (each releases its lease as it ends) and
+        the deferral's wakes, then the shared pump, within :data:`CLOSE_S` s each."""
+        await cancel_bounded([*self._delayed, *self.slo.defer.timers], "admission", CLOSE_S)
+        if self._pump is not None:  # last: the releases above stir it
+            await self._pump.close(CLOSE_S)
 
     def release_later(self, lease: Lease, delay_s: float, *, served: bool = True) -> None:
         """Release ``lease`` after ``delay_s`` seconds (on the injected clock), in the

@@ -13,7 +13,7 @@ from gateway.core.capacity import Charge
 if TYPE_CHECKING:
     from gateway.admission.slo import SloGuard
 
-__all__ = ["AdmissionStats", "Lease"]
+__all__ = ["AdmissionStats", "InFlight", "Lease"]
 
 
 @dataclass
@@ -64,6 +64,31 @@ class Lease:
     def live_tokens(self) -> int:
         """KV cells counted for it now: its use when tracked, else its whole charge."""
         return self.used_tokens if self.tracked else self.charge.tokens
+
+
+class InFlight(dict[int, Lease]):
+    """The leases in flight on one backend, by ``id``, with the slots they hold kept as
+    a running sum (:attr:`slots`): it is read for every relayed token (the level an
+    ITL sample is filed under, :meth:`gateway.admission.slo.SloGuard.busy`), where a
+    sum over the leases cost 10 % of the SSE relay's CPU at 64 streams (issue 37).
+    Only ``[key] = lease`` and :meth:`pop` change it.
+    """
+
+    slots: int = 0
+
+    def __setitem__(self, key: int, lease: Lease) -> None:
+        old = self.get(key)
+        if old is not None:
+            self.slots -= old.charge.slots
+        super().__setitem__(key, lease)
+        self.slots += lease.charge.slots
+
+    def pop(self, key: int, default: Lease | None = None) -> Lease | None:  # type: ignore[override]
+        lease = super().pop(key, None)
+        if lease is None:
+            return default
+        self.slots -= lease.charge.slots
+        return lease
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from gateway.clock import Clock, wait
 from gateway.core.capacity import Budget, Charge, Layout
 from gateway.core.slots import SlotMap
 from gateway.errors import StateUnavailable
-from gateway.tasks import not_cancelled
+from gateway.tasks import cancel_bounded, not_cancelled
 
 __all__ = ["QueuedAsk", "SharedPump"]
 
@@ -78,6 +78,7 @@ class SharedPump:
         self._grant = grant
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
+        self._closed = False  # by close(): no run starts any more
         self._stirred = asyncio.Event()
         shared.bind(self.tickets, self.stir)
 
@@ -91,16 +92,17 @@ class SharedPump:
         """Something may have changed in the shared queue: run the pump (or let the one
         running look again at once)."""
         self._stirred.set()
-        if self._task is None or self._task.done():
+        if not self._closed and (self._task is None or self._task.done()):
             try:
                 self._task = asyncio.get_running_loop().create_task(self._run())
             except RuntimeError:  # no loop running: nothing can be waiting
                 self._task = None
 
-    @property
-    def task(self) -> asyncio.Task[None] | None:
-        """The pump's run, while one is under way."""
-        return self._task
+    async def close(self, seconds: float) -> None:
+        """Shutdown: end the run under way (within ``seconds``) and start none after."""
+        self._closed = True
+        await cancel_bounded([] if self._task is None else [self._task], "shared pump",
+                             seconds)
 
     def _score(self, waiter: Waiter[QueuedAsk, Lease]) -> int:
         return 0 if waiter.request.front else self.shared.store.score_ms(waiter.since)

@@ -268,8 +268,7 @@ class BackendMarks:
 
     def stir(self) -> None:
         """The channel was published: read the marks (in the background)."""
-        with contextlib.suppress(RuntimeError):  # no event loop: closing
-            self.store.spawn(self._quietly(self.sync()))
+        self.background(self.sync())
 
     async def sync(self) -> None:
         """The renewal's part: send a mark made while Redis was lost, else read.
@@ -331,9 +330,12 @@ class BackendMarks:
 
     def background(self, coro: Any) -> None:
         """Run ``coro`` in the background; a lost Redis is dropped (the marks stay as
-        this process has them)."""
-        with contextlib.suppress(RuntimeError):
+        this process has them). Closed unrun when the store is closed, or no event
+        loop runs."""
+        try:
             self.store.spawn(self._quietly(coro))
+        except RuntimeError:
+            coro.close()
 
     @staticmethod
     async def _quietly(coro: Any) -> None:

@@ -164,9 +164,11 @@ async def apply_reload(state: GatewayState, plan: ReloadPlan, *,
             built.append(fresh[step.name])
     if fleet.discovering and built:
         looks = [asyncio.ensure_future(_first_look(b)) for b in built]
-        await asyncio.wait(looks, timeout=first_look_s)
-        for look in looks:
-            look.cancel()
+        try:
+            await asyncio.wait(looks, timeout=first_look_s)
+        finally:  # (a reload cancelled meanwhile leaves none behind)
+            for look in looks:
+                look.cancel()
     for target in built:
         old = fleet.backends.get(target.name)
         if old is not None:

@@ -199,11 +199,13 @@ async def shutdown(app: FastAPI) -> None:
     state. Its lifespan ends with this; a test that drives the app without a lifespan
     calls it itself."""
     state: GatewayState = app.state.gateway
-    await state.tasks.cancel_all()
-    await state.fleet.close()
-    await app.state.side_routes.aclose()
-    if state.shared is not None:
-        await state.shared.close()
+    try:
+        await state.tasks.cancel_all()
+        await state.fleet.close()
+        await app.state.side_routes.aclose()
+    finally:  # this process's leases in Redis are given back whatever failed above
+        if state.shared is not None:
+            await state.shared.close()
 
 
 async def _render(request: Request, exc: GatewayError) -> Response:

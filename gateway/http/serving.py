@@ -38,7 +38,7 @@ from gateway.config import Settings, open_files_needed
 from gateway.errors import GatewayError
 from gateway.fleet.reload import reload_config
 from gateway.http.app import uvicorn_options
-from gateway.tasks import end_leftovers
+from gateway.tasks import cancel_bounded, end_leftovers
 
 __all__ = ["DrainingServer", "listen_hosts", "serve", "serve_workers"]
 
@@ -71,6 +71,12 @@ class DrainingServer(uvicorn.Server):
             await super().serve(sockets)
         finally:
             await _end_leftovers()
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        """uvicorn's shutdown (the app's lifespan last), after ending any SIGHUP reload
+        still under way, which would otherwise build backends after the app stopped."""
+        await cancel_bounded(self._reloads, "SIGHUP reload", LEFTOVER_CANCEL_S)
+        await super().shutdown(sockets)
 
     def _reload(self) -> None:
         """SIGHUP: read the configuration file again (see :func:`reload_config`)."""

@@ -1,0 +1,345 @@
+"""The scoreboard: every headline promise re-measured, each row side by side in one run.
+
+Rows (``--rows`` picks some), each over a matrix of workloads (its cells):
+
+* ``seed``: the shared seed scenario on the real llama-server (the project's build and
+  Gemma 3 270M, ``-c 2048``, its default 4 slots sharing one pool): 3 chats of ~790
+  prompt tokens and ``max_tokens`` 900, straight to llama-server and through the
+  gateway; requests served whole, upstream 500s (a 500 status, or a stream's error
+  event), wall time. Cells: whole / streamed answers, arrivals in a burst / 0.2 s apart.
+* ``goodput``: 16 short completions (10-20 tokens, ``max_tokens`` 1024) straight and
+  through the gateway under ``strict`` and ``predictive``, as plain text and under a
+  GBNF grammar (structured output); ``goodput_ratio`` is llama-server's wall time over
+  the gateway's, for the same answers (1.0: the gateway costs nothing).
+* ``overhead``: the gateway against the bare pass-through floor (a Starlette proxy on the
+  same HTTP stack) in front of an instant fake upstream (``bench/bench.py``'s): requests
+  per second at 64 connections, JSON answers and 100-event SSE streams;
+  ``ratio_floor`` is the gateway's over the floor's.
+
+Each cell runs ``--repeats`` times (2 by default; the spread is the noise); ``--quick``
+runs the first cell of each row once. Writes ``bench/results/<date>-<commit>.json``
+(``--out``), prints every row as a Markdown table, and with ``--compare FILE`` each
+metric against an earlier result, marked WORSE when it moved past the noise in the bad
+direction. ``--write-docs`` puts the result's tables into the README and
+``docs/benchmarks.md`` (their generated blocks; ``tests/test_scoreboard.py`` fails when
+they differ from the latest committed result).
+
+Run: ``make score`` (``make score-quick`` for one cell per row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench as overhead_bench  # noqa: E402  (bench/bench.py)
+from gateway.dev.localbackend import LlamaServer, free_port  # noqa: E402
+from gateway.dev.scoreboard import Cell, compare, doc_blocks, markdown, splice  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+SEED_CELLS = [{"answer": "whole", "arrivals": "burst"}, {"answer": "stream", "arrivals": "burst"},
+              {"answer": "whole", "arrivals": "staggered"},
+              {"answer": "stream", "arrivals": "staggered"}]
+GOODPUT_CELLS = [{"policy": p, "output": o} for p in ("predictive", "strict")
+                 for o in ("plain", "grammar")]
+OVERHEAD_CELLS = [{"body": "sse"}, {"body": "json"}]
+
+#: Short answers: completions that end with their first sentence (bench/goodput.py).
+SUBJECTS = ["river", "mountain", "city", "garden", "library", "train", "kitchen", "forest",
+            "ocean", "school", "market", "bridge", "castle", "island", "desert", "harbour"]
+#: A sentence of words ending at a period: the grammar ends the answer there.
+GRAMMAR = 'root ::= [A-Za-z ,]+ "."'
+
+
+# -- running a gateway ----------------------------------------------------------------------
+
+@contextlib.contextmanager
+def gateway(backend_url: str, tree: Path = ROOT, **admission: Any) -> Iterator[str]:
+    """``gateway serve`` (of the source ``tree``) in front of ``backend_url``, with
+    ``[admission]`` settings as environment variables; yields its URL once ``/ready``."""
+    port = free_port()
+    env = dict(os.environ, GATEWAY_SERVER__PORT=str(port), PYTHONPATH=str(tree),
+               GATEWAY_SERVER__LOG_LEVEL="warning",
+               GATEWAY_BACKENDS=json.dumps([{"name": "local", "url": backend_url}]),
+               **{f"GATEWAY_ADMISSION__{k.upper()}": str(v) for k, v in admission.items()})
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env=env, cwd=tree,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the gateway in front of {backend_url} did not start")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def upstream_errors(gateway_url: str) -> float:
+    """The gateway's count of upstream 5xx and context overflows so far."""
+    total = 0.0
+    for line in httpx.get(gateway_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("gateway_upstream_errors_total") and (
+                "status_5xx" in line or "context_overflow" in line):
+            total += float(line.split()[-1])
+    return total
+
+
+# -- the seed scenario ----------------------------------------------------------------------
+
+def seed_prompt() -> str:
+    words = ["river", "mountain", "quiet", "lantern", "orchard", "copper", "meadow", "signal"]
+    return " ".join(f"The {words[i % 8]} near the {words[(i * 3 + 1) % 8]} kept its "
+                    f"{words[(i * 5 + 2) % 8]} for day {i}." for i in range(55))
+
+
+async def _one_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]
+                    ) -> tuple[bool, bool]:
+    """(served whole, failed with an upstream 500 or overflow)."""
+    if not body.get("stream"):
+        r = await client.post(url + "/v1/chat/completions", json=body)
+        overflow = r.status_code == 500
+        whole = (r.status_code == 200 and r.json().get("usage", {})
+                 .get("completion_tokens") == body["max_tokens"])
+        return whole, overflow
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return False, r.status_code == 500
+        text = "".join([chunk async for chunk in r.aiter_text()])
+    errored = '"error"' in text
+    overflow = errored and ("exceeded" in text or "500" in text)
+    return (text.rstrip().endswith("[DONE]") and not errored), overflow
+
+
+async def seed_once(url: str, stream: bool, stagger_s: float) -> dict[str, float]:
+    body = {"messages": [{"role": "user", "content": seed_prompt()}], "max_tokens": 900,
+            "ignore_eos": True, "stream": stream}
+    start = time.monotonic()
+
+    async def later(k: int) -> tuple[bool, bool]:
+        await asyncio.sleep(k * stagger_s)
+        return await _one_chat(client, url, body)
+
+    async with httpx.AsyncClient(timeout=900) as client:
+        outcomes = await asyncio.gather(*(later(k) for k in range(3)))
+    return {"served": sum(o[0] for o in outcomes), "upstream_500": sum(o[1] for o in outcomes),
+            "wall_s": time.monotonic() - start}
+
+
+def row_seed(server: str, cells: list[dict[str, str]], repeats: int) -> list[Cell]:
+    out = []
+    with gateway(server, max_queue_wait_s=600) as gw:
+        for axes in cells:
+            metrics: dict[str, list[float]] = {}
+            for _ in range(repeats):
+                stream, stagger = axes["answer"] == "stream", (
+                    0.2 if axes["arrivals"] == "staggered" else 0.0)
+                direct = asyncio.run(seed_once(server, stream, stagger))
+                before = upstream_errors(gw)
+                through = asyncio.run(seed_once(gw, stream, stagger))
+                through["upstream_500"] = max(through["upstream_500"],
+                                              upstream_errors(gw) - before)
+                for side, got in (("direct", direct), ("gateway", through)):
+                    for name in ("served", "upstream_500"):
+                        metrics.setdefault(f"{name}_{side}", []).append(got[name])
+                    metrics.setdefault(f"wall_{side}_s", []).append(round(got["wall_s"], 2))
+            out.append(Cell("seed", axes, metrics))
+            print(markdown(out[-1:]), flush=True)
+    return out
+
+
+# -- goodput --------------------------------------------------------------------------------
+
+async def short_answers(url: str, output: str) -> tuple[int, float]:
+    """16 short completions at once: (served, wall seconds)."""
+    extra: dict[str, Any] = ({"grammar": GRAMMAR} if output == "grammar"
+                             else {"stop": ["."]})
+    bodies = [{"prompt": f"My first visit to the {s}", "max_tokens": 1024,
+               "temperature": 0, **extra} for s in SUBJECTS]
+    start = time.monotonic()
+    async with httpx.AsyncClient(timeout=900) as client:
+        replies = await asyncio.gather(*(client.post(url + "/v1/completions", json=b)
+                                         for b in bodies))
+    return sum(r.status_code == 200 for r in replies), time.monotonic() - start
+
+
+def row_goodput(server: str, cells: list[dict[str, str]], repeats: int) -> list[Cell]:
+    out = []
+    for policy in dict.fromkeys(c["policy"] for c in cells):
+        with gateway(server, policy=policy, max_queue_wait_s=600, max_queue=64) as gw:
+            for axes in [c for c in cells if c["policy"] == policy]:
+                output = axes["output"]
+                asyncio.run(short_answers(gw, output))  # warm-up: predictive learns
+                metrics: dict[str, list[float]] = {}
+                for _ in range(repeats):
+                    served_d, wall_d = asyncio.run(short_answers(server, output))
+                    served_g, wall_g = asyncio.run(short_answers(gw, output))
+                    for name, value in (("served_direct", served_d), ("served_gateway", served_g),
+                                        ("wall_direct_s", round(wall_d, 2)),
+                                        ("wall_gateway_s", round(wall_g, 2)),
+                                        ("goodput_ratio", round(wall_d / wall_g, 3))):
+                        metrics.setdefault(name, []).append(value)
+                out.append(Cell("goodput", axes, metrics))
+                print(markdown(out[-1:]), flush=True)
+    return out
+
+
+# -- overhead against the floor ---------------------------------------------------------------
+
+def row_overhead(cells: list[dict[str, str]], repeats: int, seconds: float,
+                 other_tree: str | None = None) -> list[Cell]:
+    """The gateway and the bare aiohttp pass-through (and the gateway of
+    ``other_tree``), in front of bench/bench.py's instant upstream, each measured for
+    ``seconds`` at 64 connections, in turn."""
+    b = overhead_bench
+    up_port, floor_port = free_port(), free_port()
+    procs = [mp.Process(target=b.run_upstream, args=(up_port,), daemon=True),
+             mp.Process(target=b.run_bare_proxy, args=(floor_port, up_port, "aiohttp"),
+                        daemon=True)]
+    for proc in procs:
+        proc.start()
+    b.wait_http(f"http://127.0.0.1:{up_port}/props")
+    b.wait_http(f"http://127.0.0.1:{floor_port}/props")
+    out = []
+    try:
+        with contextlib.ExitStack() as stack:
+            gw = stack.enter_context(gateway(f"http://127.0.0.1:{up_port}", max_queue=100000))
+            other = None if other_tree is None else stack.enter_context(gateway(
+                f"http://127.0.0.1:{up_port}", tree=Path(other_tree), max_queue=100000))
+            for axes in cells:
+                stream = axes["body"] == "sse"
+                metrics: dict[str, list[float]] = {}
+                for _ in range(repeats):
+                    floor = b.measure(f"http://127.0.0.1:{floor_port}/v1/chat/completions",
+                                      64, seconds, stream)
+                    mine = b.measure(gw + "/v1/chat/completions", 64, seconds, stream)
+                    got = {"rps_floor": floor["rps"], "rps_gateway": mine["rps"],
+                           "ratio_floor": mine["rps"] / floor["rps"],
+                           "errors_gateway": mine["errors"]}
+                    if other is not None:
+                        theirs = b.measure(other + "/v1/chat/completions", 64, seconds, stream)
+                        got |= {"rps_other": theirs["rps"],
+                                "ratio_other": mine["rps"] / theirs["rps"]}
+                    for name, value in got.items():
+                        metrics.setdefault(name, []).append(round(value, 3))
+                out.append(Cell("overhead", axes, metrics))
+                print(markdown(out[-1:]), flush=True)
+    finally:
+        for proc in procs:
+            proc.terminate()
+    return out
+
+
+# -- the command ------------------------------------------------------------------------------
+
+def commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+    short = git("rev-parse", "--short", "HEAD") or "unknown"
+    return short + ("-dirty" if git("status", "--porcelain", "--", "gateway") else "")
+
+
+def machine(build: str) -> str:
+    return (f"{os.cpu_count()} cores, Python {sys.version.split()[0]}, "
+            f"llama-server {build}, Gemma 3 270M Q4_K_M")
+
+
+def run(rows: list[str], quick: bool, repeats: int, seconds: float,
+        other_tree: str | None = None) -> list[Cell]:
+    pick: Callable[[list[dict[str, str]]], list[dict[str, str]]] = (
+        (lambda cells: cells[:1]) if quick else (lambda cells: cells))
+    cells: list[Cell] = []
+    if "overhead" in rows:
+        cells += row_overhead(pick(OVERHEAD_CELLS), repeats, seconds, other_tree)
+    if {"seed", "goodput"} & set(rows):
+        with LlamaServer(["-c", "2048"]).running() as server:
+            if "seed" in rows:
+                cells += row_seed(server.url, pick(SEED_CELLS), repeats)
+            if "goodput" in rows:
+                cells += row_goodput(server.url, pick(GOODPUT_CELLS), repeats)
+    return cells
+
+
+def write_docs(head: dict[str, Any], cells: list[Cell]) -> None:
+    from gateway.dev.scoreboard import BLOCKS
+
+    for name, block in doc_blocks(head, cells).items():
+        for file in BLOCKS[name][0]:
+            path = ROOT / file
+            path.write_text(splice(path.read_text(), name, block))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="overhead,seed,goodput")
+    parser.add_argument("--quick", action="store_true", help="one cell per row, once")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each cell")
+    parser.add_argument("--seconds", type=float, default=5.0,
+                        help="per overhead measurement")
+    parser.add_argument("--other-tree", metavar="DIR", help="also run the gateway of another "
+                        "source tree (a checkout of an earlier commit) in the overhead row, "
+                        "side by side: rps_other, and ratio_other (this tree's over it)")
+    parser.add_argument("--out", type=Path, help="the result file (default: "
+                        "bench/results/<date>-<commit>.json)")
+    parser.add_argument("--compare", type=Path, metavar="FILE",
+                        help="an earlier result to compare with")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="put this result's tables into the README and docs")
+    args = parser.parse_args(argv)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    repeats = 1 if args.quick else max(2, args.repeats)
+    started = time.monotonic()
+    cells = run(rows, args.quick, repeats, min(3.0, args.seconds) if args.quick
+                else args.seconds, args.other_tree)
+    now = datetime.datetime.now(datetime.UTC)
+    build = LlamaServer([]).binary.parent.name if {"seed", "goodput"} & set(rows) else "-"
+    head = {"commit": commit(), "date": now.strftime("%Y-%m-%d"),
+            "created": now.isoformat(timespec="seconds"), "quick": args.quick,
+            "rows": rows, "machine": machine(build),
+            "seconds": round(time.monotonic() - started)}
+    # A quick run is a check, not a result to commit: it goes to results/quick/ (ignored).
+    folder = RESULTS / "quick" if args.quick else RESULTS
+    out = args.out or folder / f"{head['date']}-{head['commit']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**head, "cells": [c.as_json() for c in cells]}, indent=1) + "\n")
+    shown = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
+    print(f"\n{markdown(cells)}\nwritten to {shown} ({head['seconds']} s)")
+    if args.compare:
+        from gateway.dev.scoreboard import load
+
+        _, before = load(args.compare)
+        print(f"\nagainst {args.compare}:")
+        for change in compare(before, cells):
+            print("  " + change.line())
+    if args.write_docs:
+        write_docs(head, cells)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
