@@ -56,7 +56,7 @@ from gateway.admission.admission import Admission
 from gateway.admission.lease import Lease
 from gateway.clock import Clock
 from gateway.errors import GatewayError, UpstreamUnavailable
-from gateway.tasks import not_cancelled
+from gateway.tasks import cancel_bounded, not_cancelled
 
 __all__ = [
     "Seen",
@@ -314,9 +314,8 @@ class SlotWatch:
 
     async def close(self) -> None:
         """Stop polling and release everything held (shutdown)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._task is not None:  # (bounded: a poll that ignores it is logged)
+            await cancel_bounded([self._task], f"backend {self.name}'s slot watch", 2.0)
         self.release_all()
 
     def release_all(self) -> None:

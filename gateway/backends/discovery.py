@@ -14,13 +14,14 @@ from collections.abc import Awaitable, Callable
 from gateway.clock import Clock
 from gateway.core.capacity import Layout
 from gateway.errors import GatewayError
-from gateway.tasks import not_cancelled
+from gateway.tasks import cancel_bounded, not_cancelled
 
-__all__ = ["RETRY_DISCOVERY_S", "DiscoveryLoop"]
+__all__ = ["CLOSE_S", "RETRY_DISCOVERY_S", "DiscoveryLoop"]
 
 log = logging.getLogger(__name__)
 
 RETRY_DISCOVERY_S = 1.0  # delay between discovery attempts while the backend is down
+CLOSE_S = 2.0  # the most a close waits for a re-read to end once cancelled
 
 
 class DiscoveryLoop:
@@ -77,7 +78,6 @@ class DiscoveryLoop:
             await self._clock.sleep(RETRY_DISCOVERY_S)
 
     async def close(self) -> None:
-        """Stop a re-read under way (shutdown)."""
+        """Stop a re-read under way (shutdown), waiting at most :data:`CLOSE_S` s."""
         if self._again is not None:
-            self._again.cancel()
-            await asyncio.gather(self._again, return_exceptions=True)
+            await cancel_bounded([self._again], f"backend {self.name}'s re-read", CLOSE_S)

@@ -42,9 +42,22 @@ _KEY = b'"model"'
 _SPACE = b" \t\r\n"
 _QUOTE, _COLON, _BACKSLASH = 0x22, 0x3A, 0x5C
 _DRIVE = re.compile(r"^[A-Za-z]:[\\/]")
-# A JSON string, escapes and all: taken out of the text before a member, whose brackets
-# then give its depth.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+# What is left of JSON text for its depth (see _brackets): its escapes taken out, every
+# byte but quotes and brackets deleted, then the strings (now plain pairs of quotes and
+# what brackets they held) taken out.
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
+_BARE_STRING = re.compile(rb'"[^"]*"')
+
+
+def _brackets(text: bytes) -> bytes:
+    """The brackets of ``text`` (JSON, or a part of it that starts outside a string)
+    that are not inside a string, in order. C-speed steps only: about a quarter of the
+    time of a regular expression over the strings of ``text`` (the SSE relay renames
+    every event: issue 37). An escaped backslash pair goes first, so that the escaped
+    quotes left are exactly those inside strings."""
+    if b"\\" in text:
+        text = text.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return _BARE_STRING.sub(b"", text.translate(None, _NOT_STRUCTURE))
 
 
 def served_name(model: str) -> str:
@@ -98,7 +111,7 @@ def rename_model(raw: bytes, name: bytes) -> bytes:
             continue
         begin, end = found
         # In nested JSON, what is open of each kind is its openings less its closings.
-        between = _STRING.sub(b"", raw[scanned:at])
+        between = _brackets(raw[scanned:at])
         objects += between.count(b"{") - between.count(b"}")
         arrays += between.count(b"[") - between.count(b"]")
         scanned = end  # the name, the colon and the string value hold no bracket

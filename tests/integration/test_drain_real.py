@@ -113,5 +113,11 @@ def test_sighup_reloads_the_config_file(default_server: LlamaServer, tmp_path: P
     finally:
         proc.send_signal(signal.SIGINT)
         proc.send_signal(signal.SIGINT)
-        out = proc.communicate(timeout=30)[0].decode(errors="replace")
+        try:
+            out = proc.communicate(timeout=30)[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:  # a hang at shutdown: show what it logged
+            proc.kill()
+            out = proc.communicate()[0].decode(errors="replace")
+            raise AssertionError("gateway serve did not exit 30 s after two SIGINTs; "
+                                 f"its log:\n{out[-6000:]}") from None
     assert "SIGHUP" in out and "slotz" in out  # the refusal is logged with its reason
