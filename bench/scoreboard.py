@@ -48,6 +48,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import demo  # noqa: E402  (scripts/demo.py: the seed's prompt, the gateway's overflow count)
+import goodput  # noqa: E402  (bench/goodput.py: the short answers' subjects)
 
 import bench as overhead_bench  # noqa: E402  (bench/bench.py)
 from gateway.dev.localbackend import LlamaServer, free_port  # noqa: E402
@@ -62,9 +66,6 @@ GOODPUT_CELLS = [{"policy": p, "output": o} for p in ("predictive", "strict")
                  for o in ("plain", "grammar")]
 OVERHEAD_CELLS = [{"body": "sse"}, {"body": "json"}]
 
-#: Short answers: completions that end with their first sentence (bench/goodput.py).
-SUBJECTS = ["river", "mountain", "city", "garden", "library", "train", "kitchen", "forest",
-            "ocean", "school", "market", "bridge", "castle", "island", "desert", "harbour"]
 #: A sentence of words ending at a period: the grammar ends the answer there.
 GRAMMAR = 'root ::= [A-Za-z ,]+ "."'
 
@@ -98,23 +99,7 @@ def gateway(backend_url: str, tree: Path = ROOT, **admission: Any) -> Iterator[s
         proc.wait(15)
 
 
-def upstream_errors(gateway_url: str) -> float:
-    """The gateway's count of upstream 5xx and context overflows so far."""
-    total = 0.0
-    for line in httpx.get(gateway_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("gateway_upstream_errors_total") and (
-                "status_5xx" in line or "context_overflow" in line):
-            total += float(line.split()[-1])
-    return total
-
-
 # -- the seed scenario ----------------------------------------------------------------------
-
-def seed_prompt() -> str:
-    words = ["river", "mountain", "quiet", "lantern", "orchard", "copper", "meadow", "signal"]
-    return " ".join(f"The {words[i % 8]} near the {words[(i * 3 + 1) % 8]} kept its "
-                    f"{words[(i * 5 + 2) % 8]} for day {i}." for i in range(55))
-
 
 async def _one_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                     ) -> tuple[bool, bool]:
@@ -136,7 +121,7 @@ async def _one_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]
 
 
 async def seed_once(url: str, stream: bool, stagger_s: float) -> dict[str, float]:
-    body = {"messages": [{"role": "user", "content": seed_prompt()}], "max_tokens": 900,
+    body = {"messages": [{"role": "user", "content": demo.prompt()}], "max_tokens": 900,
             "ignore_eos": True, "stream": stream}
     start = time.monotonic()
 
@@ -159,10 +144,10 @@ def row_seed(server: str, cells: list[dict[str, str]], repeats: int) -> list[Cel
                 stream, stagger = axes["answer"] == "stream", (
                     0.2 if axes["arrivals"] == "staggered" else 0.0)
                 direct = asyncio.run(seed_once(server, stream, stagger))
-                before = upstream_errors(gw)
+                before = demo.upstream_overflows(gw)
                 through = asyncio.run(seed_once(gw, stream, stagger))
                 through["upstream_500"] = max(through["upstream_500"],
-                                              upstream_errors(gw) - before)
+                                              demo.upstream_overflows(gw) - before)
                 for side, got in (("direct", direct), ("gateway", through)):
                     for name in ("served", "upstream_500"):
                         metrics.setdefault(f"{name}_{side}", []).append(got[name])
@@ -179,7 +164,7 @@ async def short_answers(url: str, output: str) -> tuple[int, float]:
     extra: dict[str, Any] = ({"grammar": GRAMMAR} if output == "grammar"
                              else {"stop": ["."]})
     bodies = [{"prompt": f"My first visit to the {s}", "max_tokens": 1024,
-               "temperature": 0, **extra} for s in SUBJECTS]
+               "temperature": 0, **extra} for s in goodput.SUBJECTS]
     start = time.monotonic()
     async with httpx.AsyncClient(timeout=900) as client:
         replies = await asyncio.gather(*(client.post(url + "/v1/completions", json=b)

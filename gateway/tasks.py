@@ -93,8 +93,8 @@ class TaskSet:
         """Run ``coro`` as a task of this set (on the running loop); it leaves the set
         when it ends.
 
-        :raises RuntimeError: the set is closed (nothing would end the task), or no
-            event loop runs; ``coro`` is closed unrun.
+        :raises RuntimeError: the set is closed (nothing would end the task); ``coro``
+            is closed unrun.
         """
         if self.closed:
             coro.close()

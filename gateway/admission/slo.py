@@ -63,7 +63,7 @@ from dataclasses import replace
 from typing import TypeVar, overload
 
 from gateway.admission.defer import PrefillDeferral
-from gateway.admission.lease import InFlight, Lease
+from gateway.admission.lease import InFlight
 from gateway.clock import Clock
 from gateway.core.capacity import Charge, Layout
 from gateway.core.fairness import Party
@@ -155,7 +155,7 @@ class SloGuard:
         admission (no target in flight, or no level known to break it).
     """
 
-    def __init__(self, clock: Clock, *, active: Mapping[int, Lease],
+    def __init__(self, clock: Clock, *, active: InFlight,
                  waiting: Callable[[], int], wake: Callable[[], None],
                  params: LatencyParams | None = None,
                  shared_busy: Callable[[], int] | None = None,
@@ -183,8 +183,7 @@ class SloGuard:
     def busy(self) -> int:
         """Slots held by the leases in flight (over every process, when shared): the
         level a sample is filed under."""
-        own = (self._active.slots if isinstance(self._active, InFlight)
-               else sum(lease.charge.slots for lease in self._active.values()))
+        own = self._active.slots
         return own if self._shared_busy is None else max(own, self._shared_busy())
 
     def target(self) -> float | None:
