@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.wire.naming import answer_name, rename_model, served_name
+from gateway.wire import naming
+from gateway.wire.naming import EventRenamer, answer_name, rename_model, served_name
 
 PATH = "/home/x/models/gemma-3-270m-q4_k_m.gguf"
 NAME = answer_name("gemma")
@@ -124,6 +125,45 @@ def test_renaming_the_bytes_equals_renaming_the_parsed_json(
         doc: dict[str, Any], name: str, indent: int | None, ascii_only: bool) -> None:
     raw = json.dumps(doc, indent=indent, ensure_ascii=ascii_only).encode()
     assert json.loads(rename_model(raw, answer_name(name))) == _renamed(doc, name)
+
+
+@settings(max_examples=300, deadline=None)
+@given(base=st.dictionaries(_keys, _json, min_size=1, max_size=5),
+       changes=st.lists(st.tuples(st.integers(0, 4), _json), max_size=8),
+       name=_text, ndjson=st.booleans())
+def test_a_streams_renamer_equals_renaming_each_event_in_full(
+        base: dict[str, Any], changes: list[tuple[int, Any]], name: str,
+        ndjson: bool) -> None:
+    # Events alike but for one member's value each time (before or after the model,
+    # the model itself, or the model's own object): what the renamer keeps of one event
+    # never renames the next differently.
+    keys, docs = list(base), [base]
+    for index, value in changes:
+        docs.append({**docs[-1], keys[index % len(keys)]: value})
+    renamer, new = EventRenamer(answer_name(name)), answer_name(name)
+    for doc in docs:
+        text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+        raw = text + b"\n" if ndjson else b"data: " + text + b"\n\n"
+        assert renamer(raw) == rename_model(raw, new)
+
+
+@pytest.mark.parametrize("first,later", [
+    # llama-server: the model after the choices (its tail is the same every token)
+    (CHUNK, [CHUNK.replace(b'"<"', b'"' + t + b'"') for t in (b"a", b"bc", b"\\\"")]),
+    # Ollama's native lines: the model first (the head is the same every line)
+    (b'{"model":"llama3.2","created_at":"t","message":{"content":"a"},"done":false}\n',
+     [b'{"model":"llama3.2","created_at":"t","message":{"content":"' + t + b'"},'
+      b'"done":false}\n' for t in (b"x", b"yz", b"\\\\")]),
+])
+def test_a_streams_later_events_are_renamed_by_a_splice(
+        monkeypatch: pytest.MonkeyPatch, first: bytes, later: list[bytes]) -> None:
+    renamer = EventRenamer(NAME)
+    assert renamer(first) == rename_model(first, NAME)
+    full: list[bytes] = []
+    monkeypatch.setattr(naming, "rename_model",
+                        lambda raw, name: full.append(raw) or rename_model(raw, name))
+    assert [renamer(raw) for raw in later] == [rename_model(raw, NAME) for raw in later]
+    assert full == []  # none of them read in full
 
 
 @pytest.mark.parametrize("model,served", [

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+import re
+
+import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.wire.sse import EventSplitter, event_data
@@ -35,6 +38,32 @@ def test_any_split_gives_the_same_events(cuts: list[int]) -> None:
         pos += cut
     out += s.feed(stream[pos:])
     assert out == EVENTS * 3
+
+
+def _reference(stream: bytes, boundary: bytes) -> tuple[list[bytes], bytes]:
+    """Events and rest by one leftmost search after another over the whole stream."""
+    events, start = [], 0
+    for match in re.finditer(boundary, stream):
+        events.append(stream[start : match.end()])
+        start = match.end()
+    return events, stream[start:]
+
+
+@settings(max_examples=500)
+@pytest.mark.parametrize("lines", [False, True])
+@given(stream=st.lists(st.sampled_from([b"a", b"{", b"\n", b"\r", b"\n\n", b"data: x"]),
+                       max_size=40).map(b"".join),
+       cuts=st.lists(st.integers(0, 12), max_size=10))
+def test_whole_chunks_split_as_a_search_would(lines: bool, stream: bytes,
+                                              cuts: list[int]) -> None:
+    # The fast path (a chunk of whole events, no CR, nothing buffered) and the buffered
+    # search find the same events, however the stream is cut.
+    boundary = rb"\n" if lines else rb"\r\n\r\n|\n\n|\r\r"
+    s, out, pos = EventSplitter(lines=lines), [], 0
+    for cut in [*cuts, len(stream)]:
+        out += s.feed(stream[pos : pos + cut])
+        pos += cut
+    assert (out, s.rest()) == _reference(stream, boundary)
 
 
 def test_event_data() -> None:

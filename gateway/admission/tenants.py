@@ -354,22 +354,25 @@ class Tenant:
         finally:
             self.stop_waiting()
 
+    def enter_now(self) -> bool:
+        """Pass the gate if it takes no wait nor Redis call (else await :meth:`enter`)."""
+        cap = self.settings.max_inflight if self.settings else None
+        passed = cap is None or (self.share is None and self.inflight < cap and not self._gate)
+        self.inflight += passed
+        return passed
+
     async def enter(self, timeout_s: float, clock: Clock) -> float:
         """Pass the tenant's gate: at once while fewer than ``max_inflight`` of its
         requests are past it, else wait in arrival order (counted as waiting).
 
         :param timeout_s: the longest wait at the gate, seconds (on ``clock``).
         :returns: seconds waited at the gate.
-        :raises RateLimited: the gate is full and ``max_queued`` requests already wait
-            (``max_queued``), or the wait passed ``timeout_s`` (``max_inflight``).
-        :raises Exception: what :meth:`refuse_waiting` was given (a drain's
-            ``ShuttingDown``).
-        """
+        :raises RateLimited: ``max_queued`` already wait, or the wait passed ``timeout_s``.
+        :raises Exception: what :meth:`refuse_waiting` was given (a drain's)."""
         cap = self.settings.max_inflight if self.settings else None
         if cap is not None and self.share is not None:
             return await self._enter_shared(cap, timeout_s, clock)
-        if cap is None or (self.inflight < cap and not self._gate):
-            self.inflight += 1
+        if self.enter_now():
             return 0.0
         if self._gate is None:
             self._gate = Waitroom(clock, give_back=lambda _: self.leave())

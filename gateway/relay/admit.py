@@ -59,8 +59,11 @@ class Admitter:
         tenant, waiting, gate_s = x.tenant, False, 0.0
         try:
             if tenant is not None:
-                gate_s = await watcher.race(tenant.enter(x.party.max_wait_s or 0.0,
-                                                         self.clock))
+                # (no task and no race for a gate passed at once: every request's case
+                # without a max_inflight)
+                if not tenant.enter_now():
+                    gate_s = await watcher.race(tenant.enter(x.party.max_wait_s or 0.0,
+                                                             self.clock))
                 self.gated = True
                 if gate_s and x.party.max_wait_s is not None:  # the gate used some wait
                     x.party = replace(x.party, max_wait_s=max(0.001,

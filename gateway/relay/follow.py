@@ -34,7 +34,7 @@ from gateway.relay.progress import begun
 from gateway.relay.retry import mark_down
 from gateway.relay.send import SSE_HEADERS, body_message, json_object, send_error, send_whole
 from gateway.request.exchange import Exchange
-from gateway.wire.naming import rename_model
+from gateway.wire.naming import EventRenamer, rename_model
 from gateway.wire.resume import Continuation, Reassembler
 from gateway.wire.shapes import reshaped, sse_error_event
 from gateway.wire.sse import EventSplitter, EventTooLarge, event_data
@@ -60,6 +60,8 @@ class ClientAnswer:
         self.started = False
         self.closed = False
         self.whole = Reassembler(x.route)
+        # The served model's name, not the backend's, in each event (None: kept).
+        self._rename = None if x.answer_model is None else EventRenamer(x.answer_model)
 
     async def event(self, raw: bytes | None, obj: dict[str, Any]) -> None:
         """Relay one event: ``raw`` as received when it is unchanged, else ``obj``."""
@@ -69,8 +71,8 @@ class ClientAnswer:
         await self.open()
         data = raw if raw is not None else (
             b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
-        if self.x.answer_model is not None:  # the served model's name, not the backend's
-            data = rename_model(data, self.x.answer_model)
+        if self._rename is not None:
+            data = self._rename(data)
         # Shielded: a preemption arriving meanwhile must not cut an event in half.
         await asyncio.shield(self.send(body_message(data)))
 

@@ -8,7 +8,7 @@ out with the first event, so that a backend dying before it can still be failed 
 line), and no ``[DONE]`` is invented. A stream that ended whole has its unread tail
 drained in the background (:func:`close_after_drain`), so that its connection is reused.
 The ``model`` of the events relayed is the served model's name
-(:func:`gateway.wire.naming.rename_model`), set in the bytes of each event.
+(:class:`gateway.wire.naming.EventRenamer`), set in the bytes of each event.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from gateway.relay.inspect import StreamInspector, TokenTimes
 from gateway.relay.parts import RelayParts
 from gateway.relay.retry import keep_for_failover
 from gateway.relay.send import SSE_HEADERS, body_message, send_error
-from gateway.wire.naming import rename_model
+from gateway.wire.naming import EventRenamer
 from gateway.wire.shapes import ndjson_error_line, sse_error_event
 from gateway.wire.sse import EventSplitter, EventTooLarge
 
@@ -63,6 +63,10 @@ def close_after_drain(chunks: AsyncIterator[bytes], resp: httpx.Response,
             await resp.aclose()
 
     tasks.spawn(drain())
+
+
+def _kept(raw: bytes) -> bytes:
+    return raw
 
 
 class StreamRelay:
@@ -106,7 +110,10 @@ class StreamRelay:
                                 x.backend.dialect.is_overflow_event, ndjson=self.ndjson)
         times = TokenTimes()
         chunks = self.resp.aiter_raw()
-        named = x.answer_model  # each event's "model" (gateway.wire.naming), or None
+        # Each event's "model" set to the served name (gateway.wire.naming), or kept.
+        named = x.answer_model
+        rename = _kept if named is None else EventRenamer(named)
+        inspected = self._inspected
         try:
             with map_upstream_errors(name):
                 async for chunk in chunks:
@@ -114,9 +121,8 @@ class StreamRelay:
                     # message and one socket write, not one per event.
                     # Each event renamed on its own: one that is not JSON (a comment
                     # with a stray bracket or quote) cannot hide the next one's model.
-                    out = [relayed if named is None else rename_model(relayed, named)
-                           for raw in splitter.feed(chunk)
-                           if (relayed := self._inspected(raw, state, times)) is not None]
+                    out = [rename(relayed) for raw in splitter.feed(chunk)
+                           if (relayed := inspected(raw, state, times)) is not None]
                     if out:
                         await self._emit(out[0] if len(out) == 1 else b"".join(out))
                     if state.whole:

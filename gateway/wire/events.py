@@ -24,7 +24,6 @@ Shapes (routes named as in :mod:`gateway.request.plan`):
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,12 +67,12 @@ def has_token(choices: Any) -> bool:
     return False
 
 
-# Each key has_token reads, with the start of its value when that value settles the
-# question: null or "" (no output) or a non-empty string (output).
-# (No lookbehind for an escaped opening quote: it makes the search several times slower;
-# quick_token looks at the byte before each match instead.)
-_OUTPUT_KEY = re.compile(rb'"(?:content|reasoning_content|reasoning|text|tool_calls|'
-                         rb'function_call)"\s*:(null|""|"[^"])?')
+# Each name has_token reads, quotes included: the value after it (past a ``:`` with no
+# space around it) settles the question when it is null or "" (no output) or a
+# non-empty string (output).
+_OUTPUT_NAMES = (b'"content"', b'"reasoning_content"', b'"reasoning"', b'"text"',
+                 b'"tool_calls"', b'"function_call"')
+_NO_OUTPUT = (b"null", b'""')
 
 
 def quick_token(raw: bytes) -> bool | None:
@@ -87,18 +86,27 @@ def quick_token(raw: bytes) -> bool | None:
     A JSON string cannot hold an unescaped quote, so ``"content":"x`` in the bytes,
     its first quote not escaped, is a key and the start of its value. Keys are read as
     written: one spelled with escapes (``"\u0063ontent"``), which no backend sends, is
-    not recognised. Most events of a stream are one token each, and this reads them
-    several times faster than parsing them.
+    not recognised. Each name is looked for with ``bytes.find`` (a regular expression
+    over all six took 4 µs a chunk, this under 1 µs: the SSE relay reads every event,
+    issue 37). A name followed by anything but ``:`` (a spaced key, or a string value
+    such as ``"text"``) is not settled here: ``None``.
     """
     if not (raw.startswith(b"data: {") and raw.endswith(b"}\n\n")) or raw.count(b"\n") != 2 \
             or b"\r" in raw or b'"usage"' in raw or b'"error"' in raw:
         return None
     token = False
-    for match in _OUTPUT_KEY.finditer(raw):
-        value = match.group(1)
-        if value is None or raw[match.start() - 1] == 0x5C:  # 0x5C: an escaped quote
-            return None
-        token = token or value not in (b"null", b'""')
+    for name in _OUTPUT_NAMES:
+        at = raw.find(name)
+        while at >= 0:
+            end = at + len(name)
+            if raw[at - 1] == 0x5C or raw[end] != 0x3A:  # an escaped quote; not a key
+                return None
+            value = raw[end + 1 : end + 5]
+            if not (value in _NO_OUTPUT or value.startswith(b'""')):
+                if value[:1] != b'"' or value[1:2] == b"":
+                    return None  # an object, an array, a number: parse it
+                token = True
+            at = raw.find(name, end)
     return token
 
 
