@@ -17,8 +17,8 @@ from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Leftovers", "TaskSet", "cancel_bounded", "describe", "end_leftovers", "not_cancelled",
-           "stop_if_cancelled"]
+__all__ = ["Flag", "Leftovers", "TaskSet", "cancel_bounded", "describe", "end_leftovers",
+           "first_done", "not_cancelled", "stop_if_cancelled"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,50 @@ def not_cancelled() -> bool:
     """
     stop_if_cancelled()
     return True
+
+
+class Flag(asyncio.Event):
+    """An ``asyncio.Event`` that also offers one future, done once it is set
+    (:meth:`future`), for any number of waiters that each add a callback to it instead
+    of starting a task to wait: every request watches the drain's cut (issue 37)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._future: asyncio.Future[None] | None = None
+
+    def future(self) -> asyncio.Future[None]:
+        """The future of this flag, on the running loop (made at the first call)."""
+        if self._future is None:
+            self._future = asyncio.get_running_loop().create_future()
+            if self.is_set():
+                self._future.set_result(None)
+        return self._future
+
+    def set(self) -> None:
+        super().set()
+        if self._future is not None and not self._future.done():
+            self._future.set_result(None)
+
+
+async def first_done(*futures: asyncio.Future[Any] | None) -> None:
+    """Wait until one of ``futures`` (``None`` ones left out) is done, and no longer:
+    ``asyncio.wait(..., return_when=FIRST_COMPLETED)`` with one callback on each and
+    no sets built, taking nothing from any of them. Cancelling the wait leaves them
+    as they are."""
+    waiter = asyncio.get_running_loop().create_future()
+
+    def wake(_: asyncio.Future[Any]) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    watched = [f for f in futures if f is not None]
+    for future in watched:
+        future.add_done_callback(wake)
+    try:
+        await waiter
+    finally:
+        for future in watched:
+            future.remove_done_callback(wake)
 
 
 async def cancel_bounded(tasks: Iterable[asyncio.Task[Any]], owner: str,

@@ -113,12 +113,16 @@ class DecayedHistogram:
     weighted_sum: float = 0.0  # Σ weight × value, for the mean
     samples: int = 0  # samples since created or cleared, undecayed
     _scale: float = 1.0
+    _growth: float = field(init=False, repr=False)  # 2 ** (1 / half_life), once
+
+    def __post_init__(self) -> None:
+        self._growth = 2.0 ** (1.0 / self.half_life)
 
     def add(self, value: float) -> None:
         """Add one sample (seconds; a negative or non-finite value is ignored)."""
         if not math.isfinite(value) or value < 0:
             return
-        self._scale *= 2.0 ** (1.0 / self.half_life)
+        self._scale *= self._growth
         if self._scale > _RENORMALISE_AT:
             self.weights = [w / self._scale for w in self.weights]
             self.total /= self._scale

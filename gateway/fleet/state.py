@@ -23,6 +23,7 @@ from gateway.errors import ShuttingDown
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.tasks import TaskSet
 from gateway.observe.metrics import GatewayMetrics
+from gateway.tasks import Flag
 
 __all__ = ["GatewayState"]
 
@@ -57,7 +58,7 @@ class GatewayState:
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Set when a drain runs out of time: requests in hand are cut, each stream with a
     # final error event (gateway.relay.plain.PlainRelay, which cuts it off).
-    cut: asyncio.Event = field(default_factory=asyncio.Event)
+    cut: Flag = field(default_factory=Flag)
 
     def prime_metrics(self) -> None:
         """Give the counters the alert rules read a zero series for every configured

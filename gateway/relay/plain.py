@@ -108,8 +108,12 @@ class PlainRelay:
                 tries.sent()
                 sending = asyncio.ensure_future(
                     send_upstream(parts.client, request, stream=True))
+                progress = parts.admitter.progress
+                # Without queue progress the wait is the sending itself: raced as it is,
+                # with no task of its own (issue 37), and handed on if it is left.
+                waiting = sending if progress is None else begun(sending, x, progress)
                 try:
-                    resp = await watcher.race(begun(sending, x, parts.admitter.progress))
+                    resp = await watcher.race(waiting, cancel=progress is not None)
                 except BaseException:
                     if not sending.done():
                         tries.now.pending = sending  # handed on open (see attempt)

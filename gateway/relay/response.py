@@ -21,8 +21,6 @@ failure becomes one final ``data: {"error": …}`` event, and no ``[DONE]`` is i
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -41,6 +39,7 @@ from gateway.relay.tries import Tries
 from gateway.relay.usage import UsageBook
 from gateway.relay.watcher import DisconnectWatcher
 from gateway.request.exchange import Exchange
+from gateway.tasks import Flag
 
 __all__ = ["ProxyResponse", "strategy_for"]
 
@@ -65,7 +64,7 @@ class ProxyResponse(Response):
 
     def __init__(
         self, exchange: Exchange, *, client: httpx.AsyncClient, metrics: GatewayMetrics,
-        clock: Clock, cut: asyncio.Event | None = None, tasks: TaskSet | None = None,
+        clock: Clock, cut: Flag | None = None, tasks: TaskSet | None = None,
         strategy: StrategyFactory | None = None,
     ) -> None:
         self.x = exchange

@@ -37,8 +37,8 @@ class UsageBook:
         self.completion: int | None = None
         self.reported_prompt: int | None = None
         self.streamed = 0
-        self._itl: Any = None  # gateway_itl_seconds for the backend named _itl_of
-        self._itl_of: str | None = None
+        self._itl: Any = None  # gateway_itl_seconds for the backend _itl_of
+        self._itl_of: object = None
         self.gaps = 0  # gaps between the stream's tokens, as its client saw them
         self.late_gaps = 0  # of them, over its class's itl_p95_s
 
@@ -58,33 +58,34 @@ class UsageBook:
         """
         self.streamed += 1
         now = self.clock.now()
-        slo = self.x.backend.admission.slo
+        backend = self.x.backend
         if lease is not None:
             lease.streamed += 1
-        if first and lease is not None:
-            slo.observe_prefill(lease.charge.prompt_tokens, now - lease.granted_at)
-            if lease.first_token_at is None:  # it decodes now (what prefill deferral reads)
-                lease.first_token_at = now
+            if first:
+                backend.admission.slo.observe_prefill(lease.charge.prompt_tokens,
+                                                      now - lease.granted_at)
+                if lease.first_token_at is None:  # it decodes now (prefill deferral reads)
+                    lease.first_token_at = now
         if not self.x.stream:
             return
-        if times.last_token is None:
+        last, times.last_token = times.last_token, now
+        if last is None:
             ttft = now - self.x.started
             if self.x.ttft_s is None:  # a resumed answer's first token is not its first
                 self.x.ttft_s = ttft
-            self.metrics.ttft.labels(self.x.backend.name).observe(ttft)
-        else:
-            name = self.x.backend.name
-            if self._itl_of != name:  # the labelled child, looked up once per backend
-                self._itl, self._itl_of = self.metrics.itl.labels(name), name
-            itl = now - times.last_token
-            self._itl.observe(itl)
-            self.gaps += 1
-            target = self.x.party.itl_target_s
-            if target is not None and itl > target:
-                self.late_gaps += 1
-            if not first and self.x.charge.n == 1:  # (n > 1: its choices come in pairs)
-                slo.observe_itl(itl, self.x.backend.admission.layout)
-        times.last_token = now
+            self.metrics.ttft.labels(backend.name).observe(ttft)
+            return
+        if self._itl_of is not backend:  # looked up once per backend, not per token
+            self._itl, self._itl_of = self.metrics.itl.labels(backend.name), backend
+        itl = now - last
+        self._itl.observe(itl)
+        self.gaps += 1
+        target = self.x.party.itl_target_s
+        if target is not None and itl > target:
+            self.late_gaps += 1
+        if not first and self.x.charge.n == 1:  # (n > 1: its choices come in pairs)
+            admission = backend.admission
+            admission.slo.observe_itl(itl, admission.layout)
 
     def all_choices(self, usage: Any, reasons: list[Any]) -> Any:
         """``usage`` with ``completion_tokens`` for every choice of an ``n > 1`` answer.

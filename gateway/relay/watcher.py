@@ -15,6 +15,7 @@ from typing import TypeVar
 from starlette.types import Receive
 
 from gateway.errors import ClientDisconnected, ShuttingDown
+from gateway.tasks import Flag, first_done
 
 __all__ = ["DisconnectWatcher"]
 
@@ -27,17 +28,14 @@ class DisconnectWatcher:
     The request body must already have been read.
     """
 
-    def __init__(self, receive: Receive, cut: asyncio.Event | None = None) -> None:
+    def __init__(self, receive: Receive, cut: Flag | None = None) -> None:
         self._receive = receive
         self.disconnected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._cut = cut  # set when a drain runs out of time: work in hand is cut
-        self._cut_seen: asyncio.Task[bool] | None = None  # one wait on it, for every race
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._watch())
-        if self._cut is not None:
-            self._cut_seen = asyncio.ensure_future(self._cut.wait())
 
     async def _watch(self) -> None:
         while True:
@@ -49,28 +47,31 @@ class DisconnectWatcher:
     async def stop(self) -> None:
         # gather, not ``try: await task except CancelledError``: a cancellation of the
         # caller during the wait must go on, not be taken for the task's (issue 42).
-        tasks = [t for t in (self._task, self._cut_seen) if t is not None and not t.done()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
     async def race(self, work: Awaitable[T], *, cancel: bool = True) -> T:
         """Await ``work``; raise :class:`ClientDisconnected` if the client goes away
         first (the watcher task itself is the other side of the race), or
         :class:`~gateway.errors.ShuttingDown` if the gateway's drain runs out of time.
+        A task or future is raced as it is; a coroutine runs in a task of its own.
 
         :param cancel: cancel ``work`` when the client leaves. With ``False`` it goes on
             (pass a task you keep, to hand it on).
         """
         task = asyncio.ensure_future(work)
-        watcher, cut = self._task, self._cut_seen
+        watcher = self._task
         try:
             if watcher is None or self.disconnected.is_set():
                 raise ClientDisconnected()
             if self._cut is not None and self._cut.is_set():
                 raise _cut_off()
-            await asyncio.wait({task, watcher, *([cut] if cut else [])},
-                               return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                # One callback on each side: the drain's cut is one future for every
+                # request (Flag), not a task per request (issue 37).
+                await first_done(task, watcher,
+                                 None if self._cut is None else self._cut.future())
             if task.done():
                 return task.result()
             if self.disconnected.is_set():
