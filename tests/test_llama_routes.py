@@ -445,6 +445,22 @@ async def test_header_names_are_sent_in_llama_servers_case(make: Any) -> None:
     assert all(n == title_case(n) for n in names)
 
 
+@pytest.mark.parametrize("method,path,body", [
+    ("POST", "/completions", PROMPT),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 4, "stream": True}),
+    ("POST", "/v1/chat/completions", {"messages": "not a list"}),  # the gateway's 400
+    ("GET", "/health", None),
+    ("GET", "/no/such/route", None),  # the framework's 404
+])
+async def test_header_names_are_in_llama_servers_case_without_cors_too(
+        make: Any, method: str, path: str, body: Any) -> None:
+    h = await make()
+    resp = await h.client.request(method, path, json=body)
+    names = [k for k, _ in resp.headers.raw]
+    assert b"X-Request-Id" in names and all(n == title_case(n) for n in names), names
+
+
 def test_a_blank_origin_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="cors_origins"):
         load_settings(server={"cors_origins": [" "]})

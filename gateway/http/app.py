@@ -125,7 +125,7 @@ def create_app(
                        max_in_flight=settings.server.max_connections)
     if settings.server.cors_origins:  # outside the accounting: see CorsOnApi
         app.add_middleware(CorsOnApi, origins=settings.server.cors_origins)
-    app.add_middleware(TitleCaseHeaders)  # outermost: every answer's header names
+        app.add_middleware(TitleCaseHeaders)  # outermost: the names CORS adds too
     app.add_exception_handler(GatewayError, _render)  # type: ignore[arg-type]
     return app
 

@@ -162,7 +162,11 @@ class RequestAccounting:
                 added = [(b"x-request-id", request_id)]
                 if self.keep_alive is not None and not closing:
                     added.append(self.keep_alive)
-                message = {**message, "headers": [*headers, *added]}
+                # Title-Case names, as llama-server sends them (see TitleCaseHeaders):
+                # done here, on the one message that has headers, rather than by one
+                # more layer that every relayed event passes through.
+                message = {**message, "headers": [(title_case(k), v)
+                                                  for k, v in (*headers, *added)]}
             await send(message)
 
         counted = False
@@ -223,7 +227,9 @@ class TitleCaseHeaders:
     ``Content-Type``), as llama-server's HTTP library writes them, where the ASGI stack
     lowercases them. Names are case-insensitive in HTTP, but clients that read them from
     a plain dictionary (llama.cpp's own test suite among them) look for llama-server's
-    spelling. Outermost: it sees every response, the framework's own included.
+    spelling. :class:`RequestAccounting` sends its app's answers so; this layer, outermost,
+    is only added over :class:`CorsOnApi`, which adds names and answers preflights
+    outside the accounting.
 
     :param app: the wrapped ASGI app.
     """
