@@ -12,9 +12,15 @@ Rows (``--rows`` picks some), each over a matrix of workloads (its cells):
   GBNF grammar (structured output); ``goodput_ratio`` is llama-server's wall time over
   the gateway's, for the same answers (1.0: the gateway costs nothing).
 * ``overhead``: the gateway against the bare pass-through floor (a Starlette proxy on the
-  same HTTP stack) in front of an instant fake upstream (``bench/bench.py``'s): requests
-  per second at 64 connections, JSON answers and 100-event SSE streams;
-  ``ratio_floor`` is the gateway's over the floor's.
+  same HTTP stack) and against the gateway of an earlier commit (``--against``, by
+  default :data:`REFERENCE`), in front of an instant fake upstream (``bench/bench.py``'s):
+  requests per second at 64 connections, JSON answers and 100-event SSE streams;
+  ``ratio_floor`` and ``ratio_other`` are the gateway's over the floor's and the earlier
+  gateway's.
+* ``burst``: 2,000 streams opened at once (one each, 30 events a second apart, from
+  ``bench/streams.py``'s slow upstream), through the gateway and through the floor in
+  turn: each stream's time to its first event (p95), the streams served whole, and the
+  peak RSS of the process in the middle.
 
 Each cell runs ``--repeats`` times (2 by default; the spread is the noise); ``--quick``
 runs the first cell of each row once. Writes ``bench/results/<date>-<commit>.json``
@@ -65,6 +71,12 @@ SEED_CELLS = [{"answer": "whole", "arrivals": "burst"}, {"answer": "stream", "ar
 GOODPUT_CELLS = [{"policy": p, "output": o} for p in ("predictive", "strict")
                  for o in ("plain", "grammar")]
 OVERHEAD_CELLS = [{"body": "sse"}, {"body": "json"}]
+BURST_CELLS = [{"streams": "2000", "arrivals": "burst"}]
+BURST_EVENTS = 30  # events per stream, one a second
+
+#: The gateway the overhead row is measured against, side by side (``--against``): the
+#: last commit before the relay was split into layers (issue 37's SSE figure).
+REFERENCE = "7117abb"
 
 #: A sentence of words ending at a period: the grammar ends the answer there.
 GRAMMAR = 'root ::= [A-Za-z ,]+ "."'
@@ -72,18 +84,26 @@ GRAMMAR = 'root ::= [A-Za-z ,]+ "."'
 
 # -- running a gateway ----------------------------------------------------------------------
 
+_GATEWAY_PIDS: dict[str, int] = {}  # the process of each gateway running, by its URL
+
+
 @contextlib.contextmanager
 def gateway(backend_url: str, tree: Path = ROOT, **admission: Any) -> Iterator[str]:
     """``gateway serve`` (of the source ``tree``) in front of ``backend_url``, with
     ``[admission]`` settings as environment variables; yields its URL once ``/ready``."""
     port = free_port()
+    server = {k.removeprefix("server_"): v for k, v in admission.items()
+              if k.startswith("server_")}
     env = dict(os.environ, GATEWAY_SERVER__PORT=str(port), PYTHONPATH=str(tree),
                GATEWAY_SERVER__LOG_LEVEL="warning",
                GATEWAY_BACKENDS=json.dumps([{"name": "local", "url": backend_url}]),
-               **{f"GATEWAY_ADMISSION__{k.upper()}": str(v) for k, v in admission.items()})
+               **{f"GATEWAY_ADMISSION__{k.upper()}": str(v) for k, v in admission.items()
+                  if not k.startswith("server_")},
+               **{f"GATEWAY_SERVER__{k.upper()}": str(v) for k, v in server.items()})
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env=env, cwd=tree,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
+    _GATEWAY_PIDS[url] = proc.pid
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -95,6 +115,7 @@ def gateway(backend_url: str, tree: Path = ROOT, **admission: Any) -> Iterator[s
             time.sleep(0.1)
         yield url
     finally:
+        _GATEWAY_PIDS.pop(url, None)
         proc.terminate()
         proc.wait(15)
 
@@ -239,6 +260,71 @@ def row_overhead(cells: list[dict[str, str]], repeats: int, seconds: float,
     return out
 
 
+# -- a burst of streams ----------------------------------------------------------------------
+
+def row_burst(cells: list[dict[str, str]], repeats: int) -> list[Cell]:
+    """``streams`` streams opened at once (bench/streams.py's clients, no ramp, one
+    stream each) through the gateway and through the bare aiohttp pass-through, in turn,
+    in front of bench/streams.py's slow upstream (:data:`BURST_EVENTS` events, one a
+    second): the time to each stream's first event (p95), streams served whole, and the
+    peak RSS of the process in the middle."""
+    import streams as burst_bench  # bench/streams.py
+
+    out = []
+    for axes in cells:
+        n = int(axes["streams"])
+        up_port, floor_port = free_port(), free_port()
+        procs = [mp.Process(target=burst_bench.run_slow_upstream,
+                            args=(up_port, BURST_EVENTS), daemon=True),
+                 mp.Process(target=overhead_bench.run_bare_proxy,
+                            args=(floor_port, up_port, "aiohttp", True), daemon=True)]
+        for proc in procs:
+            proc.start()
+        overhead_bench.wait_http(f"http://127.0.0.1:{up_port}/props")
+        overhead_bench.wait_http(f"http://127.0.0.1:{floor_port}/props")
+        metrics: dict[str, list[float]] = {}
+        try:
+            with gateway(f"http://127.0.0.1:{up_port}", max_queue=100000,
+                         max_queue_wait_s=600, server_max_connections=2 * n + 100) as gw:
+                for _ in range(repeats):
+                    got = {}
+                    for who, url, pid in (
+                            ("floor", f"http://127.0.0.1:{floor_port}", procs[1].pid),
+                            ("gateway", gw, _GATEWAY_PIDS[gw])):
+                        r = asyncio.run(burst_bench.hold_streams(
+                            url + "/v1/chat/completions", n, 0.0, 1.0, pid))
+                        got |= {f"first_event_p95_s_{who}": r["ttft_p95_s"],
+                                f"served_{who}": r["whole"],
+                                f"peak_rss_mib_{who}": r["peak_mib"]}
+                    for name, value in got.items():
+                        metrics.setdefault(name, []).append(round(value, 3))
+        finally:
+            for proc in procs:
+                proc.terminate()
+        out.append(Cell("burst", axes, metrics))
+        print(markdown(out[-1:]), flush=True)
+    return out
+
+
+def reference_tree(rev: str) -> Path:
+    """The source of commit ``rev`` of this repository (``git archive``), kept under
+    ``~/.cache/llm-gateway/trees/<its full hash>`` for the next run.
+
+    :raises SystemExit: ``rev`` is not in this clone's history.
+    """
+    sha = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                         cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    if not sha:
+        raise SystemExit(f"--against {rev}: not a commit of this clone's history")
+    tree = Path.home() / ".cache" / "llm-gateway" / "trees" / sha
+    if not (tree / "gateway").is_dir():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", sha], cwd=ROOT, capture_output=True,
+                                 check=True)
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    return tree
+
+
 # -- the command ------------------------------------------------------------------------------
 
 def commit() -> str:
@@ -261,6 +347,8 @@ def run(rows: list[str], quick: bool, repeats: int, seconds: float,
     cells: list[Cell] = []
     if "overhead" in rows:
         cells += row_overhead(pick(OVERHEAD_CELLS), repeats, seconds, other_tree)
+    if "burst" in rows:
+        cells += row_burst(pick(BURST_CELLS), repeats)
     if {"seed", "goodput"} & set(rows):
         with LlamaServer(["-c", "2048"]).running() as server:
             if "seed" in rows:
@@ -281,7 +369,7 @@ def write_docs(head: dict[str, Any], cells: list[Cell]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default="overhead,seed,goodput")
+    parser.add_argument("--rows", default="overhead,burst,seed,goodput")
     parser.add_argument("--quick", action="store_true", help="one cell per row, once")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each cell")
     parser.add_argument("--seconds", type=float, default=5.0,
@@ -289,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--other-tree", metavar="DIR", help="also run the gateway of another "
                         "source tree (a checkout of an earlier commit) in the overhead row, "
                         "side by side: rps_other, and ratio_other (this tree's over it)")
+    parser.add_argument("--against", metavar="REV", default=REFERENCE,
+                        help="the commit whose gateway is the other tree when --other-tree "
+                        f"is not given (default {REFERENCE}; 'none': no other tree)")
     parser.add_argument("--out", type=Path, help="the result file (default: "
                         "bench/results/<date>-<commit>.json)")
     parser.add_argument("--compare", type=Path, metavar="FILE",
@@ -299,8 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     repeats = 1 if args.quick else max(2, args.repeats)
     started = time.monotonic()
+    other_tree = args.other_tree
+    if other_tree is None and args.against != "none" and "overhead" in rows:
+        other_tree = str(reference_tree(args.against))
     cells = run(rows, args.quick, repeats, min(3.0, args.seconds) if args.quick
-                else args.seconds, args.other_tree)
+                else args.seconds, other_tree)
     now = datetime.datetime.now(datetime.UTC)
     build = LlamaServer([]).binary.parent.name if {"seed", "goodput"} & set(rows) else "-"
     head = {"commit": commit(), "date": now.strftime("%Y-%m-%d"),

@@ -68,6 +68,7 @@ class FakeLlamaServer:
     tokens: int = 5
     token_delay: float = 0.0
     hold: asyncio.Event | None = None  # when set, generation waits for it
+    count_hold: asyncio.Event | None = None  # when set, counting waits for it
     input_tokens_route: bool = True
     slots_route: bool = True
     api_key: str | None = None  # as llama-server --api-key: 401 without it
@@ -153,6 +154,8 @@ class FakeLlamaServer:
                 return httpx.Response(404, text="Not Found")
             if self.count_fails:  # the backend cannot count in time
                 raise httpx.ReadTimeout("timed out", request=request)
+            if self.count_hold is not None:
+                await self.count_hold.wait()
             n = count_words(json.loads(request.content))
             return httpx.Response(200, json={"object": "response.input_tokens", "input_tokens": n})
         if path == "/apply-template":

@@ -203,6 +203,23 @@ async def test_counting_falls_back_to_estimate(harness: Harness, fake: Any) -> N
     assert int(r.headers["x-gateway-prompt-tokens"]) >= 2 + 8 + 8
 
 
+async def test_a_burst_of_one_prompt_is_counted_once(harness: Harness, fake: Any) -> None:
+    # Ten requests with the same prompt arrive while its count is asked: they wait for
+    # that answer (gateway.backends.once), not ask the backend ten times (issue 37).
+    fake.count_hold = asyncio.Event()
+    burst = [asyncio.ensure_future(harness.chat("the same prompt", max_tokens=4 + i))
+             for i in range(10)]
+    while not any(q.url.path.endswith("/input_tokens") for q in fake.requests):
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    fake.count_hold.set()
+    answers = await asyncio.gather(*burst)
+    assert [r.status_code for r in answers] == [200] * 10
+    counted = [q for q in fake.requests if q.url.path.endswith("/input_tokens")]
+    assert len(counted) == 1
+    assert len({r.headers["x-gateway-prompt-tokens"] for r in answers}) == 1
+
+
 async def test_old_build_counts_with_apply_template(harness: Harness, fake: Any) -> None:
     fake.input_tokens_route = False
     r = await harness.chat("one two", max_tokens=10)

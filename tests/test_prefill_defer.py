@@ -45,7 +45,7 @@ def _streaming(adm: Admission, party: Party = CHAT, left: int = 10) -> Lease:
     ``left`` tokens of its cap of 100 to go (10: 0.5 s at the 50 ms target's pace)."""
     lease = adm.try_admit(Charge(SHORT, 100), party=party)
     assert lease is not None
-    lease.itl_target_s = party.itl_target_s  # as the relay does when an attempt starts
+    adm.slo.set_itl_target(lease, party.itl_target_s)  # as the relay does when an attempt starts
     adm.observe(lease, 1)
     lease.streamed = 100 - left  # as the relay counts the tokens it relays
     return lease
@@ -155,7 +155,7 @@ async def test_what_is_not_held() -> None:
     # No stream decodes: a stream granted but still in its own prefill loses nothing.
     quiet = adm.try_admit(Charge(SHORT, 100), party=CHAT)
     assert quiet is not None
-    quiet.itl_target_s = CHAT.itl_target_s
+    adm.slo.set_itl_target(quiet, CHAT.itl_target_s)
     first = adm.try_admit(Charge(LONG, 100), party=CHAT)
     assert first is not None
     adm.observe(quiet, 1)  # now it decodes

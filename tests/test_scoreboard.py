@@ -5,6 +5,7 @@ result."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,15 +102,20 @@ def test_one_cell_runs_for_real_on_the_fake_upstream(tmp_path: Path) -> None:
     against bench/bench.py's fake upstream (no llama-server). Its figures are not
     judged (no timed assertion), its shape and its errors are."""
     out = tmp_path / "r.json"
+    # Against this very commit's gateway (git archive of HEAD, kept under this HOME).
     done = subprocess.run([sys.executable, "bench/scoreboard.py", "--rows", "overhead",
-                           "--quick", "--seconds", "1", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+                           "--quick", "--seconds", "1", "--out", str(out), "--against",
+                           "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
+    (tree,) = (tmp_path / ".cache" / "llm-gateway" / "trees").iterdir()
+    assert (tree / "gateway" / "__main__.py").is_file()
     head, cells = load(out)
     assert head["quick"] is True and head["rows"] == ["overhead"]
     (cell,) = cells
     assert cell.row == "overhead" and dict(cell.axes) == {"body": "sse"}
-    assert set(cell.metrics) >= {"rps_floor", "rps_gateway", "ratio_floor", "errors_gateway"}
+    assert set(cell.metrics) >= {"rps_floor", "rps_gateway", "ratio_floor", "errors_gateway",
+                                 "rps_other", "ratio_other"}
     assert cell.median("errors_gateway") == 0 and cell.median("rps_gateway") > 0
     assert "**overhead**" in done.stdout
 

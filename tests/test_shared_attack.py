@@ -798,7 +798,7 @@ async def test_the_slo_limit_caps_the_busy_slots_of_every_process(
                           shared=s.account("local", "http://upstream:8080")) for s in stores)
         chat = Party(priority="chat", itl_target_s=0.025)
         mine = await a.admit(Charge(10, 10), party=chat)
-        mine.itl_target_s = chat.itl_target_s  # a target in flight, as the relay sets it
+        a.slo.set_itl_target(mine, chat.itl_target_s)  # a target in flight, as the relay sets it
         theirs = await b.admit(Charge(10, 10))
         a.slo.limit = 2  # as the controller would set it after ITL over the target
         waiting = asyncio.ensure_future(a.admit(Charge(10, 10), party=chat))

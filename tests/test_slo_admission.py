@@ -41,7 +41,7 @@ async def _settle() -> None:
 def _grant(adm: Admission, party: Party = CHAT) -> Lease:
     lease = adm.try_admit(Charge(100, 100), party=party)
     assert lease is not None
-    lease.itl_target_s = party.itl_target_s  # as the relay does when an attempt starts
+    adm.slo.set_itl_target(lease, party.itl_target_s)  # as the relay does when an attempt starts
     return lease
 
 
@@ -243,7 +243,7 @@ async def test_the_wait_prediction_counts_the_slo_limit() -> None:
         adm.release(lease)
     first = adm.try_admit(Charge(50, 4000), party=CHAT)  # held about 40 s at that pace
     assert first is not None
-    first.itl_target_s = CHAT.itl_target_s
+    adm.slo.set_itl_target(first, CHAT.itl_target_s)
     leases = [first, *(_grant(adm) for _ in range(3))]
     _feed(adm, clock, 0.05, 400)  # every level breaks the 25 ms target: the limit is 1
     for lease in leases[1:]:

@@ -147,7 +147,7 @@ async def test_a_late_wait_is_not_probed() -> None:
 def _grant(adm: Admission) -> Lease:
     lease = adm.try_admit(Charge(100, 100))
     assert lease is not None
-    lease.itl_target_s = 0.025
+    adm.slo.set_itl_target(lease, 0.025)
     return lease
 
 

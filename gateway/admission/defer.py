@@ -34,10 +34,10 @@ from __future__ import annotations
 import asyncio
 import math
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from gateway.admission.lease import Lease
+from gateway.admission.lease import InFlight, Lease
 from gateway.admission.pump import QueuedAsk
 from gateway.admission.waitroom import Waiter
 from gateway.clock import Clock
@@ -67,7 +67,7 @@ class PrefillDeferral:
         (``gateway_prefill_deferred_total``).
     """
 
-    def __init__(self, guard: SloGuard, clock: Clock, *, active: Mapping[int, Lease],
+    def __init__(self, guard: SloGuard, clock: Clock, *, active: InFlight,
                  wake: Callable[[], None], defer_s: float = 0.0) -> None:
         self._guard = guard
         self._clock = clock
@@ -85,7 +85,7 @@ class PrefillDeferral:
     def decoding_target(self) -> float | None:
         """The tightest ITL p95 target of the leases in flight that have their first
         token (their streams decode now), seconds, or ``None``."""
-        return tightest(lease.itl_target_s for lease in self._active.values()
+        return tightest(lease.itl_target_s for lease in self._active.targeted.values()
                         if lease.itl_target_s is not None and lease.first_token_at is not None)
 
     def streams_left_s(self, target_s: float) -> float:
@@ -98,7 +98,7 @@ class PrefillDeferral:
         sooner ends the hold sooner, by its release."""
         pace = self._guard.seconds_per_token() or target_s
         left = 0
-        for lease in self._active.values():
+        for lease in self._active.targeted.values():
             if lease.itl_target_s is not None and lease.first_token_at is not None:
                 seen = max(lease.generated, lease.streamed // max(1, lease.charge.n))
                 left = max(left, lease.charge.max_tokens - seen)

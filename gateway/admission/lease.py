@@ -71,23 +71,41 @@ class InFlight(dict[int, Lease]):
     a running sum (:attr:`slots`): it is read for every relayed token (the level an
     ITL sample is filed under, :meth:`gateway.admission.slo.SloGuard.busy`), where a
     sum over the leases cost 10 % of the SSE relay's CPU at 64 streams (issue 37).
-    Only ``[key] = lease`` and :meth:`pop` change it.
+    The leases of a class with an ITL target are kept apart too (:attr:`targeted`):
+    what each admission reads of the targets (prefill deferral, the SLO limit) reads
+    them alone, not every lease in flight, which made a burst of 2,000 streams
+    quadratic. Only ``[key] = lease``, :meth:`pop` and :meth:`set_itl_target` change
+    them.
     """
 
     slots: int = 0
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.targeted: dict[int, Lease] = {}  # those with an itl_target_s
+
     def __setitem__(self, key: int, lease: Lease) -> None:
-        old = self.get(key)
-        if old is not None:
-            self.slots -= old.charge.slots
+        self.pop(key)
         super().__setitem__(key, lease)
         self.slots += lease.charge.slots
+        if lease.itl_target_s is not None:
+            self.targeted[key] = lease
+
+    def set_itl_target(self, lease: Lease, target_s: float | None) -> None:
+        """Give ``lease`` (in flight here, or not yet) its class's ITL target, seconds."""
+        lease.itl_target_s = target_s
+        key = id(lease)
+        if target_s is not None and self.get(key) is lease:
+            self.targeted[key] = lease
+        else:
+            self.targeted.pop(key, None)
 
     def pop(self, key: int, default: Lease | None = None) -> Lease | None:  # type: ignore[override]
         lease = super().pop(key, None)
         if lease is None:
             return default
         self.slots -= lease.charge.slots
+        self.targeted.pop(key, None)
         return lease
 
 

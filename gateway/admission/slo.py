@@ -63,7 +63,7 @@ from dataclasses import replace
 from typing import TypeVar, overload
 
 from gateway.admission.defer import PrefillDeferral
-from gateway.admission.lease import InFlight
+from gateway.admission.lease import InFlight, Lease
 from gateway.clock import Clock
 from gateway.core.capacity import Charge, Layout
 from gateway.core.fairness import Party
@@ -186,11 +186,16 @@ class SloGuard:
         own = self._active.slots
         return own if self._shared_busy is None else max(own, self._shared_busy())
 
+    def set_itl_target(self, lease: Lease, target_s: float | None) -> None:
+        """Note ``lease``'s class's ITL p95 target, seconds (``None``: none), which the
+        SLO limit and prefill deferral follow while it is in flight."""
+        self._active.set_itl_target(lease, target_s)
+
     def target(self) -> float | None:
         """The tightest ITL p95 target of the leases in flight or in flight within the
         last :data:`TARGET_MEMORY_S`, seconds, or ``None``."""
         now = self._clock.now()
-        for lease in self._active.values():
+        for lease in self._active.targeted.values():
             if lease.itl_target_s is not None:
                 self._seen[lease.itl_target_s] = now
         for target, at in list(self._seen.items()):

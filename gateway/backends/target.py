@@ -40,6 +40,7 @@ from gateway.admission.slotwatch import SlotWatch
 from gateway.backends import Dialect, Discovered, SideCalls, kind_class
 from gateway.backends.countcache import CountCache
 from gateway.backends.discovery import RETRY_DISCOVERY_S, DiscoveryLoop
+from gateway.backends.once import OnceAtATime
 from gateway.backends.router import RouterRole, discover_or_hub
 from gateway.backends.sizing import Sizing, limits
 from gateway.clock import Clock, MonotonicClock
@@ -156,10 +157,10 @@ class Target:
         # continue (llama-server); other kinds are charged as under strict.
         self._predictive = (admission_settings.policy is AdmissionPolicy.predictive
                             and bool(self.dialect.resumable_routes))
-        # Exact counts already answered, reused for the same prompt (none are kept for a
-        # kind that only estimates).
+        # Exact counts answered, reused for the same prompt (none for a kind that estimates)
         self.counts = CountCache(admission_settings.count_cache_entries
                                  if self.dialect.counts_exactly else 0)
+        self.counting: OnceAtATime[int | None] = OnceAtATime()  # counts being asked
         self.lengths = CompletionLengths(admission_settings.predict_quantile,
                                          admission_settings.predict_min_history)
         self.admission = _admission(admission_settings,

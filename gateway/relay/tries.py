@@ -67,7 +67,8 @@ class Tries:
         forgotten), noting what its slot will cache; returns the clock time it starts,
         seconds (for :meth:`give_back`)."""
         self.current = Attempt(lease, self.clock.now())
-        lease.itl_target_s = self.x.party.itl_target_s  # (the SLO limit reads it)
+        # (the SLO limit and prefill deferral read it)
+        self.x.backend.admission.slo.set_itl_target(lease, self.x.party.itl_target_s)
         self.x.backend.remember_slot(self.x.prefix, lease)
         return self.current.started
 

@@ -184,9 +184,8 @@ async def count_prompt(state: Planning, backend: Target, req: ParsedRequest,
     ``note`` (the request's :class:`~gateway.observe.record.AccessRecord`), if given,
     gets the count's source as ``count_source``, for the access line.
 
-    A prompt the backend already counted is not sent again: its count comes from the
-    backend's :class:`~gateway.backends.countcache.CountCache` (``source="cache"`` in
-    ``gateway_token_count_source_total`` when every prompt of the request was kept).
+    A prompt the backend already counted (``backend.counts``, ``source="cache"`` when
+    all were kept), or is counting now (``backend.counting``), is not sent again.
 
     :raises InvalidRequest: the backend refused the body as a client error (4xx).
     :raises UpstreamUnavailable: the backend cannot be reached (counted as ``connect``).
@@ -207,7 +206,8 @@ async def count_prompt(state: Planning, backend: Target, req: ParsedRequest,
             keys.append(key)
             count = backend.counts.get(key)
             if count is None:
-                count = await backend.count_prompt(route, body)
+                count = await backend.counting.run(  # (asked again meanwhile: one call)
+                    key, lambda: backend.count_prompt(route, body))  # noqa: B023
                 if count is not None:
                     backend.counts.put(key, count)
             else:
