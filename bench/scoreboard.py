@@ -19,8 +19,8 @@ Rows (``--rows`` picks some), each over a matrix of workloads (its cells):
   gateway's.
 * ``burst``: 2,000 streams opened at once (one each, 30 events a second apart, from
   ``bench/streams.py``'s slow upstream), through the gateway and through the floor in
-  turn: each stream's time to its first event (p95), the streams served whole, and the
-  peak RSS of the process in the middle.
+  turn (and through the earlier commit's gateway): each stream's time to its first
+  event (p95), the streams served whole, and the peak RSS of the process in the middle.
 
 Each cell runs ``--repeats`` times (2 by default; the spread is the noise); ``--quick``
 runs the first cell of each row once. Writes ``bench/results/<date>-<commit>.json``
@@ -88,15 +88,18 @@ _GATEWAY_PIDS: dict[str, int] = {}  # the process of each gateway running, by it
 
 
 @contextlib.contextmanager
-def gateway(backend_url: str, tree: Path = ROOT, **admission: Any) -> Iterator[str]:
+def gateway(backend_url: str, tree: Path = ROOT, backend: dict[str, Any] | None = None,
+            **admission: Any) -> Iterator[str]:
     """``gateway serve`` (of the source ``tree``) in front of ``backend_url``, with
-    ``[admission]`` settings as environment variables; yields its URL once ``/ready``."""
+    ``[admission]`` settings (``server_*``: ``[server]`` ones) and the ``backend``'s own
+    as environment variables; yields its URL once ``/ready``."""
     port = free_port()
     server = {k.removeprefix("server_"): v for k, v in admission.items()
               if k.startswith("server_")}
     env = dict(os.environ, GATEWAY_SERVER__PORT=str(port), PYTHONPATH=str(tree),
                GATEWAY_SERVER__LOG_LEVEL="warning",
-               GATEWAY_BACKENDS=json.dumps([{"name": "local", "url": backend_url}]),
+               GATEWAY_BACKENDS=json.dumps([{"name": "local", "url": backend_url,
+                                             **(backend or {})}]),
                **{f"GATEWAY_ADMISSION__{k.upper()}": str(v) for k, v in admission.items()
                   if not k.startswith("server_")},
                **{f"GATEWAY_SERVER__{k.upper()}": str(v) for k, v in server.items()})
@@ -233,9 +236,13 @@ def row_overhead(cells: list[dict[str, str]], repeats: int, seconds: float,
     out = []
     try:
         with contextlib.ExitStack() as stack:
-            gw = stack.enter_context(gateway(f"http://127.0.0.1:{up_port}", max_queue=100000))
+            # (as bench/bench.py: a slot of its own for each request, none waits)
+            own = {"kv_unified": False}
+            gw = stack.enter_context(gateway(f"http://127.0.0.1:{up_port}", backend=own,
+                                             max_queue=100000))
             other = None if other_tree is None else stack.enter_context(gateway(
-                f"http://127.0.0.1:{up_port}", tree=Path(other_tree), max_queue=100000))
+                f"http://127.0.0.1:{up_port}", tree=Path(other_tree), backend=own,
+                max_queue=100000))
             for axes in cells:
                 stream = axes["body"] == "sse"
                 metrics: dict[str, list[float]] = {}
@@ -262,12 +269,14 @@ def row_overhead(cells: list[dict[str, str]], repeats: int, seconds: float,
 
 # -- a burst of streams ----------------------------------------------------------------------
 
-def row_burst(cells: list[dict[str, str]], repeats: int) -> list[Cell]:
+def row_burst(cells: list[dict[str, str]], repeats: int, other_tree: str | None = None
+              ) -> list[Cell]:
     """``streams`` streams opened at once (bench/streams.py's clients, no ramp, one
     stream each) through the gateway and through the bare aiohttp pass-through, in turn,
     in front of bench/streams.py's slow upstream (:data:`BURST_EVENTS` events, one a
     second): the time to each stream's first event (p95), streams served whole, and the
-    peak RSS of the process in the middle."""
+    peak RSS of the process in the middle; and through the gateway of ``other_tree``
+    too, when given (``_other``)."""
     import streams as burst_bench  # bench/streams.py
 
     out = []
@@ -284,13 +293,20 @@ def row_burst(cells: list[dict[str, str]], repeats: int) -> list[Cell]:
         overhead_bench.wait_http(f"http://127.0.0.1:{floor_port}/props")
         metrics: dict[str, list[float]] = {}
         try:
-            with gateway(f"http://127.0.0.1:{up_port}", max_queue=100000,
-                         max_queue_wait_s=600, server_max_connections=2 * n + 100) as gw:
+            # (as bench/streams.py: a slot of its own for each stream, none waits)
+            settings = {"backend": {"kv_unified": False}, "max_queue": 100000,
+                        "max_queue_wait_s": 600, "server_max_connections": 2 * n + 100}
+            with contextlib.ExitStack() as stack:
+                targets = [("floor", f"http://127.0.0.1:{floor_port}", procs[1].pid),
+                           ("gateway", stack.enter_context(gateway(
+                               f"http://127.0.0.1:{up_port}", **settings)), 0)]
+                if other_tree is not None:
+                    targets.append(("other", stack.enter_context(gateway(
+                        f"http://127.0.0.1:{up_port}", tree=Path(other_tree), **settings)), 0))
                 for _ in range(repeats):
                     got = {}
-                    for who, url, pid in (
-                            ("floor", f"http://127.0.0.1:{floor_port}", procs[1].pid),
-                            ("gateway", gw, _GATEWAY_PIDS[gw])):
+                    for who, url, pid in targets:
+                        pid = pid or _GATEWAY_PIDS[url]
                         r = asyncio.run(burst_bench.hold_streams(
                             url + "/v1/chat/completions", n, 0.0, 1.0, pid))
                         got |= {f"first_event_p95_s_{who}": r["ttft_p95_s"],
@@ -348,7 +364,7 @@ def run(rows: list[str], quick: bool, repeats: int, seconds: float,
     if "overhead" in rows:
         cells += row_overhead(pick(OVERHEAD_CELLS), repeats, seconds, other_tree)
     if "burst" in rows:
-        cells += row_burst(pick(BURST_CELLS), repeats)
+        cells += row_burst(pick(BURST_CELLS), repeats, other_tree)
     if {"seed", "goodput"} & set(rows):
         with LlamaServer(["-c", "2048"]).running() as server:
             if "seed" in rows:
@@ -391,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 1 if args.quick else max(2, args.repeats)
     started = time.monotonic()
     other_tree = args.other_tree
-    if other_tree is None and args.against != "none" and "overhead" in rows:
+    if other_tree is None and args.against != "none" and {"overhead", "burst"} & set(rows):
         other_tree = str(reference_tree(args.against))
     cells = run(rows, args.quick, repeats, min(3.0, args.seconds) if args.quick
                 else args.seconds, other_tree)
