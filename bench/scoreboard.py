@@ -61,7 +61,14 @@ import goodput  # noqa: E402  (bench/goodput.py: the short answers' subjects)
 
 import bench as overhead_bench  # noqa: E402  (bench/bench.py)
 from gateway.dev.localbackend import LlamaServer, free_port  # noqa: E402
-from gateway.dev.scoreboard import Cell, compare, doc_blocks, markdown, splice  # noqa: E402
+from gateway.dev.scoreboard import (  # noqa: E402
+    REFERENCE,
+    Cell,
+    compare,
+    doc_blocks,
+    markdown,
+    splice,
+)
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -74,9 +81,6 @@ OVERHEAD_CELLS = [{"body": "sse"}, {"body": "json"}]
 BURST_CELLS = [{"streams": "2000", "arrivals": "burst"}]
 BURST_EVENTS = 30  # events per stream, one a second
 
-#: The gateway the overhead row is measured against, side by side (``--against``): the
-#: last commit before the relay was split into layers (issue 37's SSE figure).
-REFERENCE = "7117abb"
 
 #: A sentence of words ending at a period: the grammar ends the answer there.
 GRAMMAR = 'root ::= [A-Za-z ,]+ "."'
@@ -402,7 +406,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="an earlier result to compare with")
     parser.add_argument("--write-docs", action="store_true",
                         help="put this result's tables into the README and docs")
+    parser.add_argument("--docs-from", type=Path, metavar="FILE",
+                        help="only put the tables of an earlier result into the docs")
     args = parser.parse_args(argv)
+    if args.docs_from:
+        from gateway.dev.scoreboard import load
+
+        head, cells = load(args.docs_from)
+        write_docs(head, cells)
+        return 0
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     repeats = 1 if args.quick else max(2, args.repeats)
     started = time.monotonic()
@@ -416,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     head = {"commit": commit(), "date": now.strftime("%Y-%m-%d"),
             "created": now.isoformat(timespec="seconds"), "quick": args.quick,
             "rows": rows, "machine": machine(build),
+            "against": args.other_tree or args.against,
             "seconds": round(time.monotonic() - started)}
     # A quick run is a check, not a result to commit: it goes to results/quick/ (ignored).
     folder = RESULTS / "quick" if args.quick else RESULTS

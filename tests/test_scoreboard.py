@@ -97,6 +97,25 @@ def test_the_readme_block_is_the_seed_overload_from_the_result() -> None:
     assert "commit abc1234, 2026-12-06" in block
 
 
+def test_the_readme_overhead_block_shows_throughput_and_the_burst() -> None:
+    head = {"commit": "abc1234", "date": "2026-12-07", "against": "7117abb"}
+    sse = Cell("overhead", {"body": "sse"}, {
+        "rps_floor": [800, 820], "rps_gateway": [470, 490], "rps_other": [430, 440],
+        "ratio_floor": [0.59, 0.6], "ratio_other": [1.09, 1.11], "errors_gateway": [0, 0]})
+    burst = Cell("burst", {"streams": "2000", "arrivals": "burst"}, {
+        "first_event_p95_s_gateway": [3.1, 3.3], "first_event_p95_s_floor": [2.5, 2.5],
+        "first_event_p95_s_other": [4.5, 4.7], "peak_rss_mib_gateway": [180, 184],
+        "peak_rss_mib_floor": [156, 156], "peak_rss_mib_other": [170, 176]})
+    block = doc_blocks(head, [seed_cell([3, 3], [0, 0]), sse, burst])["overhead"]
+    assert "| SSE streams/s (100 events, 64 connections) | 480 ±10 | 810 ±10 | 435 ±5 |" \
+        in block
+    assert "| 0.595 ±0.005 | 1.1 ±0.01 |" in block
+    assert "first event p95 (s) | 3.2 ±0.1 | 2.5 | 4.6 ±0.1 |" in block
+    assert "gateway at 7117abb" in block and "commit abc1234, 2026-12-07" in block
+    # A result without those rows shows dashes, not a failure.
+    assert "| JSON requests/s (64 connections) | - | - | - | - | - |" in block
+
+
 def test_one_cell_runs_for_real_on_the_fake_upstream(tmp_path: Path) -> None:
     """The scoreboard's smoke test: the overhead row's first cell, once, for a second,
     against bench/bench.py's fake upstream (no llama-server). Its figures are not

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BLOCKS", "Cell", "Change", "compare", "doc_blocks", "latest", "load",
-           "markdown", "noise", "splice"]
+__all__ = ["BLOCKS", "REFERENCE", "Cell", "Change", "compare", "doc_blocks", "latest",
+           "load", "markdown", "noise", "splice"]
 
 #: Metrics where a larger value is better (the others: smaller is better, or neither).
 HIGHER_IS_BETTER = ("served", "ratio", "rps", "goodput")
@@ -205,11 +205,48 @@ def _all_block(cells: Sequence[Cell], head: Mapping[str, Any]) -> str:
             f"repeats, ± half their spread.\n\n" + markdown(cells).rstrip())
 
 
+def _overhead_block(cells: Sequence[Cell], head: Mapping[str, Any]) -> str:
+    """The README's overhead table: SSE and JSON throughput against the floor and the
+    earlier gateway, and the 2,000-stream burst (the rows ``overhead`` and ``burst``)."""
+    def find(row: str, **axes: str) -> Cell | None:
+        return next((c for c in cells if c.row == row and dict(c.axes) == axes), None)
+
+    def figures(cell: Cell | None, metrics: Sequence[str]) -> list[str]:
+        return [_cell_text(cell, m) if cell is not None and m in cell.metrics else "-"
+                for m in metrics]
+
+    throughput = ("rps_gateway", "rps_floor", "rps_other", "ratio_floor", "ratio_other")
+    burst = find("burst", streams="2000", arrivals="burst")
+    rows = [("SSE streams/s (100 events, 64 connections)",
+             figures(find("overhead", body="sse"), throughput)),
+            ("JSON requests/s (64 connections)", figures(find("overhead", body="json"),
+                                                        throughput)),
+            ("2,000 streams opened at once: first event p95 (s)",
+             figures(burst, ("first_event_p95_s_gateway", "first_event_p95_s_floor",
+                             "first_event_p95_s_other")) + ["", ""]),
+            ("the same: peak RSS (MiB)",
+             figures(burst, ("peak_rss_mib_gateway", "peak_rss_mib_floor",
+                             "peak_rss_mib_other")) + ["", ""])]
+    other = str(head.get("against", REFERENCE))
+    lines = [f"| | gateway | bare pass-through | gateway at {other} | gateway ÷ pass-through "
+             f"| gateway ÷ {other} |", "|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join([name, *values]) + " |" for name, values in rows]
+    lines.append(f"\n(`make score`, commit {head.get('commit')}, {head.get('date')}, "
+                 f"{head.get('machine', 'this machine')}: the median of each figure's "
+                 "repeats, ± half their spread.)")
+    return "\n".join(lines)
+
+
+#: The gateway the overhead and burst rows are measured against by default (the last
+#: commit before the relay was split into layers: issue 37's SSE figure).
+REFERENCE = "7117abb"
+
 #: The generated blocks: name -> (the files that show it, builder). A block sits
 #: between ``<!-- score:NAME -->`` and ``<!-- /score:NAME -->`` in each of its files.
 BLOCKS = {
     "seed": (("README.md", "docs/index.md"), _seed_block),
     "all": (("docs/benchmarks.md",), _all_block),
+    "overhead": (("README.md",), _overhead_block),
 }
 
 

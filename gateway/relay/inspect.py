@@ -87,6 +87,10 @@ class StreamInspector:
         """Inspect one raw event (SSE, or an NDJSON line)."""
         return self._line(raw) if self.ndjson else self._event(raw)
 
+    def reader(self) -> Callable[[bytes], Inspected]:
+        """:meth:`feed` for this stream's framing, with no choice made per event."""
+        return self._line if self.ndjson else self._event
+
     @property
     def whole(self) -> bool:
         """The stream ended as it should: its last event came and no error."""

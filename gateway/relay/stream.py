@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 import httpx
 from starlette.types import Message, Send
@@ -23,7 +24,7 @@ from starlette.types import Message, Send
 from gateway.backends.upstream import map_upstream_errors
 from gateway.errors import GatewayError, UpstreamError
 from gateway.fleet.tasks import TaskSet
-from gateway.relay.inspect import StreamInspector, TokenTimes
+from gateway.relay.inspect import Inspected, StreamInspector, TokenTimes
 from gateway.relay.parts import RelayParts
 from gateway.relay.retry import keep_for_failover
 from gateway.relay.send import SSE_HEADERS, body_message, send_error
@@ -108,21 +109,17 @@ class StreamRelay:
         splitter = EventSplitter(lines=self.ndjson)
         state = StreamInspector(x.spec, x.api, x.charge.n, x.client_wants_usage,
                                 x.backend.dialect.is_overflow_event, ndjson=self.ndjson)
-        times = TokenTimes()
         chunks = self.resp.aiter_raw()
         # Each event's "model" set to the served name (gateway.wire.naming), or kept.
         named = x.answer_model
-        rename = _kept if named is None else EventRenamer(named)
-        inspected = self._inspected
+        relayed = partial(self._relayed, state.reader(), TokenTimes(),
+                          _kept if named is None else EventRenamer(named))
         try:
             with map_upstream_errors(name):
                 async for chunk in chunks:
                     # The events of one upstream read go out in one write: one ASGI
                     # message and one socket write, not one per event.
-                    # Each event renamed on its own: one that is not JSON (a comment
-                    # with a stray bracket or quote) cannot hide the next one's model.
-                    out = [rename(relayed) for raw in splitter.feed(chunk)
-                           if (relayed := inspected(raw, state, times)) is not None]
+                    out = relayed(splitter.feed(chunk))
                     if out:
                         await self._emit(out[0] if len(out) == 1 else b"".join(out))
                     if state.whole:
@@ -177,16 +174,25 @@ class StreamRelay:
             await send_error(self.send, exc, x)
         return True
 
-    def _inspected(self, raw: bytes, inspector: StreamInspector, times: TokenTimes
-                   ) -> bytes | None:
-        """Feed one event to ``inspector`` and act on what it showed (TTFT and ITL for
-        output, the upstream error's count); return what to relay, or ``None``."""
-        relayed, token, error = inspector.feed(raw)
-        if token:
-            self.parts.usage.token_seen(times, self.parts.tries.now.lease,
-                                        first=times.last_token is None)
-        if error is not None:
-            self.parts.tries.upstream_error(error)
-            if error == "context_overflow":
-                self.parts.x.backend.upstream_failed(error)
-        return relayed
+    def _relayed(self, read: Callable[[bytes], Inspected], times: TokenTimes,
+                 rename: Callable[[bytes], bytes], events: list[bytes]) -> list[bytes]:
+        """What to relay of ``events`` (each read by the stream's inspector, ``read``),
+        each renamed on its own (one that is not JSON, a comment with a stray bracket or
+        quote, cannot hide the next one's model); acting on what they showed: TTFT and
+        ITL for output (``times``), the upstream error's count. One call per upstream
+        read, with no call per event but the reading, the token's timing and the
+        renaming (the SSE relay's every event: issue 37)."""
+        out = []
+        parts = self.parts
+        lease = parts.tries.now.lease
+        for raw in events:
+            relayed, token, error = read(raw)
+            if token:
+                parts.usage.token_seen(times, lease, first=times.last_token is None)
+            if error is not None:
+                parts.tries.upstream_error(error)
+                if error == "context_overflow":
+                    parts.x.backend.upstream_failed(error)
+            if relayed is not None:
+                out.append(rename(relayed))
+        return out
