@@ -76,6 +76,11 @@ class Flag(asyncio.Event):
         if self._future is not None and not self._future.done():
             self._future.set_result(None)
 
+    def clear(self) -> None:
+        super().clear()
+        if self._future is not None and self._future.done():
+            self._future = None  # (the next wait gets a future not yet done)
+
 
 async def first_done(*futures: asyncio.Future[Any] | None) -> None:
     """Wait until one of ``futures`` (``None`` ones left out) is done, and no longer:

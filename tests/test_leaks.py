@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tasks import end_leftovers
+from gateway.tasks import Flag, end_leftovers, first_done
 
 
 def others() -> set[asyncio.Task[object]]:
@@ -96,3 +96,36 @@ def test_a_test_that_leaves_a_task_fails_naming_it(pytester: pytest.Pytester,
     result = pytester.runpytest_subprocess("-p", "anyio", "-q")
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*1 task(s) still running*", "*lost_pump*"])
+
+
+# -- Flag and first_done: one future for every waiter, no task each ----------------------
+
+
+async def test_a_flags_future_is_done_once_set_and_not_after_a_clear() -> None:
+    flag = Flag()
+    early = flag.future()
+    assert not early.done()
+    flag.set()
+    assert early.done() and flag.future().done()
+    flag.clear()
+    later = flag.future()
+    assert not later.done()  # a wait after the clear is not woken by the old set
+    flag.set()
+    assert later.done()
+
+
+async def test_first_done_wakes_on_any_and_leaves_no_callback() -> None:
+    loop = asyncio.get_running_loop()
+    a, b = loop.create_future(), loop.create_future()
+    waiting = asyncio.ensure_future(first_done(a, None, b))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    b.set_result(1)
+    await waiting
+    assert not a.done()  # nothing taken from the other side
+    # A cancelled wait takes its callbacks away (a race's future outlives many waits).
+    waiting = asyncio.ensure_future(first_done(a))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert not a._callbacks  # noqa: SLF001  (None or [] by the Future implementation)

@@ -147,6 +147,34 @@ def test_a_streams_renamer_equals_renaming_each_event_in_full(
         assert renamer(raw) == rename_model(raw, new)
 
 
+_PIECES = st.sampled_from([b"data: ", b"{", b"}", b"[", b"]", b'"model":"m"', b'"model"',
+                           b":", b",", b'"x"', b"\\", b'\\"', b": [\n", b"\n\n", b" "])
+
+
+@settings(max_examples=400, deadline=None)
+@given(events=st.lists(st.lists(_PIECES, max_size=8).map(b"".join), min_size=1,
+                       max_size=6))
+def test_malformed_events_never_change_how_later_ones_are_renamed(
+        events: list[bytes]) -> None:
+    # Not JSON at all, or half of it: whatever came before, each event is renamed as
+    # rename_model renames it alone (the tail's depth is read, not assumed).
+    renamer = EventRenamer(NAME)
+    for raw in events:
+        assert renamer(raw) == rename_model(raw, NAME), events
+
+
+@pytest.mark.parametrize("events", [
+    [b'data: {"model":"m"}\n\n', b'data: [{"model":"m"}\n\n'],
+    [b'data: [{"model":"m"}\n\n', b'data: {"model":"m"}\n\n'],
+    [b'data: {"a":[{"model":"m"}\n\n', b'data: {"model":"m"}\n\n'],
+    [b': [\ndata: {"model":"m"}\n\n', b'data: {"model":"m"}\n\n'],
+    [b'x[{"model":"m"}', b'"model":"m"}'],
+])
+def test_the_adversarial_passes_sequences(events: list[bytes]) -> None:
+    renamer = EventRenamer(NAME)
+    assert [renamer(raw) for raw in events] == [rename_model(raw, NAME) for raw in events]
+
+
 @pytest.mark.parametrize("first,later", [
     # llama-server: the model after the choices (its tail is the same every token)
     (CHUNK, [CHUNK.replace(b'"<"', b'"' + t + b'"') for t in (b"a", b"bc", b"\\\"")]),

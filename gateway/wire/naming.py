@@ -49,15 +49,29 @@ _NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
 _BARE_STRING = re.compile(rb'"[^"]*"')
 
 
+def _structure(text: bytes) -> bytes:
+    """The unescaped quotes and the brackets of ``text``, in order: what its depth
+    depends on. An escaped backslash pair goes first, so that the escaped quotes left
+    are exactly those inside strings."""
+    if b"\\" in text:
+        text = text.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return text.translate(None, _NOT_STRUCTURE)
+
+
 def _brackets(text: bytes) -> bytes:
     """The brackets of ``text`` (JSON, or a part of it that starts outside a string)
     that are not inside a string, in order. C-speed steps only: about a quarter of the
     time of a regular expression over the strings of ``text`` (the SSE relay renames
-    every event: issue 37). An escaped backslash pair goes first, so that the escaped
-    quotes left are exactly those inside strings."""
-    if b"\\" in text:
-        text = text.replace(b"\\\\", b"").replace(b'\\"', b"")
-    return _BARE_STRING.sub(b"", text.translate(None, _NOT_STRUCTURE))
+    every event: issue 37)."""
+    return _BARE_STRING.sub(b"", _structure(text))
+
+
+def _depth(structure: bytes) -> tuple[int, int]:
+    """The objects and arrays left open by a text of this :func:`_structure` (openings
+    less closings, outside strings), as :func:`rename_model` counts them."""
+    brackets = _BARE_STRING.sub(b"", structure)
+    return (brackets.count(b"{") - brackets.count(b"}"),
+            brackets.count(b"[") - brackets.count(b"]"))
 
 
 def served_name(model: str) -> str:
@@ -139,27 +153,35 @@ class EventRenamer:
     where :func:`rename_model` takes about 4 (the SSE relay renames every event: issue
     37).
 
-    Same bytes out as :func:`rename_model`: a head match has the same bytes before the
-    member, so the same depth. A tail match has the same bytes after it; in one JSON
-    text, what is open at the member is what the bytes after it close, so the same
-    depth too (an event that is not one JSON text is not JSON to rename anyway).
+    Same bytes out as :func:`rename_model`, whatever came before: a head match has the
+    same bytes before the member, so the same depth. A tail match has the same member
+    and value, and the bytes before it are read for their depth (their quotes and
+    brackets, at C speed), which must be the learnt event's: the depth and the value are all that
+    :func:`rename_model` decides on (an earlier, malformed event cannot change how a
+    later one is renamed, found by the adversarial pass).
 
     :param name: the new value, a JSON string with its quotes (:func:`answer_name`).
     """
 
-    __slots__ = ("name", "_head", "_new_head", "_tail", "_new_tail")
+    __slots__ = ("name", "_head", "_new_head", "_tail", "_new_tail", "_before", "_depth")
 
     def __init__(self, name: bytes) -> None:
         self.name = name
         self._head = self._new_head = self._tail = self._new_tail = b""
+        self._before = b""  # the quotes and brackets before the learnt member
+        self._depth = (0, 0)  # the objects and arrays they leave open
 
     def __call__(self, raw: bytes) -> bytes:
         """``raw``, one event (or NDJSON line), renamed as :func:`rename_model` would."""
         tail = self._tail
         if tail and raw.endswith(tail):
             at = len(raw) - len(tail)
-            if raw.find(_KEY) == at and raw[at - 1] != _BACKSLASH:
-                return raw if self._new_tail is tail else raw[:at] + self._new_tail
+            if raw.find(_KEY) == at and not (at and raw[at - 1] == _BACKSLASH):
+                # The same quotes and brackets before it (a token's text has none,
+                # mostly) is the same depth; else the depth itself must be the same.
+                before = _structure(raw[:at])
+                if before == self._before or _depth(before) == self._depth:
+                    return raw if self._new_tail is tail else raw[:at] + self._new_tail
         head = self._head
         # (none after the head: one that starts in its last 6 bytes included)
         if head and raw.startswith(head) and raw.find(_KEY, len(head) - 6) < 0:
@@ -180,6 +202,8 @@ class EventRenamer:
             return
         end = found[1]
         self._head, self._tail = raw[:end], raw[at:]
+        self._before = _structure(raw[:at])
+        self._depth = _depth(self._before)
         if out is raw:
             self._new_head, self._new_tail = self._head, self._tail
         else:  # the member's value changed to the name: the same bytes around it
