@@ -21,6 +21,19 @@ Rows (``--rows`` picks some), each over a matrix of workloads (its cells):
   ``bench/streams.py``'s slow upstream), through the gateway and through the floor in
   turn (and through the earlier commit's gateway): each stream's time to its first
   event (p95), the streams served whole, and the peak RSS of the process in the middle.
+* ``refusal``: honest refusals. The seed's three chats 0.2 s apart on a gateway with
+  ``max_queue_wait_s`` 6 (one fits at a time, so two are doomed): how long the refused
+  ones waited for their 503, and the first one's ``Retry-After`` against when it could
+  really have started (``retry_after_over_real``; 1.0 is exact). Cells: whole / streamed
+  answers, a fresh gateway / a warm one (one short answer served first).
+* ``slo``: latency targets. Six streams of 150 tokens on llama-server ``-c 4096``, at
+  once or 0.5 s apart, through a gateway without a target and one whose class has
+  ``itl_p95_s`` 1.4 × one stream's ITL p95 alone: ITL p95 of each, and the targeted
+  run's over the target (``itl_p95_over_target``). Cells: burst / staggered, the gateway
+  with the target warm (three single streams first) / fresh.
+* ``shared``: several processes sharing Redis. Three of the seed's chats with
+  ``max_tokens`` 300 (any two overflow the pool together) through one gateway and
+  through two processes sharing one ``redis-server``: served, upstream 500s, wall time.
 
 Each cell runs ``--repeats`` times (2 by default; the spread is the noise); ``--quick``
 runs the first cell of each row once. Writes ``bench/results/<date>-<commit>.json``
@@ -44,6 +57,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -58,6 +72,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import demo  # noqa: E402  (scripts/demo.py: the seed's prompt, the gateway's overflow count)
 import goodput  # noqa: E402  (bench/goodput.py: the short answers' subjects)
+import slo  # noqa: E402  (bench/slo.py: streams' client-side ITL)
 
 import bench as overhead_bench  # noqa: E402  (bench/bench.py)
 from gateway.dev.localbackend import LlamaServer, free_port  # noqa: E402
@@ -71,6 +86,7 @@ from gateway.dev.scoreboard import (  # noqa: E402
 )
 
 RESULTS = ROOT / "bench" / "results"
+ROWS = ("overhead", "burst", "seed", "goodput", "refusal", "slo", "shared")
 
 SEED_CELLS = [{"answer": "whole", "arrivals": "burst"}, {"answer": "stream", "arrivals": "burst"},
               {"answer": "whole", "arrivals": "staggered"},
@@ -80,6 +96,13 @@ GOODPUT_CELLS = [{"policy": p, "output": o} for p in ("predictive", "strict")
 OVERHEAD_CELLS = [{"body": "sse"}, {"body": "json"}]
 BURST_CELLS = [{"streams": "2000", "arrivals": "burst"}]
 BURST_EVENTS = 30  # events per stream, one a second
+REFUSAL_CELLS = [{"answer": a, "gateway": g} for g in ("fresh", "warm")
+                 for a in ("whole", "stream")]
+SLO_CELLS = [{"arrivals": a, "gateway": g} for g in ("warm", "fresh")
+             for a in ("burst", "staggered")]
+SHARED_CELLS = [{"answer": "whole"}, {"answer": "stream"}]
+SLO_TOKENS = 150  # tokens per stream of the latency-target row
+SLO_TARGET = 1.4  # the target: this many times one stream's ITL p95 alone
 
 
 #: A sentence of words ending at a period: the grammar ends the answer there.
@@ -93,15 +116,20 @@ _GATEWAY_PIDS: dict[str, int] = {}  # the process of each gateway running, by it
 
 @contextlib.contextmanager
 def gateway(backend_url: str, tree: Path = ROOT, backend: dict[str, Any] | None = None,
+            classes: list[dict[str, Any]] | None = None, redis_url: str | None = None,
             **admission: Any) -> Iterator[str]:
     """``gateway serve`` (of the source ``tree``) in front of ``backend_url``, with
-    ``[admission]`` settings (``server_*``: ``[server]`` ones) and the ``backend``'s own
-    as environment variables; yields its URL once ``/ready``."""
+    ``[admission]`` settings (``server_*``: ``[server]`` ones), the ``backend``'s own,
+    ``[[classes]]`` and, with ``redis_url``, state shared in that Redis, as environment
+    variables; yields its URL once ``/ready``."""
     port = free_port()
     server = {k.removeprefix("server_"): v for k, v in admission.items()
               if k.startswith("server_")}
+    extra = {} if classes is None else {"GATEWAY_CLASSES": json.dumps(classes)}
+    if redis_url is not None:
+        extra |= {"GATEWAY_STATE__BACKEND": "redis", "GATEWAY_STATE__REDIS_URL": redis_url}
     env = dict(os.environ, GATEWAY_SERVER__PORT=str(port), PYTHONPATH=str(tree),
-               GATEWAY_SERVER__LOG_LEVEL="warning",
+               GATEWAY_SERVER__LOG_LEVEL="warning", **extra,
                GATEWAY_BACKENDS=json.dumps([{"name": "local", "url": backend_url,
                                              **(backend or {})}]),
                **{f"GATEWAY_ADMISSION__{k.upper()}": str(v) for k, v in admission.items()
@@ -219,6 +247,150 @@ def row_goodput(server: str, cells: list[dict[str, str]], repeats: int) -> list[
                 out.append(Cell("goodput", axes, metrics))
                 print(markdown(out[-1:]), flush=True)
     return out
+
+
+# -- honest refusals -------------------------------------------------------------------------
+
+async def refusal_once(url: str, stream: bool) -> dict[str, float]:
+    """The seed's three chats 0.2 s apart on a gateway with ``max_queue_wait_s`` 6: one
+    fits the pool at a time, so the second and third cannot start within 6 s. Returns
+    the requests served and refused, the longest a refused one waited for its 503, the
+    first refused one's ``Retry-After`` and when it could really have started (the
+    served one's end, from its arrival), seconds."""
+    body = {"messages": [{"role": "user", "content": demo.prompt()}], "max_tokens": 900,
+            "ignore_eos": True, "stream": stream}
+    start = time.monotonic()
+
+    async def later(k: int) -> tuple[int, float, float, float]:
+        """(status, arrival, seconds to the answer's end, Retry-After or 0)."""
+        await asyncio.sleep(k * 0.2)
+        sent = time.monotonic()
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            await r.aread()
+        return (r.status_code, sent - start, time.monotonic() - sent,
+                float(r.headers.get("retry-after", 0)))
+
+    async with httpx.AsyncClient(timeout=900) as client:
+        outcomes = await asyncio.gather(*(later(k) for k in range(3)))
+    served = [o for o in outcomes if o[0] == 200]
+    refused = [o for o in outcomes if o[0] == 503]
+    got = {"served": len(served), "refused": len(refused),
+           "refused_after_s": max((o[2] for o in refused), default=0.0)}
+    if served and refused:
+        real = served[0][1] + served[0][2] - refused[0][1]
+        got |= {"retry_after_s": refused[0][3], "real_start_s": real,
+                "retry_after_over_real": refused[0][3] / real}
+    return got
+
+
+def row_refusal(server: str, cells: list[dict[str, str]], repeats: int) -> list[Cell]:
+    """:func:`refusal_once` on a fresh gateway (started for each repeat) and on a warm
+    one (that has just served one short answer of the same kind alone)."""
+    out = []
+    for axes in cells:
+        stream = axes["answer"] == "stream"
+        metrics: dict[str, list[float]] = {}
+        for _ in range(repeats):
+            with gateway(server, max_queue_wait_s=6) as gw:
+                if axes["gateway"] == "warm":
+                    httpx.post(gw + "/v1/chat/completions", timeout=300, json={
+                        "messages": [{"role": "user", "content": demo.prompt()}],
+                        "max_tokens": 64, "ignore_eos": True, "stream": stream})
+                got = asyncio.run(refusal_once(gw, stream))
+            for name, value in got.items():
+                metrics.setdefault(name, []).append(round(value, 3))
+        out.append(Cell("refusal", axes, metrics))
+        print(markdown(out[-1:]), flush=True)
+    return out
+
+
+# -- latency targets --------------------------------------------------------------------------
+
+def _itl_p95(run: slo.Run) -> float:
+    return slo.quantile(run.gaps, 0.95) if run.gaps else float("nan")
+
+
+def row_slo(server: str, cells: list[dict[str, str]], repeats: int) -> list[Cell]:
+    """Six streams of :data:`SLO_TOKENS` tokens (every third with a 300-word prompt),
+    at once or 0.5 s apart, through a gateway without a target and through one whose
+    class has ``itl_p95_s`` = :data:`SLO_TARGET` × one stream's ITL p95 alone (measured
+    first, straight to llama-server). ``warm``: the gateway with the target has served
+    three single streams first; ``fresh``: it is new. ITL p95 in milliseconds;
+    ``itl_p95_over_target`` is the targeted run's over the target (≤ 1.1: held)."""
+    alone = asyncio.run(slo.rounds(server, 1, SLO_TOKENS, 3, 0))
+    target = SLO_TARGET * _itl_p95(alone)
+    out = []
+    for axes in cells:
+        stagger = 0.5 if axes["arrivals"] == "staggered" else 0.0
+        metrics: dict[str, list[float]] = {}
+        for _ in range(repeats):
+            got: dict[str, float] = {"target_ms": target * 1000}
+            for side, classes in (("none", None),
+                                  ("target", [{"name": "chat", "itl_p95_s": target}])):
+                with gateway(server, classes=classes, max_queue_wait_s=600) as gw:
+                    if classes is not None and axes["gateway"] == "warm":
+                        asyncio.run(slo.rounds(gw, 1, SLO_TOKENS, 3, 0))
+                    run = asyncio.run(slo.rounds(gw, 6, SLO_TOKENS, 1, 300, stagger))
+                got |= {f"itl_p95_ms_{side}": _itl_p95(run) * 1000,
+                        f"refused_{side}": run.refused, f"failed_{side}": run.failed,
+                        f"wall_{side}_s": run.wall_s}
+            got["itl_p95_over_target"] = got["itl_p95_ms_target"] / got["target_ms"]
+            for name, value in got.items():
+                metrics.setdefault(name, []).append(round(value, 3))
+        out.append(Cell("slo", axes, metrics))
+        print(markdown(out[-1:]), flush=True)
+    return out
+
+
+# -- several processes sharing Redis ----------------------------------------------------------
+
+def row_shared(server: str, cells: list[dict[str, str]], repeats: int) -> list[Cell]:
+    """The seed's chats with ``max_tokens`` 300 (any two overflow the pool together),
+    three at once, through one gateway and through two processes sharing one Redis
+    (the second chat to the second process): served, upstream 500s and wall time;
+    ``goodput_ratio`` is one process's wall time over the two's."""
+    from gateway.dev.redisserver import RedisServer
+
+    out = []
+    with tempfile.TemporaryDirectory() as work:
+        redis = RedisServer(work).start()
+        try:
+            for axes in cells:
+                stream = axes["answer"] == "stream"
+                metrics: dict[str, list[float]] = {}
+                for _ in range(repeats):
+                    got = {}
+                    with contextlib.ExitStack() as stack:
+                        one = stack.enter_context(gateway(server, max_queue_wait_s=600))
+                        pair = [stack.enter_context(gateway(
+                            server, redis_url=redis.url, max_queue_wait_s=600))
+                            for _ in range(2)]
+                        for side, urls in (("one", [one]), ("two", pair)):
+                            before = sum(demo.upstream_overflows(u) for u in urls)
+                            r = asyncio.run(_chats(urls, stream))
+                            r["upstream_500"] = max(r["upstream_500"], sum(
+                                demo.upstream_overflows(u) for u in urls) - before)
+                            got |= {f"{k}_{side}": v for k, v in r.items()}
+                    got["goodput_ratio"] = got["wall_s_one"] / got["wall_s_two"]
+                    for name, value in got.items():
+                        metrics.setdefault(name, []).append(round(value, 3))
+                out.append(Cell("shared", axes, metrics))
+                print(markdown(out[-1:]), flush=True)
+        finally:
+            redis.stop()
+    return out
+
+
+async def _chats(urls: list[str], stream: bool) -> dict[str, float]:
+    """Three seed chats (``max_tokens`` 300) at once, the k-th to ``urls[k % len]``."""
+    body = {"messages": [{"role": "user", "content": demo.prompt()}], "max_tokens": 300,
+            "ignore_eos": True, "stream": stream}
+    start = time.monotonic()
+    async with httpx.AsyncClient(timeout=900) as client:
+        outcomes = await asyncio.gather(*(_one_chat(client, urls[k % len(urls)], body)
+                                          for k in range(3)))
+    return {"served": sum(o[0] for o in outcomes), "upstream_500": sum(o[1] for o in outcomes),
+            "wall_s": time.monotonic() - start}
 
 
 # -- overhead against the floor ---------------------------------------------------------------
@@ -369,12 +541,19 @@ def run(rows: list[str], quick: bool, repeats: int, seconds: float,
         cells += row_overhead(pick(OVERHEAD_CELLS), repeats, seconds, other_tree)
     if "burst" in rows:
         cells += row_burst(pick(BURST_CELLS), repeats, other_tree)
-    if {"seed", "goodput"} & set(rows):
+    if {"seed", "goodput", "refusal", "shared"} & set(rows):
         with LlamaServer(["-c", "2048"]).running() as server:
             if "seed" in rows:
                 cells += row_seed(server.url, pick(SEED_CELLS), repeats)
             if "goodput" in rows:
                 cells += row_goodput(server.url, pick(GOODPUT_CELLS), repeats)
+            if "refusal" in rows:
+                cells += row_refusal(server.url, pick(REFUSAL_CELLS), repeats)
+            if "shared" in rows:
+                cells += row_shared(server.url, pick(SHARED_CELLS), repeats)
+    if "slo" in rows:
+        with LlamaServer(["-c", "4096"]).running() as server:
+            cells += row_slo(server.url, pick(SLO_CELLS), repeats)
     return cells
 
 
@@ -389,7 +568,7 @@ def write_docs(head: dict[str, Any], cells: list[Cell]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default="overhead,burst,seed,goodput")
+    parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--quick", action="store_true", help="one cell per row, once")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each cell")
     parser.add_argument("--seconds", type=float, default=5.0,
@@ -424,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = run(rows, args.quick, repeats, min(3.0, args.seconds) if args.quick
                 else args.seconds, other_tree)
     now = datetime.datetime.now(datetime.UTC)
-    build = LlamaServer([]).binary.parent.name if {"seed", "goodput"} & set(rows) else "-"
+    build = LlamaServer([]).binary.parent.name if set(rows) - {"overhead", "burst"} else "-"
     head = {"commit": commit(), "date": now.strftime("%Y-%m-%d"),
             "created": now.isoformat(timespec="seconds"), "quick": args.quick,
             "rows": rows, "machine": machine(build),
