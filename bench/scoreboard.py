@@ -8,9 +8,10 @@ Rows (``--rows`` picks some), each over a matrix of workloads (its cells):
   gateway; requests served whole, upstream 500s (a 500 status, or a stream's error
   event), wall time. Cells: whole / streamed answers, arrivals in a burst / 0.2 s apart.
 * ``goodput``: 16 short completions (10-20 tokens, ``max_tokens`` 1024) straight and
-  through the gateway under ``strict`` and ``predictive``, as plain text and under a
-  GBNF grammar (structured output); ``goodput_ratio`` is llama-server's wall time over
-  the gateway's, for the same answers (1.0: the gateway costs nothing).
+  through the gateway under ``strict`` and ``predictive``, as plain text, under a GBNF
+  grammar and under a JSON schema (structured output); ``goodput_ratio`` is
+  llama-server's wall time over the gateway's, for the same answers (1.0: the gateway
+  costs nothing).
 * ``overhead``: the gateway against the bare pass-through floor (a Starlette proxy on the
   same HTTP stack) and against the gateway of an earlier commit (``--against``, by
   default :data:`REFERENCE`), in front of an instant fake upstream (``bench/bench.py``'s):
@@ -92,7 +93,7 @@ SEED_CELLS = [{"answer": "whole", "arrivals": "burst"}, {"answer": "stream", "ar
               {"answer": "whole", "arrivals": "staggered"},
               {"answer": "stream", "arrivals": "staggered"}]
 GOODPUT_CELLS = [{"policy": p, "output": o} for p in ("predictive", "strict")
-                 for o in ("plain", "grammar")]
+                 for o in ("plain", "grammar", "schema")]
 OVERHEAD_CELLS = [{"body": "sse"}, {"body": "json"}]
 BURST_CELLS = [{"streams": "2000", "arrivals": "burst"}]
 BURST_EVENTS = 30  # events per stream, one a second
@@ -107,6 +108,9 @@ SLO_TARGET = 1.4  # the target: this many times one stream's ITL p95 alone
 
 #: A sentence of words ending at a period: the grammar ends the answer there.
 GRAMMAR = 'root ::= [A-Za-z ,]+ "."'
+#: A JSON answer of one short field (an agent's structured reply).
+SCHEMA = {"type": "object", "properties": {"place": {"type": "string", "maxLength": 40}},
+          "required": ["place"], "additionalProperties": False}
 
 
 # -- running a gateway ----------------------------------------------------------------------
@@ -217,8 +221,8 @@ def row_seed(server: str, cells: list[dict[str, str]], repeats: int) -> list[Cel
 
 async def short_answers(url: str, output: str) -> tuple[int, float]:
     """16 short completions at once: (served, wall seconds)."""
-    extra: dict[str, Any] = ({"grammar": GRAMMAR} if output == "grammar"
-                             else {"stop": ["."]})
+    extra: dict[str, Any] = {"plain": {"stop": ["."]}, "grammar": {"grammar": GRAMMAR},
+                             "schema": {"json_schema": SCHEMA}}[output]
     bodies = [{"prompt": f"My first visit to the {s}", "max_tokens": 1024,
                "temperature": 0, **extra} for s in goodput.SUBJECTS]
     start = time.monotonic()

@@ -286,6 +286,10 @@ class BackendSettings(_Strict):
     # Longest silence allowed while reading the upstream response (prefill included).
     read_timeout_s: float = Field(600.0, gt=0)
     discovery_interval_s: float = Field(30.0, gt=0)
+    # At the first discovery, one short completion of the gateway's own (16 tokens;
+    # llama-server only) whose timings give the decode pace, so that a fresh gateway
+    # predicts queue waits (and refuses doomed requests) before any answer has ended.
+    calibrate: bool = True
     # Idle pooled connections to the backend are closed after this, seconds: below the
     # backend's own keep-alive timeout (llama-server: 5 s), so the gateway never writes a
     # request onto a connection the backend is closing.

@@ -50,7 +50,10 @@ def make_settings() -> SettingsFactory:
     """Settings with one backend 'local'; keyword sections override."""
 
     def make(admission: dict[str, Any] | None = None, **backend: Any) -> Settings:
-        entry: dict[str, Any] = {"name": "local", "url": "http://upstream:8080", **backend}
+        # No calibration request at discovery (backends[].calibrate) unless a test is
+        # about it: tests count the fake's requests.
+        entry: dict[str, Any] = {"name": "local", "url": "http://upstream:8080",
+                                 "calibrate": False, **backend}
         # The fake upstream stops the moment it is closed, so no release grace is needed
         # unless a test is about that grace.
         admission = {"disconnect_grace_s": 0.0, **(admission or {})}

@@ -106,6 +106,9 @@ class FakeLlamaServer:
     # waits this many seconds per generation in flight, so the ITL grows with the batch
     # as a decode step's cost does.
     itl_per_stream: float = 0.0
+    # When set, whole answers and the native /completion carry llama-server's
+    # ``timings`` with this decode pace (seconds per token) and /completion answers.
+    pace_s: float | None = None
     _free_slots: asyncio.Semaphore | None = None
 
     def transport(self) -> httpx.MockTransport:
@@ -168,6 +171,12 @@ class FakeLlamaServer:
             return httpx.Response(200, json={"tokens": list(range(n))})
         if path in ("/v1/chat/completions", "/v1/completions"):
             return await self._generate(request)
+        if path == "/completion" and self.pace_s is not None:  # the native route
+            body = json.loads(request.content)
+            n = int(body.get("n_predict") or self.tokens)
+            self.generations.append(body)
+            return httpx.Response(200, json={"content": "tok " * n, "tokens_predicted": n,
+                                             "timings": self._timings(n)})
         return httpx.Response(404, text="Not Found")
 
     async def _generate(self, request: httpx.Request) -> httpx.Response:
@@ -212,13 +221,21 @@ class FakeLlamaServer:
             finished = True
         finally:
             self._leave(slot, finished)
+        timings = {} if self.pace_s is None else {"timings": self._timings(n)}
         return httpx.Response(200, json={
             "object": "chat.completion",
             "choices": [{"index": 0, "finish_reason": "length",
                          "message": {"role": "assistant", "content": "tok " * n}}],
             "usage": {"prompt_tokens": prompt, "completion_tokens": n,
-                      "total_tokens": prompt + n},
+                      "total_tokens": prompt + n}, **timings,
         })
+
+    def _timings(self, n: int) -> dict[str, float]:
+        """llama-server's ``timings`` of an answer of ``n`` tokens at :attr:`pace_s`
+        (tools/server/server-task.cpp ``result_timings``: milliseconds)."""
+        per_ms = (self.pace_s or 0.0) * 1000
+        return {"prompt_n": 1, "prompt_ms": 1.0, "predicted_n": n,
+                "predicted_ms": per_ms * n, "predicted_per_token_ms": per_ms}
 
     async def _enter(self, body: dict[str, Any]) -> int:
         """Take the slot named by ``id_slot`` (else the first idle one), as llama-server

@@ -118,6 +118,9 @@ async def test_mark_failed_backs_off_per_routing_and_wakes_the_pool_later() -> N
         async def read_slots(self) -> list[Any]:
             return []
 
+        async def calibrate(self) -> float | None:
+            return None
+
     running = settings({"name": "a", "model": "m"}, {"name": "b", "model": "m"},
                        routing={"down_initial_s": 2.0, "down_max_s": 3.0})
     clock = ManualClock()

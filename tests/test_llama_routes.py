@@ -103,7 +103,8 @@ async def make(upstream: Upstream) -> AsyncIterator[Callable[..., Any]]:
                     discover: bool = True, **backend: Any) -> Harness:
         settings = load_settings(
             server=server or {}, admission={"disconnect_grace_s": 0.0},
-            backends=[{"name": "local", "url": "http://upstream:8080", **backend}],
+            backends=[{"name": "local", "url": "http://upstream:8080", "calibrate": False,
+                       **backend}],
             tenants=tenants or [])
         app = create_app(settings, http_client=upstream.client(),
                          registry=CollectorRegistry(), discover=False)

@@ -187,9 +187,10 @@ async def test_p05_a_prompt_over_the_slot_is_refused_not_truncated(
 async def test_p05_ollamas_own_over_length_400_is_context_length_exceeded(
     make: Any, ollama: FakeOllama
 ) -> None:
-    ollama.num_ctx = 4096
-    h = await make(ctx_per_slot=8192)  # config says more than Ollama really has
-    ollama.loaded = False  # (so the configured value is used)
+    ollama.num_ctx = 8192
+    h = await make(ctx_per_slot=8192)  # seen loaded with 8192 ...
+    ollama.loaded = False
+    ollama.parameters = {"num_ctx": 4096}  # ... and loaded again with 4096 since
     await h.state.fleet.backends["ollama"].discover()
     r = await h.client.post("/api/generate", json={
         "model": MODEL, "prompt": "word " * 5000, "stream": False,

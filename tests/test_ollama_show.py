@@ -171,3 +171,60 @@ async def test_a_media_part_ollama_refuses_is_its_400_not_a_failure(
     assert h.sample("gateway_upstream_errors_total") == 0 and backend.up
     stats = backend.admission.stats()
     assert stats.inflight == 0 and stats.reserved_tokens == 0
+
+
+# -- a model the configuration does not name (issue 38) -----------------------------------
+
+def _chat(words: int, max_tokens: int = 16) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": " ".join(["word"] * words)}]}
+
+
+async def test_an_unnamed_model_s_over_long_prompt_is_refused_loaded_or_not() -> None:
+    """No ``model`` in the configuration; Ollama loads the model with a context of 2048
+    and unloads it 3 s after its last request. Its context was known only while the
+    gateway saw it loaded, so after an unload a ~2,100-token prompt was forwarded and
+    silently cut. The model a request names gets its context from /api/show (once)
+    and keeps it across unloads: the prompt is refused, never forwarded."""
+    ollama = FakeOllama(num_ctx=2048, keep_alive_s=3.0, loaded=False)
+    h = await gateway(ollama, slots=1)
+    backend = h.state.fleet.backends["ollama"]
+    await backend.discover()
+    assert backend.admission.layout.ctx_per_slot == 4096  # nothing loaded: the default
+    r = await h.client.post("/v1/chat/completions", json=_chat(2100))
+    assert r.status_code == 400, r.text  # before its first load
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["n_ctx"] == 2048
+    assert not ollama.generations
+    assert (await h.client.post("/v1/chat/completions", json=_chat(10))).status_code == 200
+    ollama.time += 10  # keep_alive passed: unloaded
+    await backend.discover()
+    for route, body in (("/v1/chat/completions", _chat(2100)),
+                        ("/api/chat", {"model": MODEL, "stream": False, "messages": [
+                            {"role": "user", "content": " ".join(["word"] * 2100)}]})):
+        r = await h.client.post(route, json=body)
+        assert r.status_code == 400, r.text
+    assert len(ollama.generations) == 1
+    shows = [q for q in ollama.requests if q.url.path == "/api/show"]
+    assert len(shows) == 1  # asked once, kept
+
+
+async def test_an_unnamed_model_s_cap_is_lowered_to_the_room_left() -> None:
+    ollama = FakeOllama(num_ctx=2048, loaded=False)
+    h = await gateway(ollama, slots=1)
+    await h.state.fleet.backends["ollama"].discover()
+    r = await h.client.post("/v1/chat/completions", json=_chat(1000, max_tokens=2500))
+    assert r.status_code == 200, r.text
+    sent = ollama.generations[-1]["max_tokens"]
+    assert 0 < sent < 2048 - 1000
+
+
+async def test_a_model_ollama_does_not_have_is_its_own_404_after_one_show() -> None:
+    ollama = FakeOllama(loaded=False)
+    h = await gateway(ollama, slots=1)
+    await h.state.fleet.backends["ollama"].discover()
+    for _ in range(2):
+        r = await h.client.post("/v1/chat/completions",
+                                json={**_chat(10), "model": "nosuch:7b"})
+        assert r.status_code == 404
+    assert len([q for q in ollama.requests if q.url.path == "/api/show"]) == 1

@@ -22,7 +22,13 @@ from gateway.admission.admission import Admission
 from gateway.admission.lease import Lease
 from gateway.core.capacity import Charge, Layout, LiveUse, choose_victims
 from gateway.core.predict import CompletionLengths
-from gateway.wire.resume import Continuation, Reassembler, resumable
+from gateway.wire.resume import (
+    Continuation,
+    Reassembler,
+    answer_shape,
+    restartable,
+    resumable,
+)
 from tests.fakes import ManualClock, count_words
 
 pytestmark = pytest.mark.anyio
@@ -400,14 +406,16 @@ async def test_a_completion_stream_is_continued_from_its_partial_text(
 
 async def test_requests_that_cannot_resume_are_charged_their_cap(harness_factory: Any,
                                                                  fake: Any) -> None:
+    """Streamed tool calls can be neither continued nor restarted once their first
+    event went out: charged their cap, whatever the plain answers' history says."""
     fake.pool, fake.n_ctx, fake.tokens = 2048, 2048, 5
     h = await _predictive(harness_factory, fake)
     await _warm(h)
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
     hold = asyncio.Event()
     fake.hold = hold
-    first = asyncio.ensure_future(h.chat("x", max_tokens=1500, tools=[tool]))
-    second = asyncio.ensure_future(h.chat("y", max_tokens=1500, tools=[tool]))
+    first = asyncio.ensure_future(h.chat("x", max_tokens=1500, tools=[tool], stream=True))
+    second = asyncio.ensure_future(h.chat("y", max_tokens=1500, tools=[tool], stream=True))
     third = asyncio.ensure_future(h.chat("z answer=5", max_tokens=1500))  # plain: predicted
     for _ in range(50):
         await asyncio.sleep(0.01)
@@ -690,9 +698,10 @@ async def test_a_preempted_stream_is_released_at_a_quick_read_of_the_slots(
 
 async def test_a_whole_answer_the_pool_overflow_failed_is_sent_again(
         harness_factory: Any, fake: Any) -> None:
-    """An untracked whole answer (tools) is failed by an overflow before any byte of it
-    was sent: under predictive the gateway sends it again instead of passing the 500 on;
-    an overflow that persists still ends in 503 after two more tries."""
+    """An untracked whole answer (tools with log-probabilities: not rebuilt from a
+    stream) is failed by an overflow before any byte of it was sent: under predictive
+    the gateway sends it again instead of passing the 500 on; an overflow that persists
+    still ends in 503 after two more tries."""
     fake.pool, fake.n_ctx, fake.tokens = 2048, 2048, 5
     h = await _predictive(harness_factory, fake)
     generate = fake._generate
@@ -709,11 +718,144 @@ async def test_a_whole_answer_the_pool_overflow_failed_is_sent_again(
 
     fake._generate = once_overflowing
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
-    r = await h.chat("x", max_tokens=50, tools=[tool])
+    r = await h.chat("x", max_tokens=50, tools=[tool], logprobs=True)
     assert r.status_code == 200 and len(fake.generations) == 2
     assert h.sample("gateway_resumes_total", backend="local", outcome="restarted") == 1
     fake._generate = generate
     fake.mode = "overflow"
-    r = await h.chat("x", max_tokens=50, tools=[tool])
+    r = await h.chat("x", max_tokens=50, tools=[tool], logprobs=True)
     assert r.status_code == 503 and len(fake.generations) == 5
     assert h.backend.stats().inflight == 0
+
+
+# -- structured output: whole answers restarted, not continued ----------------------------
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+
+
+def test_structured_whole_answers_are_restartable_and_named_by_their_shape() -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for extra, shape in (({"tools": [TOOL]}, "tools"), ({"grammar": "root ::= x"}, "grammar"),
+                         ({"json_schema": {"type": "object"}}, "schema"),
+                         ({"response_format": {"type": "json_object"}}, "schema"),
+                         ({"response_format": {"type": "text"}}, "plain"), ({}, "plain")):
+        body = {**chat, **extra}
+        assert answer_shape(body) == shape
+        assert restartable("chat", body, stream=False)
+        assert not restartable("chat", body, stream=True)  # its first event went out
+    assert restartable("completions", {"prompt": "x", "grammar": "root ::= x"}, False)
+    for not_rebuilt in ({"logprobs": True}, {"n": 2}, {"top_logprobs": 2}):
+        assert not restartable("chat", {**chat, "tools": [TOOL], **not_rebuilt}, False)
+    assert not restartable("embeddings", {"input": "x"}, False)
+
+
+def test_a_restart_drops_what_the_earlier_attempt_made() -> None:
+    cont = Continuation("chat", prompt_tokens=10, restart=True)
+    first = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 50,
+             "grammar": "root ::= x"}
+    for piece in ("{", "\"a\""):
+        cont.rewrite({"choices": [{"index": 0, "delta": {"content": piece}}]})
+    cont.rewrite({"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "function": {"arguments": "{"}}]}}]})
+    assert cont.total_tokens == 3 and cont.faithful
+    body = cont.next_body(first, 50)
+    assert body == first and body is not first  # the same request, the whole cap
+    assert (cont.text, cont.total_tokens, cont.generated, cont.attempts) == ("", 0, 0, 1)
+    out = cont.rewrite({"id": "other", "choices": [{"index": 0, "delta": {"content": "{"}}],
+                        "usage": {"completion_tokens": 7}})
+    assert out is not None and out["usage"]["completion_tokens"] == 7  # this attempt's
+
+
+def test_reassembled_tool_calls_have_the_non_stream_shape() -> None:
+    """As llama-server streams a tool call (the name and id in the first piece, the
+    arguments in fragments) and answers it whole (``content`` null beside the calls)."""
+    whole = Reassembler("chat")
+    pieces = [{"index": 0, "id": "c1", "type": "function",
+               "function": {"name": "get", "arguments": ""}},
+              {"index": 0, "function": {"arguments": "{\"city\": "}},
+              {"index": 0, "function": {"arguments": "\"Oslo\"}"}},
+              {"index": 1, "id": "c2", "type": "function", "function": {"name": "now"}},
+              {"index": 1, "function": {"arguments": "{}"}}]
+    whole.feed({"id": "i", "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                              "content": None}}]})
+    for piece in pieces:
+        whole.feed({"choices": [{"index": 0, "delta": {"tool_calls": [piece]}}]})
+    whole.feed({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    message = whole.answer()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "get", "arguments": '{"city": "Oslo"}'},
+         "id": "c1"},
+        {"type": "function", "function": {"name": "now", "arguments": "{}"}, "id": "c2"}]}
+    assert whole.answer()["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_each_answer_shape_keeps_its_own_lengths() -> None:
+    lengths = CompletionLengths(quantile=1.0, min_history=2)
+    for n in (10, 20):
+        lengths.record(n)
+    lengths.record(300, "tools")
+    assert lengths.predict(1000) == 20 and lengths.predict(1000, "tools") is None
+    lengths.record(200, "tools")
+    assert lengths.predict(1000, "tools") == 300 and len(lengths) == 4
+
+
+async def test_structured_whole_answers_run_together_on_their_own_history(
+        harness_factory: Any, fake: Any) -> None:
+    """Tool calls under generous caps: charged their cap until 4 of them were served
+    (the plain answers' history says nothing of theirs), then their own p95, so that
+    three run at once where strict would run one; a grammar, unseen, is still charged
+    its cap."""
+    fake.pool, fake.n_ctx, fake.tokens = 2048, 2048, 5
+    h = await _predictive(harness_factory, fake)
+    await _warm(h)
+    for _ in range(4):
+        r = await h.chat("call answer=5", max_tokens=1500, tools=[TOOL])
+        assert r.status_code == 200, r.text
+    hold = asyncio.Event()
+    fake.hold = hold
+    calls = [asyncio.ensure_future(h.chat(f"call {i} answer=5", max_tokens=1500,
+                                          tools=[TOOL])) for i in range(3)]
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+    stats = h.backend.stats()
+    assert stats.inflight >= 2 and stats.reserved_tokens < 100  # strict: one, 1500 + 9
+    hold.set()
+    for r in await asyncio.gather(*calls):
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["message"]["content"] == " t0 t1 t2 t3 t4"
+    fake.hold = hold = asyncio.Event()
+    grammar = asyncio.ensure_future(h.chat("g answer=5", max_tokens=1500,
+                                           grammar="root ::= x"))
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+    assert h.backend.stats().reserved_tokens > 1500  # unseen shape: its cap
+    hold.set()
+    assert (await grammar).status_code == 200
+    assert fake.overflows == 0
+
+
+async def test_a_preempted_structured_whole_answer_restarts_from_the_start(
+        harness_factory: Any, fake: Any) -> None:
+    """Grammar answers predicted short run long: the pool would run short, so some are
+    preempted and sent again from the start (never continued: a grammar restarts from
+    its first rule); each client gets its one whole answer, its usage that of the
+    attempt it got, and the backend never overflows."""
+    fake.pool, fake.n_ctx, fake.token_delay, fake.tokens = 600, 600, 0.001, 10**6
+    h = await _predictive(harness_factory, fake)
+    for _ in range(4):
+        assert (await h.chat("g answer=5", max_tokens=100, grammar="root ::= x")
+                ).status_code == 200
+    results = await asyncio.gather(*(h.chat(f"g answer=150 w{i}", max_tokens=500,
+                                            grammar="root ::= x") for i in range(3)))
+    assert fake.overflows == 0
+    expected = "".join(f" t{i}" for i in range(150))
+    for r in results:
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["choices"][0]["message"]["content"] == expected
+        assert answer["usage"]["completion_tokens"] == 150
+    restarted = h.sample("gateway_resumes_total", backend="local", outcome="restarted")
+    assert restarted > 0
+    assert h.sample("gateway_resumes_total", backend="local", outcome="continued") == 0
+    assert not any(m.get("role") == "assistant" for g in fake.generations
+                   for m in g.get("messages", []))  # never a continuation's prefill

@@ -86,6 +86,9 @@ async def test_a_pool_penalty_easing_off_keeps_what_the_slot_watch_holds() -> No
         async def read_slots(self) -> list[Any]:
             return []
 
+        async def calibrate(self) -> float | None:
+            return None
+
     clock = ManualClock()
     target = Target(BackendSettings(name="b", pool_tokens=10_000), AdmissionSettings(),
                     httpx.AsyncClient(), clock, dialect=Quiet())  # type: ignore[arg-type]

@@ -74,27 +74,51 @@ async def test_the_limit_holds_requests_below_memory_while_a_target_is_in_flight
 
 
 async def test_the_limit_binds_while_a_target_was_in_flight_recently() -> None:
+    """The limit holds a request with a target while one was in flight within
+    TARGET_MEMORY_S, even once none is; after that, memory alone decides again."""
+    clock = ManualClock()
+    adm = _admission(clock)
+    leases = [_grant(adm) for _ in range(4)]
+    _feed(adm, clock, 0.01, 120)
+    assert adm.slo.limit == 3
+    adm.release(leases.pop())
+    first = asyncio.ensure_future(adm.admit(Charge(100, 100), party=CHAT))
+    await _settle()
+    assert not first.done()  # memory has room for one; the limit has none
+    for lease in leases:
+        adm.release(lease)
+    await _settle()
+    assert first.done()
+    adm.release(first.result())
+    clock.advance(TARGET_MEMORY_S + 1)
+    _feed(adm, clock, 0.01, 1)
+    assert adm.slo.limit is None
+
+
+async def test_a_class_without_a_target_is_held_by_memory_only() -> None:
+    """Issue 38: with a tight ITL target in one class, the backend's SLO limit held the
+    requests of classes without one too, which the latency docs promise behave as
+    before. They are admitted as far as memory allows; the class with the target waits
+    for its limit."""
     clock = ManualClock()
     adm = _admission(clock)
     chat = _grant(adm)
     batch = [_grant(adm, Party(priority="batch")) for _ in range(3)]
     _feed(adm, clock, 0.01, 120)
     assert adm.slo.limit == 3
-    adm.release(batch.pop())
+    adm.release(batch.pop())  # 3 busy: at the limit, one slot of memory free
+    assert adm.try_admit(Charge(100, 100), party=CHAT) is None  # held by the limit
     bulk = Party(priority="batch")
     first = asyncio.ensure_future(adm.admit(Charge(100, 100), party=bulk))
     second = asyncio.ensure_future(adm.admit(Charge(100, 100), party=bulk))
     await _settle()
-    assert not first.done()
-    adm.release(chat)  # one place under the limit; the chat users are still there
+    assert first.done() and not second.done()  # the last free slot, then memory holds
+    adm.release(chat)
     await _settle()
-    assert first.done() and not second.done()
-    clock.advance(TARGET_MEMORY_S + 1)  # none came back: memory alone decides again
-    _feed(adm, clock, 0.01, 1)  # (at the next step, on a batch stream's next token)
-    await _settle()
-    assert second.done() and adm.slo.limit is None
+    assert second.done()
     for lease in [*batch, first.result(), second.result()]:
         adm.release(lease)
+    assert adm.stats().busy_slots == 0
 
 
 def test_an_idle_backend_shows_no_limit_once_its_targets_expired() -> None:
@@ -255,5 +279,31 @@ async def test_the_wait_prediction_counts_the_slo_limit() -> None:
     predicted = adm.predict_wait_s(long_one, CHAT)
     assert predicted is not None and predicted > 0.5
     with pytest.raises(SloUnattainable):
-        await asyncio.wait_for(adm.admit(long_one, party=Party(ttft_deadline_s=0.5)), 1.0)
+        await asyncio.wait_for(adm.admit(long_one, party=Party(
+            priority="chat", itl_target_s=0.025, ttft_deadline_s=0.5)), 1.0)
     adm.release(leases[0])
+
+
+def test_a_pace_from_whole_answers_or_calibration_stands_in_until_itl_is_learnt() -> None:
+    """Whole answers and the calibration teach a pace (by busy slots) that the wait
+    prediction uses while no level has FIRST_SAMPLES ITL samples; the learnt ITL wins
+    once it has; a nonsense pace is ignored."""
+    clock = ManualClock()
+    adm = _admission(clock)
+    assert adm.slo.seconds_per_token() is None
+    adm.slo.observe_pace(float("nan"))
+    adm.slo.observe_pace(-1.0)
+    assert adm.slo.seconds_per_token() is None
+    adm.slo.observe_pace(0.02, level=1)
+    assert adm.slo.seconds_per_token() == pytest.approx(0.02)
+    adm.slo.observe_pace(0.04, level=1)  # the mean of the last and the new one
+    assert adm.slo.seconds_per_token() == pytest.approx(0.03)
+    adm.slo.observe_pace(0.08, level=4)
+    held = [adm.try_admit(Charge(100, 100)) for _ in range(3)]
+    assert adm.slo.seconds_per_token() == pytest.approx(0.08)  # 3 busy: the level above
+    for _ in range(FIRST_SAMPLES):
+        adm.slo.observe_itl(0.05, adm.layout)
+    assert adm.slo.seconds_per_token() == pytest.approx(0.05, rel=0.1)
+    for lease in held:
+        assert lease is not None
+        adm.release(lease)

@@ -13,6 +13,7 @@ import hashlib
 import re
 import tomllib
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,7 @@ async def test_the_json_has_every_field_of_an_idle_backend(harness: Harness) -> 
     assert set(row) == BACKEND_FIELDS
     # The fake llama-server: 4 slots, n_ctx 2048, one unified pool (llama-server's default).
     assert row | {"rejections": None} == {
-        "name": "local", "model": "fake.gguf", "kind": "llama.cpp", "state": "up",
+        "name": "local", "model": "fake", "kind": "llama.cpp", "state": "up",
         "ready": True, "up": True, "draining": False, "retiring": False, "problem": None,
         "down_for_s": 0.0, "layout": "unified", "slots": 4, "busy_slots": 0,
         "ctx_per_slot": 2048, "pool_tokens": 2048, "capacity_tokens": 2048,
@@ -355,3 +356,16 @@ async def test_live_use_is_shown_apart_from_the_reservation(harness_factory: Any
     assert row["reserved_tokens"] - row["live_tokens"] == 200
     fake.hold.set()
     assert (await task).status_code == 200
+
+
+async def test_no_unauthenticated_page_names_the_model_file(harness: Harness) -> None:
+    """llama-server without --alias reports its -m path as the model's id: /ready,
+    /status.json and the status page name the served model (the file name without
+    .gguf, as answers do); the id as reported shows only in the admin rows."""
+    harness.backend.discovered = replace(harness.backend.discovered,
+                                         model_id="/srv/models/secret-7b.gguf")
+    for path in ("/ready", "/status.json"):
+        text = (await harness.client.get(path)).text
+        assert "secret-7b" in text and "/srv/models" not in text and ".gguf" not in text
+    ready = (await harness.client.get("/ready")).json()
+    assert ready["backends"]["local"]["model"] == "secret-7b"

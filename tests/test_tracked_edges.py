@@ -152,7 +152,7 @@ async def test_a_continuation_waiting_in_the_queue_keeps_telling_where_it_stands
         await asyncio.sleep(0.01)
     first = next(iter(adm._active.values()))
     fits = adm._fits
-    adm._fits = lambda layout, charge: first.released and fits(layout, charge)
+    adm._fits = lambda layout, charge, party=None: first.released and fits(layout, charge, party)
     adm.preempt(first, "pool_pressure")
     r = await req
     head, _, after_first = r.text.partition("data: ")

@@ -177,7 +177,7 @@ class Admission:
         it fits, and, given its ``party``, its prefill is not held back (``slo.defer``)."""
         layout = self._layout
         return (layout is not None and not self._room and self._shared is None
-                and capacity.fits_alone(layout, charge) and self._fits(layout, charge)
+                and capacity.fits_alone(layout, charge) and self._fits(layout, charge, party)
                 and not (party and self.slo.defer.hold_s(charge, party, waited_s, cached=cached)))
 
     def headroom(self, charge: Charge) -> tuple[float, float]:
@@ -305,7 +305,7 @@ class Admission:
             raise _never_fits(layout, charge)
         if self._shared is not None:
             return None  # the shared queue decides (SharedPump)
-        if (self._room and not front) or not self._fits(layout, charge):
+        if (self._room and not front) or not self._fits(layout, charge, party):
             return None
         if not front:  # (a preempted request coming back is never refused nor held)
             self.slo.check_ttft(charge, party or Party(), 0.0)
@@ -353,7 +353,7 @@ class Admission:
         waiter = self._room.join(QueuedAsk(charge, predicted, prefer, ticket, front), party,
                                  charge.tokens, front=front)
         if self._shared is not None or (self._room.head() is waiter and self._layout
-                                        is not None and self._fits(self._layout, charge)):
+                                        is not None and self._fits(self._layout, charge, party)):
             self._wake()  # it goes before waiters that wait for room it does not need
         return await self._room.wait(waiter, max_wait, lambda: QueueTimeout(
             f"The request waited {max_wait:g} s in the queue without room on "
@@ -438,7 +438,7 @@ class Admission:
             return
         now = self._clock.now()
         while (waiter := self._room.head()) is not None and self._fits(
-                layout, waiter.request.charge) and not self.slo.defer.holds(waiter):
+                layout, waiter.request.charge, waiter.party) and not self.slo.defer.holds(waiter):
             ask = waiter.request
             lease = self._grant(ask.charge, waited_s=now - waiter.since, prefer=ask.prefer)
             lease.predicted_wait_s = ask.predicted
@@ -480,8 +480,8 @@ class Admission:
         :meth:`gateway.admission.live.LiveAccounting.preempt`)."""
         self._live.preempt(lease, reason)
 
-    def _fits(self, layout: Layout, charge: Charge) -> bool:
-        """:func:`gateway.core.capacity.fits` against what is reserved, with the leases in
-        flight as live accounting counts them, under the SLO limit while it binds."""
-        return self._live.fits(self.slo.limited(layout), self._budget, self._active.values(),
-                               charge)
+    def _fits(self, layout: Layout, charge: Charge, party: Party | None = None) -> bool:
+        """:func:`gateway.core.capacity.fits` against what is reserved, the leases in flight
+        as live accounting counts them, under :meth:`SloGuard.limited` for ``party``."""
+        return self._live.fits(self.slo.limited(layout, party), self._budget,
+                               self._active.values(), charge)

@@ -178,6 +178,7 @@ class SloGuard:
         self._next_step = 0.0
         self._capped: tuple[Layout, int, Layout] | None = None  # (layout, cap) -> limited
         self._seen: dict[float, float] = {}  # ITL target -> when last seen in flight
+        self._paces: dict[int, float] = {}  # busy slots -> seconds per token (observe_pace)
         self.defer = PrefillDeferral(self, clock, active=active, wake=wake)
 
     def busy(self) -> int:
@@ -218,16 +219,31 @@ class SloGuard:
         """The decode pace at the slots busy now, seconds per output token, for the wait
         prediction of a gateway that has not yet timed :data:`~gateway.core.waits.
         MIN_HISTORY` served leases: the learned mean ITL at that level, or at the nearest
-        level above it (else below) with at least :data:`FIRST_SAMPLES` samples;
-        ``None`` before any has."""
+        level above it (else below) with at least :data:`FIRST_SAMPLES` samples; before
+        any has, the pace of :meth:`observe_pace` the same way; else ``None``."""
         busy = max(1, self.busy())
-        known = [(level, h) for level, h in self.model.levels.items()
-                 if h.samples >= FIRST_SAMPLES]
+        known = {level: h.mean() for level, h in self.model.levels.items()
+                 if h.samples >= FIRST_SAMPLES}
+        if not known:
+            known = self._paces  # whole answers' and the calibration's pace
         if not known:
             return None
-        above = [k for k in known if k[0] >= busy]
-        _, hist = min(above, key=lambda k: k[0]) if above else max(known, key=lambda k: k[0])
-        return hist.mean()
+        above = [level for level in known if level >= busy]
+        return known[min(above) if above else max(known)]
+
+    def observe_pace(self, seconds_per_token: float, level: int | None = None) -> None:
+        """A decode pace measured otherwise than by a stream's gaps, seconds per output
+        token: a whole answer's time on its lease over its completion tokens, or the
+        backend's own timing of a calibration request (llama-server's ``timings.
+        predicted_per_token_ms``), with ``level`` slots busy (default: those busy now).
+        :meth:`seconds_per_token` falls back on it, by level, while no level has
+        :data:`FIRST_SAMPLES` ITL samples (a gateway that has served only whole answers,
+        or none yet). Each level keeps the mean of its last value and the new one."""
+        if not seconds_per_token > 0 or not math.isfinite(seconds_per_token):
+            return
+        at = max(1, self.busy() if level is None else level)
+        old = self._paces.get(at)
+        self._paces[at] = seconds_per_token if old is None else (old + seconds_per_token) / 2
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """One attempt's prefill: ``tokens`` prompt tokens before its first token came,
@@ -252,17 +268,23 @@ class SloGuard:
         return self.limit
 
     @overload
-    def limited(self, layout: Layout) -> Layout: ...
+    def limited(self, layout: Layout, party: Party | None = None) -> Layout: ...
 
     @overload
-    def limited(self, layout: None) -> None: ...
+    def limited(self, layout: None, party: Party | None = None) -> None: ...
 
-    def limited(self, layout: Layout | None) -> Layout | None:
+    def limited(self, layout: Layout | None, party: Party | None = None) -> Layout | None:
         """``layout`` with ``busy_cap`` lowered to the SLO limit while it binds and a
         target is in flight; else ``layout`` itself (``None`` stays ``None``). Admission
-        checks fits against it, and the wait prediction replays the queue on it."""
+        checks fits against it, and the wait prediction replays the queue on it.
+
+        A request of a class without an ITL target (``party`` given, its
+        ``itl_target_s`` unset) gets ``layout`` itself: another class's target does not
+        hold it (docs/latency.md: a class without targets is admitted as before)."""
         cap = self.limit
         if layout is None or cap is None or cap >= layout.slots or self.target() is None:
+            return layout
+        if party is not None and party.itl_target_s is None:
             return layout
         if layout.busy_cap is not None and layout.busy_cap <= cap:
             return layout

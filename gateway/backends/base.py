@@ -158,7 +158,11 @@ class Dialect(Protocol):
 
     async def discover(self) -> Discovered:
         """Read the server's capacity. Raises :class:`GatewayError` when it cannot."""
-        ...
+
+    async def calibrate(self) -> float | None:
+        """The server's decode pace, seconds per output token, from a short request of
+        the gateway's own at the first discovery (``backends[].calibrate``), or
+        ``None`` where the kind cannot tell it without loading a model. Never raises."""
 
     async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:
         """Prompt tokens as the server counts them, or ``None`` to estimate."""
@@ -260,6 +264,11 @@ class WithoutSlots:
     async def read_slots(self) -> list[SlotView]:
         """:raises SlotsUnsupported: always."""
         raise SlotsUnsupported(self.name)
+
+    async def calibrate(self) -> float | None:
+        """``None``: a request would load a model the server may have unloaded (Ollama),
+        and these servers' answers carry no timings (vLLM)."""
+        return None
 
 
 class ExactCount:

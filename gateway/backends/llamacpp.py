@@ -40,6 +40,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamKind,
 )
+from gateway.wire.events import decode_pace
 from gateway.wire.routes import Route
 from gateway.wire.validation import ParsedRequest
 
@@ -53,6 +54,9 @@ _TOO_LARGE = "is too large to process"
 # in JSON reads as the same value (tools/server/server-schema.cpp, common/common.h).
 _RANDOM_SEED = 0xFFFFFFFF
 SLOTS_TIMEOUT_S = 5.0  # a /slots answer comes between two decode steps
+#: Tokens the calibration request decodes (LlamaCpp.calibrate): enough for a pace over
+#: the decode steps, few enough to take a fraction of a second on a small model.
+CALIBRATION_TOKENS = 16
 # Routes whose body llama-server counts itself, and where (tools/server/server.cpp).
 _COUNT_ROUTES = {Route.messages: "/v1/messages/count_tokens",
                  Route.count_tokens: "/v1/messages/count_tokens",
@@ -87,7 +91,28 @@ class RouterMode(Exception):  # noqa: N818 (a signal, not a failure)
         self.props = props
 
 
-class LlamaCpp(ExactCount):
+class Calibrated:
+    """llama-server's calibration (:meth:`~gateway.backends.base.Dialect.calibrate`)."""
+
+    name: str
+    side: SideCalls
+
+    async def calibrate(self) -> float | None:
+        """A completion of :data:`CALIBRATION_TOKENS` tokens after a few words
+        (``ignore_eos``, no prompt cache), through the server's own ``/completion``: its
+        ``timings.predicted_per_token_ms`` over 1000, seconds per token; ``None`` when
+        it fails or shows no timings (within the side timeout; nothing raised)."""
+        body = {"prompt": "Count from one to twenty: one, two,", "n_predict": CALIBRATION_TOKENS,
+                "ignore_eos": True, "temperature": 0, "cache_prompt": False}
+        try:
+            with map_upstream_errors(self.name):
+                resp = await self.side.post("/completion", body)
+            return decode_pace(resp.json()) if resp.status_code == 200 else None
+        except (GatewayError, ValueError):
+            return None
+
+
+class LlamaCpp(Calibrated, ExactCount):
     """The llama-server dialect.
 
     It is larger than the layering issue's class size (about 320 lines, 180 statements;

@@ -16,6 +16,10 @@
   for it is refused, not forwarded and silently cut. With neither, the configured
   ``ctx_per_slot``, else 4096 (Ollama's default below 23 GiB of VRAM,
   ``server/routes.go``).
+* **Every model a request names** has its context known the same way, configured or
+  not: its ``/api/show`` is read at its first request (:meth:`Ollama.count_prompt`),
+  its ``/api/ps`` context kept across unloads, and a prompt over it refused
+  (:meth:`Ollama.prepare_body`).
 * **Counting.** Ollama has no tokenize endpoint: prompts are estimated
   (:mod:`gateway.request.tokens`), images at :data:`gateway.wire.validation.IMAGE_TOKENS`
   each on every route (``images`` natively, ``image_url`` parts on ``/v1``, which
@@ -36,9 +40,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 from collections import deque
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from gateway.backends.base import (
@@ -68,6 +75,10 @@ __all__ = ["Calibration", "Ollama", "shown_context"]
 log = logging.getLogger(__name__)
 
 DEFAULT_NUM_CTX = 4096
+#: Seconds a request for a model not seen before waits for its ``/api/show`` (Ollama
+#: reads the model file's header; a large one on a slow disk may take longer: the
+#: request then goes on the layout's context, and discovery learns the model's).
+SHOW_ON_REQUEST_S = 5.0
 SUSPECT_MIN_TOKENS = 64  # shorter estimates are never taken for a truncation
 _TOO_LONG = ("longer than the context length", "exceeds the context length")
 # Ollama versions whose prompt_eval_count leaves out the prompt tokens found in its cache.
@@ -202,6 +213,7 @@ class Ollama(WithoutSlots):
         self.contexts: dict[str, int] = {}
         self.single: set[str] = set()  # models Ollama runs one request at a time
         self._shown: set[str] = set()  # models whose /api/show was read
+        self._asked: set[str] = set()  # models a request named, /api/show asked for once
         self._resting = 0  # the smallest loaded context, when models were last loaded
         self.context_length = settings.ctx_per_slot or DEFAULT_NUM_CTX  # a slot's, tokens
         self.num_ctx_overridden = 0  # client num_ctx values replaced by the loaded one
@@ -296,7 +308,17 @@ class Ollama(WithoutSlots):
         self.version = version
 
     async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:
-        """``None``: Ollama cannot count; the gateway estimates."""
+        """``None``: Ollama cannot count; the gateway estimates. The first request for a
+        model whose context is not known yet (one the configuration does not name,
+        never seen loaded) has that model's ``POST /api/show`` read first, once, within
+        :data:`SHOW_ON_REQUEST_S` (:meth:`prepare_body` checks its prompt against it)."""
+        model = body.get("model")
+        if isinstance(model, str) and model:
+            tagged = _tagged(model)
+            if tagged not in self.contexts and tagged not in self._asked:
+                self._asked.add(tagged)  # (discovery asks again for the configured one)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._show(tagged), SHOW_ON_REQUEST_S)
         return None
 
     def estimate_factor(self, model: str, margin: float) -> float:
@@ -312,6 +334,7 @@ class Ollama(WithoutSlots):
         ``truncate: false`` so that Ollama refuses rather than drops what does not fit
         (``api/types.go``, since v0.12.4). A client's ``options.num_ctx`` is replaced by
         the loaded context."""
+        charge = self._within_model(req, charge)
         if req.api == Api.ollama:
             body = dict(req.body)
             options = dict(body.get("options") or {})
@@ -326,6 +349,28 @@ class Ollama(WithoutSlots):
             body["truncate"] = False
             return body
         return openai_body(req, charge, ("max_completion_tokens",))
+
+    def _within_model(self, req: ParsedRequest, charge: Charge) -> Charge:
+        """``charge`` within the context of the model ``req`` names, when that one is
+        known (seen loaded in ``/api/ps``, or shown by ``/api/show``, kept across
+        unloads) and smaller than the layout's slot (the configured model's, or the
+        smallest loaded): Ollama serves many models, each loaded with its own context,
+        and would silently cut a prompt over it. The cap is lowered to the room left.
+
+        :raises ContextLengthExceeded: the prompt leaves no room for one output token.
+        """
+        model = req.body.get("model")
+        ctx = self.contexts.get(_tagged(model)) if isinstance(model, str) and model else None
+        if ctx is None or ctx >= self.context_length:
+            return charge
+        room = ctx - self.stop_margin - charge.prompt_tokens
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"This request's prompt has about {charge.prompt_tokens} tokens, but model "
+                f"{model!r} on backend {self.name!r} runs with a context of {ctx} tokens; "
+                "Ollama would silently drop the start of it. Shorten the prompt.",
+                n_prompt_tokens=charge.prompt_tokens, n_ctx=ctx)
+        return charge if charge.max_tokens <= room else replace(charge, max_tokens=room)
 
     def translate_error(
         self, status: int, body: bytes, retry_after: str | None, *, retry_after_s: float

@@ -315,6 +315,11 @@ class RouterModel(LlamaCpp):
         self.hub = hub
         self.model_id = model_id
 
+    async def calibrate(self) -> float | None:
+        """``None``: a request would make the router load the model (its pace comes
+        from its answers instead)."""
+        return None
+
     async def discover(self) -> Discovered:
         """The model's layout as the hub last read it (read again first unless the hub
         is reading now or read under :data:`FRESH_S` ago). A model whose layout is not

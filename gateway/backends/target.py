@@ -351,7 +351,7 @@ class Target:
         was_reachable, self.reachable, self.problem = self.reachable, True, None
         if self.marks is not None:  # the newest layout any gateway process published
             found = await self.marks.layout.agree(found)
-        return self.take(found, fresh=not was_reachable)
+        return await _take_calibrated(self, found, fresh=not was_reachable)
 
     def take(self, found: Discovered, *, fresh: bool = False) -> Layout | None:
         """Use ``found``, a discovery's answer (``fresh``: the first since the backend
@@ -385,6 +385,26 @@ class Target:
         await self.slot_watch.close()
         if self.marks is not None:
             self.marks.detach()
+
+
+async def _take_calibrated(target: Target, found: Discovered, *, fresh: bool
+                           ) -> Layout | None:
+    """:meth:`Target.take` ``found``; at the first discovery of a reachable server
+    (``fresh``) with a layout, also ask its dialect for the decode pace
+    (``backends[].calibrate``; :meth:`Dialect.calibrate
+    <gateway.backends.base.Dialect.calibrate>`) and give it to the latency model as the
+    pace with one slot busy (:meth:`~gateway.admission.slo.SloGuard.observe_pace`): the
+    wait prediction of a gateway that has served nothing yet. A server seen again after
+    it was unreachable (a restart, perhaps another build or model) is asked again.
+    Returns the layout in force."""
+    layout = target.take(found, fresh=fresh)
+    if fresh and layout is not None and target.settings.calibrate:
+        pace = await target.dialect.calibrate()
+        if pace is not None:
+            log.info("backend %s decodes %.1f ms a token (calibration)", target.name,
+                     pace * 1000)
+            target.admission.slo.observe_pace(pace, level=1)
+    return layout
 
 
 def _marks(target: Target, shared: SharedAccount | None) -> BackendMarks | None:

@@ -37,26 +37,36 @@ class CompletionLengths:
             raise ValueError("min_history and window must be >= 1")
         self.quantile = quantile
         self.min_history = min_history
-        self._lengths: deque[int] = deque(maxlen=window)
+        self._window = window
+        # One history per answer shape (gateway.wire.resume.answer_shape: "plain",
+        # "tools", "schema", "grammar"): a tool call's length says nothing of a chat's.
+        self._shapes: dict[str, deque[int]] = {}
 
     def __len__(self) -> int:
-        return len(self._lengths)
+        """Lengths kept, over every shape."""
+        return sum(len(kept) for kept in self._shapes.values())
 
-    def record(self, tokens: int) -> None:
-        """Note one served answer's completion length (tokens, >= 0)."""
-        self._lengths.append(max(0, int(tokens)))
+    def record(self, tokens: int, shape: str = "plain") -> None:
+        """Note one served answer's completion length (tokens, >= 0) under its
+        ``shape``."""
+        kept = self._shapes.get(shape)
+        if kept is None:
+            kept = self._shapes[shape] = deque(maxlen=self._window)
+        kept.append(max(0, int(tokens)))
 
-    def value(self) -> int | None:
-        """The quantile of the lengths seen (nearest rank), or ``None`` with fewer than
-        ``min_history``."""
-        if len(self._lengths) < self.min_history:
+    def value(self, shape: str = "plain") -> int | None:
+        """The quantile of the lengths seen of ``shape`` (nearest rank), or ``None``
+        with fewer than ``min_history``."""
+        kept = self._shapes.get(shape, ())
+        if len(kept) < self.min_history:
             return None
-        ordered = sorted(self._lengths)
+        ordered = sorted(kept)
         rank = max(1, math.ceil(self.quantile * len(ordered)))
         return ordered[rank - 1]
 
-    def predict(self, cap: int) -> int | None:
-        """Output tokens to charge a request whose cap is ``cap``: the quantile, at most
-        ``cap``; ``None`` (charge the cap) until enough lengths were seen."""
-        value = self.value()
+    def predict(self, cap: int, shape: str = "plain") -> int | None:
+        """Output tokens to charge a request of ``shape`` whose cap is ``cap``: the
+        quantile of that shape's lengths, at most ``cap``; ``None`` (charge the cap)
+        until enough lengths of it were seen."""
+        value = self.value(shape)
         return None if value is None else min(cap, value)

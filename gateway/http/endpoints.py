@@ -192,7 +192,8 @@ async def ready(request: Request) -> Response:
     fleet, now = state.fleet, state.clock.now()
     rows = {name: ready_row(b, now) for name, b in fleet.backends.items()}
     served = fleet.models()
-    serving = {m: any(b.usable(now) for b in members) for m, members in served.items()}
+    serving = {served_name(m): any(b.usable(now) for b in members)
+               for m, members in served.items()}
     # No model at all (a llama-server router whose /models cannot be read, or lists
     # none) is not ready: nothing would be served.
     ok = bool(serving) and all(serving.values()) and not state.draining

@@ -15,6 +15,7 @@ from typing import Any
 from gateway.admission.lease import AdmissionStats
 from gateway.backends.target import Target
 from gateway.fleet.pool import ModelQueue
+from gateway.wire.naming import served_name
 
 __all__ = ["ADMIN_FIELDS", "READY_FIELDS", "STATUS_FIELDS", "admin_row", "backend_facts",
            "pool_gauge_rows", "pool_row", "ready_row", "router_facts", "slo_facts",
@@ -24,7 +25,7 @@ __all__ = ["ADMIN_FIELDS", "READY_FIELDS", "STATUS_FIELDS", "admin_row", "backen
 READY_FIELDS = ("ready", "kind", "model", "slots", "ctx_per_slot", "capacity_tokens",
                 "kv_unified")
 #: ``/admin/backends``' row.
-ADMIN_FIELDS = ("name", "model", "aliases", "kind", "url", "ready", "up", "draining",
+ADMIN_FIELDS = ("name", "model", "model_id", "aliases", "kind", "url", "ready", "up", "draining",
                 "failures", "down_for_s", "problem", "slots", "ctx_per_slot",
                 "capacity_tokens", "reserved_tokens", "inflight", "queued", "router")
 #: ``/status.json``'s row (the caller adds ``rejections``).
@@ -64,7 +65,11 @@ def backend_facts(backend: Target, now: float, *, gateway_draining: bool = False
     else:
         state = "up"
     return {
-        "name": backend.name, "model": backend.model, "aliases": list(backend.settings.aliases),
+        # The served model's name (a llama-server without --alias reports its -m path
+        # as its id: the file name without .gguf here, as in answers); the id as the
+        # backend reports it only in the admin row.
+        "name": backend.name, "model": served_name(backend.model), "model_id": backend.model,
+        "aliases": list(backend.settings.aliases),
         "kind": backend.kind, "url": backend.settings.url, "state": state,
         "ready": backend.ready, "up": backend.up, "draining": backend.draining,
         "retiring": retiring, "failures": backend.health.failures, "problem": backend.problem,
@@ -166,7 +171,7 @@ def status_row(backend: Target, now: float, *, gateway_draining: bool = False,
 def pool_row(queue: ModelQueue, oldest_s: float) -> dict[str, Any]:
     """One shared queue's row of ``/status.json``: its model, its backends' names, the
     requests waiting there, its bound and its longest wait so far (seconds)."""
-    return {"model": queue.model, "backends": [b.name for b in queue.members],
+    return {"model": served_name(queue.model), "backends": [b.name for b in queue.members],
             "queued": queue.waiting, "queue_capacity": queue.max_queue,
             "oldest_wait_s": round(oldest_s, 3)}
 

@@ -191,8 +191,10 @@ class PlainRelay:
             if x.api in ("openai", "anthropic"):
                 body = reshaped(resp.status_code, body, x.api)
         else:
-            usage, reasons = await usage_of(x.route, body)
+            usage, reasons, pace = await usage_of(x.route, body)
             parts.usage.record(parts.usage.all_choices(usage, reasons))
+            if resp.status_code == 200:
+                parts.usage.paced(parts.tries.current, usage, pace)
             if x.answer_model is not None:  # the served model's name, not the backend's
                 body = rename_model(body, x.answer_model)
         await send_whole(send, resp, body, x)

@@ -14,7 +14,7 @@ from starlette.types import Message, Send
 from gateway.errors import GatewayError
 from gateway.relay.watcher import DisconnectWatcher
 from gateway.request.exchange import Exchange
-from gateway.wire.events import usage_of_whole
+from gateway.wire.events import decode_pace, usage_of_whole
 from gateway.wire.shapes import error_messages, sse_error_prefix
 
 if TYPE_CHECKING:
@@ -80,16 +80,19 @@ def failure_kind(exc: GatewayError) -> str:
 THREAD_PARSE_BYTES = 256 * 1024
 
 
-async def usage_of(route: str, body: bytes) -> tuple[Any, list[Any]]:
-    """The token counts of a whole answer of ``route`` (or ``None``) and each choice's
-    ``finish_reason`` (:func:`gateway.wire.events.usage_of_whole`). Large bodies (logprobs can
-    make them megabytes) are parsed in a worker thread so the event loop keeps serving."""
+async def usage_of(route: str, body: bytes) -> tuple[Any, list[Any], float | None]:
+    """The token counts of a whole answer of ``route`` (or ``None``), each choice's
+    ``finish_reason`` (:func:`gateway.wire.events.usage_of_whole`) and the decode pace it
+    reports, seconds per token (:func:`gateway.wire.events.decode_pace`). Large bodies
+    (logprobs can make them megabytes) are parsed in a worker thread so the event loop
+    keeps serving."""
 
-    def parse() -> tuple[Any, list[Any]]:
+    def parse() -> tuple[Any, list[Any], float | None]:
         try:
-            return usage_of_whole(route, json.loads(body))
+            data = json.loads(body)
+            return (*usage_of_whole(route, data), decode_pace(data))
         except (ValueError, AttributeError, RecursionError):
-            return None, []
+            return None, [], None
 
     if len(body) > THREAD_PARSE_BYTES:
         return await anyio.to_thread.run_sync(parse)

@@ -38,7 +38,7 @@ from gateway.relay.follow import OVERFLOW, ClientAnswer, Follower
 from gateway.relay.inspect import TokenTimes
 from gateway.relay.parts import RelayParts
 from gateway.relay.watcher import DisconnectWatcher
-from gateway.wire.resume import CAP_FIELDS, Continuation
+from gateway.wire.resume import CAP_FIELDS, Continuation, Reassembler, answer_shape, resumable
 
 __all__ = ["MAX_RESUMES", "RECOUNT_SLACK", "TrackedRelay"]
 
@@ -68,7 +68,8 @@ class TrackedRelay:
         if self.client is None or self.cont is None:
             x = self.parts.x
             self.client = ClientAnswer(x, send)
-            self.cont = Continuation(x.route, x.charge.prompt_tokens)
+            self.cont = Continuation(x.route, x.charge.prompt_tokens,
+                                     restart=not resumable(x.route, x.body))
             self.first_body, self.cap = x.body, x.charge.max_tokens
         return self.client, self.cont
 
@@ -141,9 +142,11 @@ class TrackedRelay:
                        cont: Continuation, slot: int | None) -> Lease | None:
         x, m = self.parts.x, self.parts.metrics
         name = x.backend.name
-        outcome = "continued" if cont.total_tokens else "restarted"
+        outcome = "continued" if cont.total_tokens and not cont.restart else "restarted"
         try:
             self._check_resumable(cont)
+            if cont.restart:  # from the start: what the client would have got is dropped
+                client.whole = Reassembler(x.route)
             try:
                 body = cont.next_body(self.first_body, self.cap)
             except ValueError:
@@ -210,4 +213,5 @@ class TrackedRelay:
             if name in body:
                 body[name] = left
         return replace(x.charge, prompt_tokens=counted, max_tokens=left,
-                       predicted=x.backend.lengths.predict(left), clamped=False)
+                       predicted=x.backend.lengths.predict(left, answer_shape(body)),
+                       clamped=False)

@@ -5,7 +5,7 @@ prediction and the tenant's window, and the timing of its output tokens (TTFT, I
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.admission.lease import Lease
 from gateway.admission.slo import deadline_of
@@ -13,8 +13,16 @@ from gateway.clock import Clock
 from gateway.observe.metrics import GatewayMetrics
 from gateway.relay.inspect import TokenTimes
 from gateway.request.exchange import Exchange
+from gateway.wire.resume import answer_shape
 
-__all__ = ["UsageBook"]
+if TYPE_CHECKING:
+    from gateway.relay.attempt import Attempt
+
+__all__ = ["PACE_MIN_TOKENS", "UsageBook"]
+
+#: Completion tokens a whole answer needs before its time over them is taken for a
+#: decode pace (over fewer, its prefill would weigh too much).
+PACE_MIN_TOKENS = 16
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +95,23 @@ class UsageBook:
             admission = backend.admission
             admission.slo.observe_itl(itl, admission.layout)
 
+    def paced(self, attempt: Attempt | None, usage: Any, reported: float | None) -> None:
+        """A whole answer's decode pace, for the wait prediction of a gateway whose
+        streams have not yet taught it one (:meth:`gateway.admission.slo.SloGuard.
+        observe_pace`): the pace the answer ``reported`` (seconds per token: llama-server's
+        ``timings``), else its attempt's time over its completion tokens (an upper bound:
+        the prefill is in it), from :data:`PACE_MIN_TOKENS` tokens on. A stream, an
+        ``n > 1`` answer and one without usage teach nothing here."""
+        x = self.x
+        if x.stream or attempt is None or x.charge.n != 1 or not isinstance(usage, dict):
+            return
+        tokens = usage.get("completion_tokens")
+        if not isinstance(tokens, int) or tokens < PACE_MIN_TOKENS:
+            return
+        pace = reported if reported is not None else (
+            (self.clock.now() - attempt.started) / tokens)
+        x.backend.admission.slo.observe_pace(pace)
+
     def all_choices(self, usage: Any, reasons: list[Any]) -> Any:
         """``usage`` with ``completion_tokens`` for every choice of an ``n > 1`` answer.
 
@@ -156,7 +181,8 @@ class UsageBook:
                 self.completion = (self.completion or 0) + completion
                 self.metrics.completion_tokens.labels(name, *who).observe(completion)
                 if self.x.spec.predicts_output:
-                    self.x.backend.lengths.record(completion // max(1, self.x.charge.n))
+                    self.x.backend.lengths.record(completion // max(1, self.x.charge.n),
+                                                  answer_shape(self.x.body))
             reported = usage.get("prompt_tokens")
             if isinstance(reported, int):
                 if reported > prompt and not self.x.spec.sums_usage:

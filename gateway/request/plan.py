@@ -41,7 +41,7 @@ from gateway.observe.record import AccessRecord, record_of
 from gateway.request.exchange import Exchange
 from gateway.request.tokens import chat_text, content_texts, estimate_tokens, tokens_at_least
 from gateway.wire.naming import ECHOED_NAME_MAX, answer_name, served_name
-from gateway.wire.resume import resumable
+from gateway.wire.resume import answer_shape, restartable, resumable
 from gateway.wire.routes import BY_NAME, Api
 from gateway.wire.slo import parse_ttft_deadline
 from gateway.wire.validation import ParsedRequest, check_content_type
@@ -540,11 +540,13 @@ def _check_shape(backend: Target, req: ParsedRequest, route: str, batch: int) ->
 
 def _trackable(backend: Target, req: ParsedRequest, route: str, batch: int) -> bool:
     """Followed live (and so charged a prediction) under the predictive policy: one
-    answer the backend can continue if it is preempted."""
+    answer the backend can continue if it is preempted, or a whole one it can send
+    again from the start (structured output)."""
     return (backend.predictive and route in backend.dialect.resumable_routes
             and req.n == 1 and batch == 1 and not req.queued_batch
             and route not in backend.dialect.unpinned_routes
-            and req.spec.resumable and resumable(route, req.body))
+            and req.spec.resumable and (resumable(route, req.body)
+                                        or restartable(route, req.body, req.stream)))
 
 
 def _plan(state: Planning, backend: Target, req: ParsedRequest, route: str,
@@ -573,7 +575,8 @@ def _plan(state: Planning, backend: Target, req: ParsedRequest, route: str,
     ), pinnable=batch == 1 and not req.queued_batch
         and route not in backend.dialect.unpinned_routes)
     if tracked:
-        charge = replace(charge, predicted=backend.lengths.predict(charge.max_tokens))
+        charge = replace(charge, predicted=backend.lengths.predict(
+            charge.max_tokens, answer_shape(req.body)))
     body, tag = backend.prepare(req, charge)
     return Candidate(backend, charge, upstream_body(backend, body), tag, tracked)
 

@@ -24,12 +24,14 @@ Shapes (routes named as in :mod:`gateway.request.plan`):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.wire.routes import Route
 
-__all__ = ["Seen", "has_token", "quick_token", "read_event", "usage_of_whole"]
+__all__ = ["Seen", "decode_pace", "has_token", "quick_token", "read_event",
+           "usage_of_whole"]
 
 _DELTA_TOKENS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
 _NATIVE = (Route.completion, Route.infill)  # llama-server's native stream and answer
@@ -211,3 +213,27 @@ def usage_of_whole(route: str, data: Any) -> tuple[dict[str, int] | None, list[A
         if isinstance(choices, list) else []
     return _ints(prompt_tokens=usage.get("prompt_tokens"),
                  completion_tokens=usage.get("completion_tokens")), reasons
+
+
+def decode_pace(data: Any) -> float | None:
+    """The decode pace a whole answer reports of itself, seconds per output token, or
+    ``None``: llama-server's ``timings.predicted_per_token_ms`` (every answer of its
+    server, tools/server/server-task.cpp ``result_timings``), Ollama's native
+    ``eval_duration`` (nanoseconds) over ``eval_count``. Only a pace measured over at
+    least 2 tokens counts (one token is the prefill's)."""
+    if not isinstance(data, dict):
+        return None
+    timings = data.get("timings")
+    if isinstance(timings, dict):
+        per_ms, n = timings.get("predicted_per_token_ms"), timings.get("predicted_n")
+        if _number(per_ms) and _number(n) and n >= 2 and per_ms > 0:
+            return float(per_ms) / 1000
+    ns, n = data.get("eval_duration"), data.get("eval_count")
+    if _number(ns) and _number(n) and n >= 2 and ns > 0:
+        return float(ns) / 1e9 / float(n)
+    return None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and \
+        math.isfinite(value)
