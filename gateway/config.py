@@ -286,7 +286,7 @@ class BackendSettings(_Strict):
     # Longest silence allowed while reading the upstream response (prefill included).
     read_timeout_s: float = Field(600.0, gt=0)
     discovery_interval_s: float = Field(30.0, gt=0)
-    # At the first discovery, one short completion of the gateway's own (16 tokens;
+    # At the first discovery, two short completions of the gateway's own (16 tokens;
     # llama-server only) whose timings give the decode pace, so that a fresh gateway
     # predicts queue waits (and refuses doomed requests) before any answer has ended.
     calibrate: bool = True

@@ -57,7 +57,7 @@ async def test_a_fresh_gateway_calibrates_and_refuses_a_doomed_whole_answer(
     near that, not after waiting 6 s for a 503 that says 1."""
     h = await harness_factory({"max_queue_wait_s": 6.0}, calibrate=True)
     calibration = [g for g in one_slot.generations if "n_predict" in g]
-    assert len(calibration) == 1 and calibration[0]["n_predict"] <= 32
+    assert len(calibration) == 2 and calibration[0]["n_predict"] <= 32  # (a cold first)
     status, retry_after = await _doomed_at_arrival(h, one_slot)
     assert status == 503
     assert 13 <= retry_after <= 54  # within 2x of ~27 s

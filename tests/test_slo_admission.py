@@ -294,7 +294,9 @@ def test_a_pace_from_whole_answers_or_calibration_stands_in_until_itl_is_learnt(
     adm.slo.observe_pace(float("nan"))
     adm.slo.observe_pace(-1.0)
     assert adm.slo.seconds_per_token() is None
-    adm.slo.observe_pace(0.02, level=1)
+    adm.slo.calibration_s = 0.1  # a cold server's calibration: the last stand-in
+    assert adm.slo.seconds_per_token() == pytest.approx(0.1)
+    adm.slo.observe_pace(0.02, level=1)  # an answer's pace replaces it, not averaged
     assert adm.slo.seconds_per_token() == pytest.approx(0.02)
     adm.slo.observe_pace(0.04, level=1)  # the mean of the last and the new one
     assert adm.slo.seconds_per_token() == pytest.approx(0.03)

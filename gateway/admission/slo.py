@@ -179,6 +179,9 @@ class SloGuard:
         self._capped: tuple[Layout, int, Layout] | None = None  # (layout, cap) -> limited
         self._seen: dict[float, float] = {}  # ITL target -> when last seen in flight
         self._paces: dict[int, float] = {}  # busy slots -> seconds per token (observe_pace)
+        #: The decode pace of the calibration request at discovery (one slot busy),
+        #: seconds per token: the last stand-in, before any answer has taught one.
+        self.calibration_s: float | None = None
         self.defer = PrefillDeferral(self, clock, active=active, wake=wake)
 
     def busy(self) -> int:
@@ -220,25 +223,27 @@ class SloGuard:
         prediction of a gateway that has not yet timed :data:`~gateway.core.waits.
         MIN_HISTORY` served leases: the learned mean ITL at that level, or at the nearest
         level above it (else below) with at least :data:`FIRST_SAMPLES` samples; before
-        any has, the pace of :meth:`observe_pace` the same way; else ``None``."""
+        any has, the pace of :meth:`observe_pace` the same way; before any of those,
+        :attr:`calibration_s`; else ``None``."""
         busy = max(1, self.busy())
         known = {level: h.mean() for level, h in self.model.levels.items()
                  if h.samples >= FIRST_SAMPLES}
         if not known:
-            known = self._paces  # whole answers' and the calibration's pace
+            known = self._paces  # whole answers' pace
+        if not known:
+            known = {} if self.calibration_s is None else {1: self.calibration_s}
         if not known:
             return None
         above = [level for level in known if level >= busy]
         return known[min(above) if above else max(known)]
 
     def observe_pace(self, seconds_per_token: float, level: int | None = None) -> None:
-        """A decode pace measured otherwise than by a stream's gaps, seconds per output
-        token: a whole answer's time on its lease over its completion tokens, or the
-        backend's own timing of a calibration request (llama-server's ``timings.
-        predicted_per_token_ms``), with ``level`` slots busy (default: those busy now).
-        :meth:`seconds_per_token` falls back on it, by level, while no level has
-        :data:`FIRST_SAMPLES` ITL samples (a gateway that has served only whole answers,
-        or none yet). Each level keeps the mean of its last value and the new one."""
+        """A whole answer's decode pace, seconds per output token (its own timings, or
+        its time on the lease over its completion tokens), with ``level`` slots busy
+        (default: those busy now). :meth:`seconds_per_token` falls back on it, by level,
+        while no level has :data:`FIRST_SAMPLES` ITL samples (a gateway that has served
+        only whole answers). Each level keeps the mean of its last value and the new
+        one."""
         if not seconds_per_token > 0 or not math.isfinite(seconds_per_token):
             return
         at = max(1, self.busy() if level is None else level)

@@ -390,21 +390,20 @@ class Target:
 async def _take_calibrated(target: Target, found: Discovered, *, fresh: bool
                            ) -> Layout | None:
     """:meth:`Target.take` ``found``; at the first discovery of a reachable server
-    (``fresh``) with a layout, also ask its dialect for the decode pace
-    (``backends[].calibrate``; :meth:`Dialect.calibrate
-    <gateway.backends.base.Dialect.calibrate>`) and give it to the latency model as the
-    pace with one slot busy (:meth:`~gateway.admission.slo.SloGuard.observe_pace`): the
-    wait prediction of a gateway that has served nothing yet. A server seen again after
+    (``fresh``), first ask its dialect for the decode pace (``backends[].calibrate``;
+    :meth:`Dialect.calibrate <gateway.backends.base.Dialect.calibrate>`) and give it to
+    the latency model (:attr:`~gateway.admission.slo.SloGuard.calibration_s`): the wait
+    prediction of a gateway that has served nothing yet. Before the layout is taken, so
+    that a request admitted once the backend is ready finds it. A server seen again after
     it was unreachable (a restart, perhaps another build or model) is asked again.
     Returns the layout in force."""
-    layout = target.take(found, fresh=fresh)
-    if fresh and layout is not None and target.settings.calibrate:
+    if fresh and target.settings.calibrate:  # before the layout: /ready waits for it
         pace = await target.dialect.calibrate()
         if pace is not None:
             log.info("backend %s decodes %.1f ms a token (calibration)", target.name,
                      pace * 1000)
-            target.admission.slo.observe_pace(pace, level=1)
-    return layout
+            target.admission.slo.calibration_s = pace
+    return target.take(found, fresh=fresh)
 
 
 def _marks(target: Target, shared: SharedAccount | None) -> BackendMarks | None:
