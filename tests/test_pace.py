@@ -11,7 +11,7 @@ import pytest
 
 from gateway.wire.events import decode_pace
 
-DOOMED = {"max_tokens": 900}
+DOOMED = {"max_tokens": 900, "ignore_eos": True}  # runs to its cap: its length is known
 
 
 def test_decode_pace_reads_llama_server_timings_and_ollama_durations() -> None:
@@ -80,3 +80,47 @@ async def test_a_gateway_that_knows_no_pace_still_queues(harness_factory: Any,
     h = await harness_factory({"max_queue_wait_s": 6.0}, calibrate=False)
     with pytest.raises(TimeoutError):
         await _doomed_at_arrival(h, one_slot)
+
+
+@pytest.mark.parametrize("calibrate", [False, True])
+async def test_a_pace_per_token_never_refuses_an_answer_of_unknown_length(
+        harness_factory: Any, fake: Any, calibrate: bool) -> None:
+    """From the adversarial pass: a calibrated fresh gateway multiplied the pace per
+    token by a cap the answer never reaches (no max_tokens: the slot's room), predicted
+    a 31 s wait and refused a request that started 0.3 s later. Until served leases are
+    timed, a lease of unknown length (not ignore_eos, no predicted length) makes no
+    prediction: it queues, as before."""
+    fake.slots, fake.n_ctx, fake.tokens, fake.pace_s = 1, 4096, 5, 0.03
+    h = await harness_factory({"max_queue_wait_s": 6.0}, calibrate=calibrate)
+    fake.hold = asyncio.Event()
+    first = asyncio.ensure_future(h.chat())
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if fake.active:
+            break
+    second = asyncio.ensure_future(h.chat(max_tokens=900))
+    await asyncio.sleep(0.3)
+    fake.hold.set()
+    assert (await first).status_code == 200
+    assert (await second).status_code == 200
+
+
+async def test_a_queue_timeout_before_any_release_says_when_it_could_start(
+        harness_factory: Any, one_slot: Any) -> None:
+    """From the fresh-user pass: before any lease was released, a request that timed out
+    in the queue behind a 900-token answer was told Retry-After 1 (the drain rate's
+    guess without history). It is now told when it could start, from the pace."""
+    h = await harness_factory({"max_queue_wait_s": 1.0, "reject_predicted_timeouts": False},
+                              calibrate=True)
+    one_slot.hold = asyncio.Event()
+    first = asyncio.ensure_future(h.chat(**DOOMED))
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if one_slot.active:
+            break
+    second = await h.chat(**DOOMED)
+    one_slot.hold.set()
+    assert (await first).status_code == 200
+    assert second.status_code == 503
+    assert second.json()["error"]["code"] == "queue_timeout"
+    assert 13 <= float(second.headers["retry-after"]) <= 54  # ~26 s of the first left

@@ -230,13 +230,14 @@ async def test_a_fresh_gateway_refuses_a_doomed_request_from_the_first_tokens() 
     """No served lease is timed yet, so the old prediction said nothing and a doomed
     request waited its whole max wait. The first stream's tokens give the decode pace
     (30 ms a token here): two 900-token answers hold the one slot for about 27 s each,
-    so a third is refused at once with a Retry-After near when it could start."""
+    so a third is refused at once with a Retry-After near when it could start. (The
+    answers run to their caps, ignore_eos: a pace per token says how long they hold.)"""
     clock = ManualClock()
     adm = Admission(Layout(slots=1, ctx_per_slot=4096), max_queue=4, max_wait_s=6.0,
                     clock=clock, reject_doomed=True)
-    first = adm.try_admit(Charge(800, 900))
+    first = adm.try_admit(Charge(800, 900, to_cap=True))
     assert first is not None
-    second = asyncio.ensure_future(adm.admit(Charge(800, 900)))
+    second = asyncio.ensure_future(adm.admit(Charge(800, 900, to_cap=True)))
     await _settle()
     assert not second.done()  # nothing learnt: it queues, as before
     second.cancel()
@@ -246,7 +247,7 @@ async def test_a_fresh_gateway_refuses_a_doomed_request_from_the_first_tokens() 
         adm.slo.observe_itl(0.03, adm.layout)
     assert adm.slo.seconds_per_token() == pytest.approx(0.03, rel=0.1)
     with pytest.raises(QueueWaitPredicted) as doomed:
-        await asyncio.wait_for(adm.admit(Charge(800, 900)), 1.0)
+        await asyncio.wait_for(adm.admit(Charge(800, 900, to_cap=True)), 1.0)
     assert 20 <= doomed.value.retry_after_s <= 60  # it could start after about 27 s
     adm.release(first)
 

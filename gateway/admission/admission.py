@@ -15,6 +15,7 @@ wait predictions (:class:`gateway.core.waits.WaitPredictor`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from gateway.admission.forecast import WaitForecast
@@ -65,7 +66,7 @@ def _never_fits(layout: Layout, charge: Charge) -> ContextLengthExceeded:
 def _doomed(predicted: float, max_wait: float) -> QueueWaitPredicted:
     """The 503 of a request whose predicted wait is longer than it may wait."""
     return QueueWaitPredicted(
-        f"The queue ahead of this request needs about {predicted:.0f} s to drain "
+        f"The queue ahead of this request needs about {math.ceil(predicted)} s to drain "
         f"at the backend's recent pace, longer than the {max_wait:g} s a "
         "request may wait; retry after the Retry-After delay.", retry_after_s=predicted)
 
@@ -245,10 +246,10 @@ class Admission:
 
     # -- waits and Retry-After (gateway.core.waits) ---------------------------------------
 
-    def retry_after_s(self) -> float:
-        """When a request sent now could start, seconds (1–60)
+    def retry_after_s(self, charge: Charge | None = None) -> float:
+        """When a request sent now (``charge``, if known) could start, seconds (1–60)
         (:meth:`WaitForecast.retry_after_s`)."""
-        return self.forecast.retry_after_s()
+        return self.forecast.retry_after_s(charge)
 
     def record_duration(self, seconds: float, charge: Charge | None = None) -> None:
         """Record how long a served lease was held (feeds :meth:`retry_after_s`) and, with
@@ -358,7 +359,7 @@ class Admission:
         return await self._room.wait(waiter, max_wait, lambda: QueueTimeout(
             f"The request waited {max_wait:g} s in the queue without room on "
             "the backend; retry after the Retry-After delay.",
-            retry_after_s=self.retry_after_s()))
+            retry_after_s=self.retry_after_s(charge)))
 
     def release(self, lease: Lease, *, served: bool = True) -> None:
         """Give a lease back and wake waiters that now fit. Idempotent.

@@ -54,10 +54,19 @@ class WaitForecast:
         self._clock = clock
         self.startup_s: Callable[[], float] = lambda: 0.0
 
-    def retry_after_s(self) -> float:
+    def retry_after_s(self, charge: Charge | None = None) -> float:
         """Estimate when a request sent now could start, in seconds (1–60)
-        (:meth:`gateway.core.waits.WaitPredictor.retry_after_s` over this queue)."""
+        (:meth:`gateway.core.waits.WaitPredictor.retry_after_s` over this queue).
+
+        Before any served lease was timed, that says 1 s; with ``charge`` (the request
+        answered), the replay of it after the leases in flight is taken instead, when
+        it predicts (found by the fresh-user pass: a chat that timed out after 6 s behind
+        a stream decoding for 16 s more was told to retry after 1 s)."""
         layout = self._in_flight()[0]
+        if charge is not None and not self.waits.drained:
+            predicted = self._replay([(charge, None)])
+            if predicted is not None:
+                return min(60.0, max(1.0, predicted))
         return min(60.0, self.startup_s() + self.waits.retry_after_s(
             len(self._room), layout.slots if layout else 1))
 

@@ -116,10 +116,18 @@ class SideCalls:
         return await send_upstream(self.client, upstream_request(
             "GET", self.url(path), headers=self.settings.auth_headers, timeout=timeout))
 
-    async def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        """``POST path`` with a JSON body. Raises httpx transport errors."""
+    async def post(self, path: str, body: dict[str, Any], *,
+                   timeout_s: float | None = None) -> httpx.Response:
+        """``POST path`` with a JSON body. Raises httpx transport errors.
+
+        :param timeout_s: a shorter read timeout for this call (seconds).
+        """
+        timeout = self.timeout
+        if timeout_s is not None:
+            timeout = httpx.Timeout(min(timeout_s, self.settings.read_timeout_s),
+                                    connect=self.settings.connect_timeout_s)
         return await send_upstream(self.client, upstream_request(
-            "POST", self.url(path), content=json_bytes(body), timeout=self.timeout,
+            "POST", self.url(path), content=json_bytes(body), timeout=timeout,
             headers={"content-type": "application/json", **self.settings.auth_headers}))
 
 

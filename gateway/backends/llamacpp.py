@@ -57,6 +57,9 @@ SLOTS_TIMEOUT_S = 5.0  # a /slots answer comes between two decode steps
 #: Tokens the calibration request decodes (LlamaCpp.calibrate): enough for a pace over
 #: the decode steps, few enough to take a fraction of a second on a small model.
 CALIBRATION_TOKENS = 16
+#: The longest a calibration request may stay silent, seconds: on a server whose slots
+#: are all busy with other clients it waits for one, and discovery waits for it.
+CALIBRATION_TIMEOUT_S = 5.0
 # Routes whose body llama-server counts itself, and where (tools/server/server.cpp).
 _COUNT_ROUTES = {Route.messages: "/v1/messages/count_tokens",
                  Route.count_tokens: "/v1/messages/count_tokens",
@@ -103,14 +106,15 @@ class Calibrated:
         lower of their ``timings.predicted_per_token_ms`` over 1000, seconds per token
         (measured: a fresh server's first answer decoded 7x slower than the next,
         while it allocates its compute graphs); ``None`` when both fail or show no
-        timings (within the side timeout; nothing raised)."""
+        timings (each within :data:`CALIBRATION_TIMEOUT_S`; nothing raised)."""
         body = {"prompt": "Count from one to twenty: one, two,", "n_predict": CALIBRATION_TOKENS,
                 "ignore_eos": True, "temperature": 0, "cache_prompt": False}
         paces = []
         for _ in range(2):
             try:
                 with map_upstream_errors(self.name):
-                    resp = await self.side.post("/completion", body)
+                    resp = await self.side.post("/completion", body,
+                                                timeout_s=CALIBRATION_TIMEOUT_S)
                 pace = decode_pace(resp.json()) if resp.status_code == 200 else None
             except (GatewayError, ValueError):
                 pace = None

@@ -41,7 +41,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections import deque
@@ -57,6 +56,7 @@ from gateway.backends.base import (
     seconds,
     upstream_5xx,
 )
+from gateway.backends.once import OnceAtATime
 from gateway.backends.upstream import map_upstream_errors
 from gateway.core.capacity import Charge
 from gateway.errors import (
@@ -79,6 +79,7 @@ DEFAULT_NUM_CTX = 4096
 #: reads the model file's header; a large one on a slow disk may take longer: the
 #: request then goes on the layout's context, and discovery learns the model's).
 SHOW_ON_REQUEST_S = 5.0
+_UNKNOWN_CTX = 1 << 40  # a default context no model has: "not known"
 SUSPECT_MIN_TOKENS = 64  # shorter estimates are never taken for a truncation
 _TOO_LONG = ("longer than the context length", "exceeds the context length")
 # Ollama versions whose prompt_eval_count leaves out the prompt tokens found in its cache.
@@ -214,6 +215,7 @@ class Ollama(WithoutSlots):
         self.single: set[str] = set()  # models Ollama runs one request at a time
         self._shown: set[str] = set()  # models whose /api/show was read
         self._asked: set[str] = set()  # models a request named, /api/show asked for once
+        self._shows: OnceAtATime[None] = OnceAtATime()  # /api/show calls running
         self._resting = 0  # the smallest loaded context, when models were last loaded
         self.context_length = settings.ctx_per_slot or DEFAULT_NUM_CTX  # a slot's, tokens
         self.num_ctx_overridden = 0  # client num_ctx values replaced by the loaded one
@@ -269,19 +271,26 @@ class Ollama(WithoutSlots):
             return min(self.loaded.values())
         return self._resting or DEFAULT_NUM_CTX
 
-    async def _show(self, model: str) -> None:
+    async def _show(self, model: str, default: int | None = DEFAULT_NUM_CTX) -> None:
         """Read ``model``'s ``POST /api/show`` (:func:`shown_context`) once: its context
         until it is seen loaded, and whether it runs one request at a time. An answer
         that cannot be read, a refusal (404: the model is not pulled) or no answer in
         time (Ollama reading a large model's file) leaves both to the defaults, and it
         is asked again at the next discovery: ``/api/version`` and ``/api/ps`` have
-        answered, so the backend is ready on what they say. Never raises."""
+        answered, so the backend is ready on what they say. Never raises.
+
+        :param default: the server's default context, tokens, for a Modelfile without
+            ``num_ctx``; ``None``: unknown (``OLLAMA_CONTEXT_LENGTH`` may say more than
+            4096), so such a model's context is left to be seen loaded, unless its
+            trained context bounds it."""
         try:
             with map_upstream_errors(self.name):
                 resp = await self.side.post("/api/show", {"model": model})
             if resp.status_code != 200:
                 raise ValueError(f"HTTP {resp.status_code}: {error_message(resp.content)}")
-            ctx, single = shown_context(resp.json())
+            ctx, single = shown_context(resp.json(), default or _UNKNOWN_CTX)
+            if ctx >= _UNKNOWN_CTX:
+                raise ValueError("no num_ctx in its Modelfile, nor a trained context")
         except (GatewayError, ValueError) as exc:
             log.info("backend %s: /api/show of %s unreadable (%s); its context is "
                      "learnt once it is loaded", self.name, model,
@@ -316,9 +325,14 @@ class Ollama(WithoutSlots):
         if isinstance(model, str) and model:
             tagged = _tagged(model)
             if tagged not in self.contexts and tagged not in self._asked:
+                # Requests for it meanwhile wait for the same answer, not past it.
+                try:
+                    await asyncio.wait_for(self._shows.run(
+                        tagged.encode(), lambda: self._show(tagged, default=None)),
+                        SHOW_ON_REQUEST_S)
+                except TimeoutError:
+                    pass
                 self._asked.add(tagged)  # (discovery asks again for the configured one)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._show(tagged), SHOW_ON_REQUEST_S)
         return None
 
     def estimate_factor(self, model: str, margin: float) -> float:

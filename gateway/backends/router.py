@@ -292,9 +292,11 @@ class RouterSideCalls(SideCalls):
         query = urlencode({"model": self.model_id, "autoload": "false"})
         return await super().get(f"{path}{sep}{query}", timeout_s=timeout_s)
 
-    async def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def post(self, path: str, body: dict[str, Any], *,
+                   timeout_s: float | None = None) -> httpx.Response:
         """``POST path`` with ``body``'s ``model`` set to the member's model."""
-        return await super().post(path, {**body, "model": self.model_id})
+        return await super().post(path, {**body, "model": self.model_id},
+                                  timeout_s=timeout_s)
 
 
 class RouterModel(LlamaCpp):

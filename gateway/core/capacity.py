@@ -141,6 +141,8 @@ class Charge:
     :param predicted: under the ``predictive`` policy, the output tokens charged against
         the pool (a predicted completion length, at most ``max_tokens``); ``None`` charges
         the whole cap (``strict``). The cap still has to fit one slot.
+    :param to_cap: the answer runs to its cap (``ignore_eos``): its length is known
+        before it starts (:meth:`gateway.core.waits.WaitPredictor.replay`).
     """
 
     prompt_tokens: int
@@ -151,6 +153,7 @@ class Charge:
     pinnable: bool = True
     block_size: int = 1
     predicted: int | None = None
+    to_cap: bool = False
 
     @property
     def output_charged(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import statistics
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from gateway.core import capacity
 from gateway.core.capacity import Budget, Charge, Layout
@@ -29,6 +29,12 @@ class WaitPredictor:
         self._releases: deque[float] = deque(maxlen=HISTORY)  # clock times, served only
         self._durations: deque[float] = deque(maxlen=HISTORY)  # seconds held
         self._per_cap_token: deque[float] = deque(maxlen=HISTORY)  # seconds / output cap
+
+    @property
+    def drained(self) -> bool:
+        """Leases were released or timed: :meth:`retry_after_s` has more than its
+        1 s guess to go by."""
+        return len(self._releases) >= 2 or bool(self._durations)
 
     @property
     def timed(self) -> int:
@@ -99,16 +105,19 @@ class WaitPredictor:
         :param charges: each with the clock time after which it would have left the queue
             (``None``: it stays); one replayed to start after that is left out, since it
             will time out holding nothing.
-        :param first_rate: seconds per token of cap to use before :data:`MIN_HISTORY`
+        :param first_rate: seconds per output token to use before :data:`MIN_HISTORY`
             served leases are timed (the decode pace learnt from the first streams'
-            tokens), so that a fresh gateway refuses a doomed request at arrival too.
+            tokens, whole answers' timings or the calibration), so that a fresh gateway
+            refuses a doomed request at arrival too (:func:`_holds`: only over answers
+            of known length).
         """
-        rate = self._pace(first_rate)  # seconds held per token of cap
-        if layout is None or rate is None:
+        rate = self._pace(first_rate)  # seconds held per token of cap (or of output)
+        in_flight = list(in_flight)
+        hold = None if layout is None or rate is None else _holds(
+            rate, len(self._per_cap_token) >= MIN_HISTORY,
+            [*(c for _, c in in_flight), *(c for c, _ in charges)])
+        if layout is None or hold is None:
             return None
-
-        def hold(charge: Charge) -> float:
-            return rate * max(1, charge.max_tokens)
 
         ends = [(max(now, granted_at + hold(charge)), i, charge)
                 for i, (granted_at, charge) in enumerate(in_flight)]
@@ -133,3 +142,21 @@ class WaitPredictor:
             order += 1
             heapq.heappush(ends, (t + hold(ahead), order, ahead))
         return t - now
+
+
+def _holds(rate: float, learnt: bool, charges: Iterable[Charge]
+           ) -> Callable[[Charge], float] | None:
+    """How long a lease of each charge holds, seconds, at ``rate``: seconds per token of
+    cap once ``learnt`` from served leases; before, a pace per output token (the first
+    streams', the timings', the calibration's), which is not one per token of cap, since
+    answers stop before their caps. Then a lease holds for its known length: the cap of
+    one that runs to it (``to_cap``), else its predicted length; and with any of
+    ``charges`` of unknown length, ``None``: nothing is predicted (found by the
+    adversarial pass: a calibrated fresh gateway refused, as 31 s away, a request that
+    started 0.3 s later)."""
+    if learnt:
+        return lambda charge: rate * max(1, charge.max_tokens)
+    if not all(c.to_cap or c.predicted is not None for c in charges):
+        return None
+    return lambda charge: rate * max(1, charge.max_tokens if charge.to_cap or
+                                     charge.predicted is None else charge.predicted)

@@ -28,6 +28,7 @@ from gateway.fleet.routers import refuse_for_routers, sync_members, with_members
 from gateway.fleet.shared_pool import SharedModelQueue
 from gateway.fleet.tasks import TaskSet
 from gateway.tasks import not_cancelled
+from gateway.wire.naming import served_name
 
 __all__ = ["Fleet", "MakeTarget", "RouteCounter"]
 
@@ -245,7 +246,7 @@ class Fleet:
             return open_ended
         # A backend whose model is not known yet (not discovered, none configured) is
         # not counted as a model of its own.
-        models = sorted({b.model for b in eligible if b.model_known})
+        models = sorted({served_name(b.model) for b in eligible if b.model_known})
         if len(models) <= 1:
             return eligible
         asked = ("This request names no model" if model is None

@@ -431,7 +431,8 @@ class GatewayMetrics:
         self.resumes = Counter(
             "gateway_resumes",
             "Continuations of preempted requests: outcome=continued (the partial answer "
-            "carried over), restarted (nothing generated yet), failed (the client got an "
+            "carried over), restarted (sent again from the start: nothing generated yet, or a "
+            "structured whole answer whose tokens were dropped), failed (the client got an "
             "error instead), client_gone (the client left while it waited).",
             ["backend", "outcome"], registry=registry,
         )

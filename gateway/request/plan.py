@@ -573,7 +573,8 @@ def _plan(state: Planning, backend: Target, req: ParsedRequest, route: str,
         default_max_tokens=default_cap,
         policy=admission.overlong, cap_field=req.cap_field,
     ), pinnable=batch == 1 and not req.queued_batch
-        and route not in backend.dialect.unpinned_routes)
+        and route not in backend.dialect.unpinned_routes,
+        to_cap=req.body.get("ignore_eos") is True)
     if tracked:
         charge = replace(charge, predicted=backend.lengths.predict(
             charge.max_tokens, answer_shape(req.body)))

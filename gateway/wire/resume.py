@@ -298,21 +298,29 @@ class Reassembler:
         delta = choice.get("delta") or {}
         self.content += delta.get("content") or ""
         self.reasoning += delta.get("reasoning_content") or ""
-        for piece in delta.get("tool_calls") or ():
+        pieces = delta.get("tool_calls")
+        for piece in pieces if isinstance(pieces, list) else ():
             if isinstance(piece, dict):
                 self._tool_call(piece)
 
     def _tool_call(self, piece: dict[str, Any]) -> None:
         """Merge one streamed piece of a tool call (``delta.tool_calls[i]``: its
         ``index``, and the ``id``, ``type``, ``function.name`` of its first piece, then
-        ``function.arguments`` a fragment at a time) into :attr:`tool_calls`."""
-        index = piece.get("index")
-        index = index if isinstance(index, int) and not isinstance(index, bool) else \
-            max(0, len(self.tool_calls) - 1)
-        while len(self.tool_calls) <= index:
-            self.tool_calls.append({"type": "function",
-                                    "function": {"name": "", "arguments": ""}})
-        call = self.tool_calls[index]
+        ``function.arguments`` a fragment at a time) into :attr:`tool_calls`.
+
+        A piece without a usable ``index`` (llama-server always sends one) goes on with
+        the last call, unless it brings an ``id`` other than that call's: a new call. An
+        index past the calls seen starts one new call, never a gap of empty ones."""
+        calls, index, new_id = self.tool_calls, piece.get("index"), piece.get("id")
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            last_id = calls[-1].get("id") if calls else None
+            fresh = not calls or (isinstance(new_id, str) and bool(new_id)
+                                  and last_id is not None and last_id != new_id)
+            index = len(calls) if fresh else len(calls) - 1
+        if index >= len(calls):
+            index = len(calls)
+            calls.append({"type": "function", "function": {"name": "", "arguments": ""}})
+        call = calls[index]
         for key in ("id", "type"):
             if isinstance(piece.get(key), str) and piece[key]:
                 call[key] = piece[key]
