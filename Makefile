@@ -38,7 +38,7 @@ bench: install            ## gateway vs the bare-proxy floor: JSON, SSE, then 2,
 	$(PY) bench/bench.py
 	$(PY) bench/streams.py
 
-score: backend            ## the scoreboard: every headline promise, side by side (about 15 min)
+score: backend            ## the scoreboard: every headline promise, side by side (about 30 min)
 	$(PY) bench/scoreboard.py --write-docs
 
 score-quick: backend      ## one cell of each scoreboard row, once (a few minutes)

@@ -51,8 +51,9 @@ async def test_shared_pool_overflow_fails_direct_and_succeeds_through_gateway(
 async def test_prompt_longer_than_a_slot_is_rejected_before_generation(
     default_server: LlamaServer,
 ) -> None:
-    before = backend_metric(default_server, "llamacpp:prompt_tokens_total")
     with GatewayThread({"url": default_server.url}) as gw:
+        # (read once the gateway is up: its calibration at discovery has prompt tokens)
+        before = backend_metric(default_server, "llamacpp:prompt_tokens_total")
         r = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
             "messages": [{"role": "user", "content": long_prompt(200)}], "max_tokens": 10})
         assert r.status_code == 400
