@@ -54,7 +54,11 @@ class Gateway:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited: {self.log.read_text()[-2000:]}")
             try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                r = httpx.get(self.url + "/ready", timeout=1)
+                # Every backend ready, not only one per model: a backend is ready once
+                # its calibration is done (a pool's second member a moment later).
+                if r.status_code == 200 and all(
+                        row.get("ready") for row in r.json()["backends"].values()):
                     return
             except httpx.HTTPError:
                 pass
