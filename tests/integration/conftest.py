@@ -72,7 +72,11 @@ class GatewayThread:
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                r = httpx.get(self.url + "/ready", timeout=1)
+                # Every backend ready, not only one per model: a backend is ready once
+                # its calibration is done (a pool's second member a moment later).
+                if r.status_code == 200 and all(
+                        row.get("ready") for row in r.json().get("backends", {}).values()):
                     return self
             except httpx.HTTPError:
                 pass
