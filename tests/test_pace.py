@@ -27,15 +27,20 @@ def test_decode_pace_reads_llama_server_timings_and_ollama_durations() -> None:
         assert decode_pace(nothing) is None
 
 
+async def _running(fake: Any) -> None:
+    """Until the fake runs a generation (at most 2 s)."""
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if fake.active:
+            return
+
+
 async def _doomed_at_arrival(h: Any, fake: Any) -> tuple[int, float]:
     """One whole answer holds the only slot; a second of 900 tokens arrives: (its status,
     its Retry-After), within 2 s (a wait would take the gateway's 6)."""
     fake.hold = asyncio.Event()
     first = asyncio.ensure_future(h.chat(**DOOMED))
-    for _ in range(200):
-        await asyncio.sleep(0.01)
-        if fake.active:
-            break
+    await _running(fake)
     try:
         second = await asyncio.wait_for(h.chat(**DOOMED), 2.0)
     finally:
@@ -94,10 +99,7 @@ async def test_a_pace_per_token_never_refuses_an_answer_of_unknown_length(
     h = await harness_factory({"max_queue_wait_s": 6.0}, calibrate=calibrate)
     fake.hold = asyncio.Event()
     first = asyncio.ensure_future(h.chat())
-    for _ in range(200):
-        await asyncio.sleep(0.01)
-        if fake.active:
-            break
+    await _running(fake)
     second = asyncio.ensure_future(h.chat(max_tokens=900))
     await asyncio.sleep(0.3)
     fake.hold.set()
@@ -114,10 +116,7 @@ async def test_a_queue_timeout_before_any_release_says_when_it_could_start(
                               calibrate=True)
     one_slot.hold = asyncio.Event()
     first = asyncio.ensure_future(h.chat(**DOOMED))
-    for _ in range(200):
-        await asyncio.sleep(0.01)
-        if one_slot.active:
-            break
+    await _running(one_slot)
     second = await h.chat(**DOOMED)
     one_slot.hold.set()
     assert (await first).status_code == 200
