@@ -103,18 +103,22 @@ class SideCalls:
         """Absolute upstream URL for ``path``."""
         return self.settings.url + path
 
+    def _timeout(self, timeout_s: float | None) -> httpx.Timeout:
+        """The side timeout, or a shorter read timeout of ``timeout_s`` seconds."""
+        if timeout_s is None:
+            return self.timeout
+        return httpx.Timeout(min(timeout_s, self.settings.read_timeout_s),
+                             connect=self.settings.connect_timeout_s)
+
     async def get(self, path: str, *, timeout_s: float | None = None) -> httpx.Response:
         """``GET path``. Raises httpx transport errors (map them with
         :func:`gateway.backends.upstream.map_upstream_errors`).
 
         :param timeout_s: a shorter read timeout for this call (seconds).
         """
-        timeout = self.timeout
-        if timeout_s is not None:
-            timeout = httpx.Timeout(min(timeout_s, self.settings.read_timeout_s),
-                                    connect=self.settings.connect_timeout_s)
         return await send_upstream(self.client, upstream_request(
-            "GET", self.url(path), headers=self.settings.auth_headers, timeout=timeout))
+            "GET", self.url(path), headers=self.settings.auth_headers,
+            timeout=self._timeout(timeout_s)))
 
     async def post(self, path: str, body: dict[str, Any], *,
                    timeout_s: float | None = None) -> httpx.Response:
@@ -122,12 +126,9 @@ class SideCalls:
 
         :param timeout_s: a shorter read timeout for this call (seconds).
         """
-        timeout = self.timeout
-        if timeout_s is not None:
-            timeout = httpx.Timeout(min(timeout_s, self.settings.read_timeout_s),
-                                    connect=self.settings.connect_timeout_s)
         return await send_upstream(self.client, upstream_request(
-            "POST", self.url(path), content=json_bytes(body), timeout=timeout,
+            "POST", self.url(path), content=json_bytes(body),
+            timeout=self._timeout(timeout_s),
             headers={"content-type": "application/json", **self.settings.auth_headers}))
 
 
