@@ -6,7 +6,8 @@ Rows (``--rows`` picks some), each over a matrix of workloads (its cells):
   Gemma 3 270M, ``-c 2048``, its default 4 slots sharing one pool): 3 chats of ~790
   prompt tokens and ``max_tokens`` 900, straight to llama-server and through the
   gateway; requests served whole, upstream 500s (a 500 status, or a stream's error
-  event), wall time. Cells: whole / streamed answers, arrivals in a burst / 0.2 s apart.
+  event), wall time. Cells: whole / streamed answers in a burst, whole answers 0.2 s
+  apart (streams 0.2 s apart: the ``refusal`` row).
 * ``goodput``: 16 short completions (10-20 tokens, ``max_tokens`` 1024) straight and
   through the gateway under ``strict`` and ``predictive``, as plain text, under a GBNF
   grammar and under a JSON schema (structured output); ``goodput_ratio`` is
@@ -35,6 +36,11 @@ Rows (``--rows`` picks some), each over a matrix of workloads (its cells):
 * ``shared``: several processes sharing Redis. Three of the seed's chats with
   ``max_tokens`` 300 (any two overflow the pool together) through one gateway and
   through two processes sharing one ``redis-server``: served, upstream 500s, wall time.
+* ``fakes``: Ollama and vLLM, which cannot run here, on the project's faithful fakes
+  (labelled so in the table), straight and through the gateway: an Ollama model named
+  in the configuration / only in the request, its over-long chat after an unload
+  (silently cut by Ollama alone, refused by the gateway); vLLM's over-admission
+  (preemptions alone, none through the gateway). ``bench/fakes_row.py``.
 
 Each cell runs ``--repeats`` times (2 by default; the spread is the noise); ``--quick``
 runs the first cell of each row once. Writes ``bench/results/<date>-<commit>.json``
@@ -72,6 +78,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import demo  # noqa: E402  (scripts/demo.py: the seed's prompt, the gateway's overflow count)
+import fakes_row  # noqa: E402  (bench/fakes_row.py: the Ollama and vLLM fakes' row)
 import goodput  # noqa: E402  (bench/goodput.py: the short answers' subjects)
 import slo  # noqa: E402  (bench/slo.py: streams' client-side ITL)
 
@@ -87,11 +94,11 @@ from gateway.dev.scoreboard import (  # noqa: E402
 )
 
 RESULTS = ROOT / "bench" / "results"
-ROWS = ("overhead", "burst", "seed", "goodput", "refusal", "slo", "shared")
+ROWS = ("overhead", "burst", "seed", "goodput", "refusal", "slo", "shared", "fakes")
 
+#: (Streams arriving staggered: the refusal row's seed chats, 0.2 s apart.)
 SEED_CELLS = [{"answer": "whole", "arrivals": "burst"}, {"answer": "stream", "arrivals": "burst"},
-              {"answer": "whole", "arrivals": "staggered"},
-              {"answer": "stream", "arrivals": "staggered"}]
+              {"answer": "whole", "arrivals": "staggered"}]
 GOODPUT_CELLS = [{"policy": p, "output": o} for p in ("predictive", "strict")
                  for o in ("plain", "grammar", "schema")]
 OVERHEAD_CELLS = [{"body": "sse"}, {"body": "json"}]
@@ -319,25 +326,34 @@ def row_slo(server: str, cells: list[dict[str, str]], repeats: int) -> list[Cell
     at once or 0.5 s apart, through a gateway without a target and through one whose
     class has ``itl_p95_s`` = :data:`SLO_TARGET` × one stream's ITL p95 alone (measured
     first, straight to llama-server). ``warm``: the gateway with the target has served
-    three single streams first; ``fresh``: it is new. ITL p95 in milliseconds;
+    three single streams first; ``fresh``: it is new (the gateway without a target
+    learns nothing that changes its admission, so its run of each arrivals and repeat
+    is measured once and shown in both cells). ITL p95 in milliseconds;
     ``itl_p95_over_target`` is the targeted run's over the target (≤ 1.1: held)."""
     alone = asyncio.run(slo.rounds(server, 1, SLO_TOKENS, 3, 0))
     target = SLO_TARGET * _itl_p95(alone)
     out = []
+    nones: dict[tuple[str, int], dict[str, float]] = {}  # (arrivals, repeat) -> got
     for axes in cells:
         stagger = 0.5 if axes["arrivals"] == "staggered" else 0.0
         metrics: dict[str, list[float]] = {}
-        for _ in range(repeats):
+        for repeat in range(repeats):
             got: dict[str, float] = {"target_ms": target * 1000}
             for side, classes in (("none", None),
                                   ("target", [{"name": "chat", "itl_p95_s": target}])):
+                if classes is None and (axes["arrivals"], repeat) in nones:
+                    got |= nones[axes["arrivals"], repeat]  # (no target: warm = fresh)
+                    continue
                 with gateway(server, classes=classes, max_queue_wait_s=600) as gw:
                     if classes is not None and axes["gateway"] == "warm":
                         asyncio.run(slo.rounds(gw, 1, SLO_TOKENS, 3, 0))
                     run = asyncio.run(slo.rounds(gw, 6, SLO_TOKENS, 1, 300, stagger))
-                got |= {f"itl_p95_ms_{side}": _itl_p95(run) * 1000,
-                        f"refused_{side}": run.refused, f"failed_{side}": run.failed,
-                        f"wall_{side}_s": run.wall_s}
+                side_got = {f"itl_p95_ms_{side}": _itl_p95(run) * 1000,
+                            f"refused_{side}": run.refused, f"failed_{side}": run.failed,
+                            f"wall_{side}_s": run.wall_s}
+                if classes is None:
+                    nones[axes["arrivals"], repeat] = side_got
+                got |= side_got
             got["itl_p95_over_target"] = got["itl_p95_ms_target"] / got["target_ms"]
             for name, value in got.items():
                 metrics.setdefault(name, []).append(round(value, 3))
@@ -558,6 +574,9 @@ def run(rows: list[str], quick: bool, repeats: int, seconds: float,
     if "slo" in rows:
         with LlamaServer(["-c", "4096"]).running() as server:
             cells += row_slo(server.url, pick(SLO_CELLS), repeats)
+    if "fakes" in rows:
+        cells += fakes_row.row_fakes(pick(fakes_row.CELLS), repeats)
+        print(markdown(cells[-len(pick(fakes_row.CELLS)):]), flush=True)
     return cells
 
 

@@ -143,11 +143,32 @@ def test_it_converges_where_the_target_holds() -> None:
     target = 0.065  # true p95: 0.0589 at 4 sequences, 0.0707 at 5
     assert true_p95(itl, 4, 0.1) < target < true_p95(itl, 5, 0.1)
     trace, _, slo = run(lambda _t, n: itl(n), target=target, memory=16)
-    assert trace[0][1] == 16  # no data yet: the memory limit, as without a target
+    assert trace[0][1] == 1  # no data yet: slow start, one sequence
+    rises = [b[1] - a[1] for a, b in zip(trace, trace[1:], strict=False)]
+    assert max(rises) == 1  # one level at a time, each once it is learnt
+    assert max(limit for _, limit, _ in trace) <= 5  # never past the first broken level
     settled = [limit for t, limit, _ in trace if t >= 60]
     assert max(settled) <= 5  # at most a probe one level above
     assert settled.count(4) / len(settled) > 0.9
     assert slo.limit == 4
+
+
+def test_a_target_starts_above_the_levels_known_to_hold_it() -> None:
+    params = LatencyParams(min_samples=10)
+    model = LatencyModel(params)
+    assert SloLimit.start(model, 0.05, 8) == 1  # nothing known: one sequence
+    for level, itl in ((1, 0.02), (2, 0.03), (4, 0.04)):  # level 3 never seen
+        for _ in range(10):
+            model.observe_itl(itl, level)
+    assert SloLimit.start(model, 0.05, 8) == 3  # 1 and 2 hold; 3 is not assumed to
+    assert SloLimit.start(model, 0.05, 2) == 2  # within the memory limit
+    assert SloLimit.start(model, 0.025, 8) == 2  # 2 is known to break it
+    assert SloLimit.start(model, 0.01, 8) == 1  # even one breaks it: one
+    slo = SloLimit(params)
+    assert slo.update(model, target_s=0.05, memory_limit=8, demand=9, now=0) == 3
+    assert slo.update(model, target_s=None, memory_limit=8, demand=9, now=1) == 8
+    assert slo.limit is None  # the target gone: it starts slow again when it comes back
+    assert slo.update(model, target_s=0.05, memory_limit=8, demand=9, now=2) == 3
 
 
 def test_the_served_itl_holds_the_target_after_warm_up() -> None:

@@ -35,9 +35,12 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
-def _learn_prefill(adm: Admission, tps: float = 1000.0) -> None:
+def _learn_rates(adm: Admission, tps: float = 1000.0) -> None:
     for _ in range(3):
         adm.slo.observe_prefill(1000, 1000 / tps)
+    for level in range(1, LAYOUT.slots):  # every level known to hold the target (45 ms
+        for _ in range(adm.slo.params.min_samples):  # a token): the SLO limit's slow
+            adm.slo.model.observe_itl(0.045, level)  # start holds nothing, only deferral
 
 
 def _streaming(adm: Admission, party: Party = CHAT, left: int = 10) -> Lease:
@@ -54,7 +57,7 @@ def _streaming(adm: Admission, party: Party = CHAT, left: int = 10) -> Lease:
 def _admission(clock: ManualClock, defer_s: float = 2.0) -> Admission:
     adm = Admission(LAYOUT, max_queue=16, max_wait_s=60.0, clock=clock)
     adm.slo.defer.defer_s = defer_s
-    _learn_prefill(adm)
+    _learn_rates(adm)
     closed_at_test_end(adm.close)  # its wakes end with the test
     return adm
 
@@ -229,7 +232,7 @@ def _target(clock: ManualClock, name: str) -> Target:
                     AdmissionSettings(max_queue=4, max_queue_wait_s=10.0), side, clock=clock)
     target.admission.set_layout(LAYOUT)
     target.reachable = True
-    _learn_prefill(target.admission)
+    _learn_rates(target.admission)
     return target
 
 
@@ -306,7 +309,7 @@ async def test_a_hold_ends_before_the_queue_wait_limit() -> None:
     clock = ManualClock()
     adm = Admission(LAYOUT, max_queue=16, max_wait_s=1.0, clock=clock)
     adm.slo.defer.defer_s = 2.0
-    _learn_prefill(adm)
+    _learn_rates(adm)
     stream = _streaming(adm)
     held = asyncio.ensure_future(adm.admit(Charge(LONG, 100), party=CHAT))
     await _settle()

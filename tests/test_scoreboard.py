@@ -116,6 +116,38 @@ def test_the_readme_overhead_block_shows_throughput_and_the_burst() -> None:
     assert "| JSON requests/s (64 connections) | - | - | - | - | - |" in block
 
 
+def test_the_readme_shared_block_is_the_redis_row_from_the_result() -> None:
+    head = {"commit": "abc1234", "date": "2026-12-07"}
+    whole = Cell("shared", {"answer": "whole"}, {
+        "served_one": [3, 3], "upstream_500_one": [0, 0], "wall_s_one": [20, 22],
+        "served_two": [3, 3], "upstream_500_two": [1, 1], "wall_s_two": [19, 19],
+        "goodput_ratio": [1.0, 1.2]})
+    block = doc_blocks(head, [seed_cell([3, 3], [0, 0]), whole])["shared"]
+    assert ("| whole answers | 3 served, 0 upstream 500s, 21 ±1 s "
+            "| 3 served, 1 upstream 500s, 19 s | 1.1 ±0.1 |") in block
+    assert "commit abc1234, 2026-12-07" in block
+    assert "not measured" in doc_blocks(head, [seed_cell([3, 3], [0, 0])])["shared"]
+
+
+def test_the_fakes_row_measures_ollama_and_vllm_straight_and_through() -> None:
+    """The row on the faithful fakes (in process, a second): what Ollama alone cuts
+    and vLLM alone preempts, the gateway refuses or queues, for a model named in the
+    configuration and one named only in the request."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import fakes_row
+
+    cells = {c.key: c for c in fakes_row.row_fakes(fakes_row.CELLS, 1)}
+    for named in ("configured", "request"):
+        cell = cells[f"fakes backend=ollama model={named}"]
+        assert cell.median("cut_direct") == 1 and cell.median("cut_gateway") == 0
+        assert cell.median("refused_400_gateway") == 1
+        assert cell.median("forwarded_gateway") == 0
+    vllm = cells["fakes backend=vllm model=configured"]
+    assert vllm.median("served_direct") == vllm.median("served_gateway") == 6
+    assert vllm.median("preemptions_direct") > 0 == vllm.median("preemptions_gateway")
+    assert vllm.median("peak_running_gateway") == 4
+
+
 def test_one_cell_runs_for_real_on_the_fake_upstream(tmp_path: Path) -> None:
     """The scoreboard's smoke test: the overhead row's first cell, once, for a second,
     against bench/bench.py's fake upstream (no llama-server). Its figures are not

@@ -797,10 +797,13 @@ async def test_the_slo_limit_caps_the_busy_slots_of_every_process(
         a, b = (Admission(layout, max_queue=10, max_wait_s=10.0,
                           shared=s.account("local", "http://upstream:8080")) for s in stores)
         chat = Party(priority="chat", itl_target_s=0.025)
+        for level in (1, 2, 3):  # A knows up to three streams to hold the target: its
+            for _ in range(a.slo.params.min_samples):  # slow start would allow four
+                a.slo.model.observe_itl(0.01, level)
         mine = await a.admit(Charge(10, 10), party=chat)
         a.slo.set_itl_target(mine, chat.itl_target_s)  # a target in flight, as the relay sets it
         theirs = await b.admit(Charge(10, 10))
-        a.slo.limit = 2  # as the controller would set it after ITL over the target
+        a.slo.limit = a.slo.controller.limit = 2  # as a step after ITL over the target
         waiting = asyncio.ensure_future(a.admit(Charge(10, 10), party=chat))
         await asyncio.sleep(0.3)
         assert not waiting.done() and len(await view.leases()) == 2

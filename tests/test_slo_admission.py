@@ -21,8 +21,14 @@ LAYOUT = Layout(slots=4, ctx_per_slot=4096, pool_tokens=16384)
 CHAT = Party(priority="chat", itl_target_s=0.025, ttft_target_s=1.0)
 
 
-def _admission(clock: ManualClock) -> Admission:
-    return Admission(LAYOUT, max_queue=16, max_wait_s=60.0, clock=clock)
+def _admission(clock: ManualClock, *, known: int = 3) -> Admission:
+    """An admission whose latency model already knows levels 1 to ``known`` to hold
+    CHAT's target (5 ms a token): the slow start lets ``known + 1`` streams in."""
+    adm = Admission(LAYOUT, max_queue=16, max_wait_s=60.0, clock=clock)
+    for level in range(1, known + 1):
+        for _ in range(adm.slo.params.min_samples):
+            adm.slo.model.observe_itl(0.005, level)
+    return adm
 
 
 def _feed(adm: Admission, clock: ManualClock, per_stream_s: float, samples: int) -> None:
@@ -177,7 +183,7 @@ def _learn_prefill(adm: Admission, tokens_per_s: float) -> None:
 
 async def test_a_request_that_would_start_too_late_is_refused_at_once() -> None:
     clock = ManualClock()
-    adm = _admission(clock)
+    adm = _admission(clock, known=0)
     prompt = Charge(3000, 100)  # 3 s of prefill at 1,000 tokens/s
     deadline = Party(ttft_deadline_s=1.0)
     first = adm.try_admit(prompt, party=deadline)
@@ -290,7 +296,7 @@ def test_a_pace_from_whole_answers_or_calibration_stands_in_until_itl_is_learnt(
     prediction uses while no level has FIRST_SAMPLES ITL samples; the learnt ITL wins
     once it has; a nonsense pace is ignored."""
     clock = ManualClock()
-    adm = _admission(clock)
+    adm = _admission(clock, known=0)
     assert adm.slo.seconds_per_token() is None
     adm.slo.observe_pace(float("nan"))
     adm.slo.observe_pace(-1.0)
@@ -310,3 +316,43 @@ def test_a_pace_from_whole_answers_or_calibration_stands_in_until_itl_is_learnt(
     for lease in held:
         assert lease is not None
         adm.release(lease)
+
+
+async def test_a_target_starts_slow_on_a_fresh_gateway_burst() -> None:
+    """Issue 38: a burst of targeted streams on a fresh gateway ran four at once, a
+    level never measured, and made ITL worse than no target. Now one runs first (its
+    own class's target holds the burst before any lease carried one), and the limit
+    grows one level at a time as each level is learnt to hold the target; a class
+    without a target, or a whole answer (whose party carries none), is held by memory
+    only."""
+    clock = ManualClock()
+    adm = _admission(clock, known=0)
+    first = _grant(adm)
+    assert adm.try_admit(Charge(100, 100), party=CHAT) is None
+    whole = adm.try_admit(Charge(100, 100), party=Party(priority="chat"))
+    assert whole is not None  # no ITL target: memory alone
+    adm.release(whole)
+    waiting = [asyncio.ensure_future(adm.admit(Charge(100, 100), party=CHAT))
+               for _ in range(3)]
+    await _settle()
+    assert sum(w.done() for w in waiting) == 0 and adm.slo.binds(4)
+    assert adm.slo.in_force(4) == 1
+    _feed(adm, clock, 0.005, 60)  # 5 ms a token alone: level 1 holds the 25 ms target
+    await _settle()
+    assert sum(w.done() for w in waiting) == 1 and adm.slo.limit == 2
+    for w in waiting:
+        if w.done():
+            adm.slo.set_itl_target(w.result(), CHAT.itl_target_s)
+    _feed(adm, clock, 0.005, 60)  # 10 ms at two: holds, so three
+    await _settle()
+    assert sum(w.done() for w in waiting) == 2 and adm.slo.limit == 3
+    _feed(adm, clock, 0.01, 120)  # 30 ms at three: over; back to two, nothing more
+    await _settle()
+    assert sum(w.done() for w in waiting) == 2 and adm.slo.limit == 2
+    adm.release(first)
+    for w in waiting[:2]:
+        adm.release(w.result())
+    await _settle()
+    assert waiting[2].done()
+    adm.release(waiting[2].result())
+    assert adm.stats().busy_slots == 0

@@ -171,6 +171,9 @@ async def test_the_limit_shown_stays_within_one_and_the_slots() -> None:
         assert limit == []  # no layout yet: no limit, rather than 0
         await h.backend.discover()
         adm = h.backend.admission
+        for level in (1, 2, 3):  # three streams are known to hold the target
+            for _ in range(50):
+                adm.slo.model.observe_itl(0.005, level)
         leases = [_grant(adm) for _ in range(4)]
         _feed(adm, clock, 0.01, 120)  # 40 ms at 4 busy: over the 25 ms target
         assert adm.slo.limit == 3 and h.sample("gateway_slo_limit", backend="local") == 3
@@ -187,16 +190,14 @@ async def test_the_limit_shown_stays_within_one_and_the_slots() -> None:
         await h.client.aclose()
 
 
-async def test_under_redis_the_limit_is_applied_to_the_shared_grant(redis_server: Any
-                                                                    ) -> None:
-    """Under Redis the SLO limit goes to the shared grant as a busy cap (issue 26): a
-    second flood after the limit was learnt never has more streams on the backend than
-    the limit, and gateway_slo_limit shows what is applied."""
-    fake = FakeLlamaServer(itl_per_stream=0.01, tokens=1000)
+async def _shared_harness(fake: FakeLlamaServer, redis_url: str, prefix: str, *,
+                          poll_s: float) -> Harness:
+    """A gateway over ``fake`` with state in Redis (key prefix ``prefix``) and a class
+    ``chat`` with a 25 ms ITL target, its shared store started."""
     settings = load_settings(
         admission={"disconnect_grace_s": 0.0},
-        state={"backend": "redis", "redis_url": redis_server.url, "key_prefix": "slo",
-               "renew_interval_s": 0.2, "lease_ttl_s": 1.0, "poll_interval_s": 0.5,
+        state={"backend": "redis", "redis_url": redis_url, "key_prefix": prefix,
+               "renew_interval_s": 0.2, "lease_ttl_s": 1.0, "poll_interval_s": poll_s,
                "op_timeout_s": 0.5},
         backends=[{"name": "local", "url": "http://upstream:8080"}],
         classes=[{"name": "chat", "itl_p95_s": 0.025}])
@@ -204,6 +205,16 @@ async def test_under_redis_the_limit_is_applied_to_the_shared_grant(redis_server
                      discover=False)
     h = Harness(app, fake)
     await h.state.shared.start()
+    return h
+
+
+async def test_under_redis_the_limit_is_applied_to_the_shared_grant(redis_server: Any
+                                                                    ) -> None:
+    """Under Redis the SLO limit goes to the shared grant as a busy cap (issue 26): a
+    second flood after the limit was learnt never has more streams on the backend than
+    the limit, and gateway_slo_limit shows what is applied."""
+    fake = FakeLlamaServer(itl_per_stream=0.01, tokens=1000)
+    h = await _shared_harness(fake, redis_server.url, "slo", poll_s=0.5)
 
     async def flood() -> list[httpx.Response]:
         return await asyncio.gather(*(h.client.post("/v1/chat/completions", json={
@@ -212,8 +223,11 @@ async def test_under_redis_the_limit_is_applied_to_the_shared_grant(redis_server
 
     try:
         await h.backend.discover()
-        assert all(r.status_code == 200 for r in await flood())
         slo = h.backend.admission.slo
+        for level in (1, 2, 3):  # three streams are known to hold the target
+            for _ in range(50):
+                slo.model.observe_itl(0.005, level)
+        assert all(r.status_code == 200 for r in await flood())  # (slow start: four)
         assert slo.model.itl_p95(4) is not None and slo.model.itl_p95(4) > 0.025
         limit = slo.limit
         assert limit is not None and limit < 4  # learnt over the shared busy count
@@ -224,6 +238,27 @@ async def test_under_redis_the_limit_is_applied_to_the_shared_grant(redis_server
         assert all(r.status_code == 200 for r in await second)
         assert 1 <= fake.peak <= limit and shown <= limit
         assert h.backend.admission.stats().inflight == 0
+    finally:
+        await h.client.aclose()
+        await h.state.shared.close()
+
+
+async def test_under_redis_a_fresh_burst_starts_slow(redis_server: Any) -> None:
+    """Issue 38: a fresh gateway's first burst with a target ran every stream at once,
+    a level never measured. Under Redis too, the shared grant gets the slow start's
+    cap from the first request's arrival: the burst never has four at once, and every
+    stream is served."""
+    fake = FakeLlamaServer(itl_per_stream=0.01, tokens=1000)
+    h = await _shared_harness(fake, redis_server.url, "slow", poll_s=0.2)
+    try:
+        await h.backend.discover()
+        fake.peak = 0
+        answers = await asyncio.gather(*(h.client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 80,
+            "stream": True}) for _ in range(4)))
+        assert all(r.status_code == 200 and "[DONE]" in r.text for r in answers)
+        assert 1 <= fake.peak <= 3  # one, then one more per level learnt to hold
+        assert h.backend.admission.slo.model.itl_p95(4) is None  # never ran
     finally:
         await h.client.aclose()
         await h.state.shared.close()

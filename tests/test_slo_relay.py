@@ -47,26 +47,28 @@ async def _wave(h: Harness, streams: int, tokens: int) -> int:
 
 async def test_an_itl_target_holds_concurrency_where_the_curve_meets_it() -> None:
     """ITL is 10 ms per generation in flight; the target 25 ms holds up to two. The
-    first wave runs four at once (memory allows it, nothing is learnt); the limit then
-    comes down, and later waves never run more than two at once."""
+    first wave starts slow: one stream, then two once one is learnt to hold the target,
+    then a probe of three, which breaks it (memory alone ran four at once, a level never
+    measured, before slow start); later waves never run more than two at once."""
     fake = FakeLlamaServer(itl_per_stream=0.01, tokens=1000)
     h = await _harness(fake, [{"name": "chat", "itl_p95_s": 0.025}])
     try:
-        assert await _wave(h, 6, 60) == 4
+        assert 2 <= await _wave(h, 6, 60) <= 3
         for _ in range(2):
             await _wave(h, 6, 60)
         assert await _wave(h, 6, 40) <= 2
         limit = h.sample("gateway_slo_limit", backend="local")
         assert 1 <= limit <= 2
-        # Attainment: the first wave's four at once broke the 25 ms ITL target (40 ms
-        # gaps), the last wave's did not.
+        # Attainment: the probe's three at once broke the 25 ms ITL target (30 ms
+        # gaps) for the streams running then; most streams met it.
         def attained(outcome: str) -> float:
             return h.sample("gateway_slo_requests_total", backend="local", priority="chat",
                             target="itl", outcome=outcome)
-        assert attained("missed") >= 4 and attained("met") >= 4
+        assert attained("met") > attained("missed")
         assert attained("met") + attained("missed") == 24
         assert h.sample("gateway_latency_itl_p95_seconds", backend="local",
-                        level="4") > 0.025
+                        level="3") > 0.025
+        assert h.sample("gateway_latency_itl_samples", backend="local", level="4") == 0
         # idle, but the class's users were here a moment ago: their target still binds
         assert h.sample("gateway_slo_itl_target_seconds", backend="local") == 0.025
         # The status page shows the same figures as /metrics.
@@ -76,8 +78,8 @@ async def test_an_itl_target_holds_concurrency_where_the_curve_meets_it() -> Non
         assert slo["itl_target_s"] == 0.025
         assert slo["attainment"] == {"chat": {"itl": {"met": attained("met"),
                                                       "missed": attained("missed")}}}
-        assert slo["itl_p95_s"]["4"] == pytest.approx(h.sample(
-            "gateway_latency_itl_p95_seconds", backend="local", level="4"), abs=1e-4)
+        assert slo["itl_p95_s"]["3"] == pytest.approx(h.sample(
+            "gateway_latency_itl_p95_seconds", backend="local", level="3"), abs=1e-4)
         assert slo["prefill_tokens_per_s"] == pytest.approx(h.sample(
             "gateway_latency_prefill_tokens_per_second", backend="local"), abs=0.1)
     finally:
@@ -167,6 +169,9 @@ async def test_a_long_prompt_waits_for_the_targeted_streams_decoding() -> None:
     try:
         for _ in range(3):  # the prefill rate is learnt
             assert (await _stream(h, 2, words=100)).status_code == 200
+        for level in (1, 2):  # and two streams are known to hold the target
+            for _ in range(50):
+                h.backend.admission.slo.model.observe_itl(0.02, level)
         fake.peak = 0
         streams = [asyncio.ensure_future(_stream(h, 30)) for _ in range(2)]
         await asyncio.sleep(0.2)  # they decode now
@@ -178,5 +183,25 @@ async def test_a_long_prompt_waits_for_the_targeted_streams_decoding() -> None:
         # The long prompt started after the streams ended, not beside them (without
         # deferral, three ran at once).
         assert fake.peak == 2
+    finally:
+        await h.client.aclose()
+
+
+async def test_whole_answers_of_a_targeted_class_are_held_by_memory_only() -> None:
+    """A whole answer has no ITL a client sees and teaches none: held by the slow
+    start's limit it would wait for a level no stream ever measures. Its party carries
+    no ITL target, so four run at once as memory allows; the streams of the same class
+    start slow."""
+    fake = FakeLlamaServer(itl_per_stream=0.01, tokens=1000)
+    h = await _harness(fake, [{"name": "chat", "itl_p95_s": 0.025}])
+    try:
+        fake.peak = 0
+        answers = await asyncio.gather(*(h.client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30})
+            for _ in range(4)))
+        assert all(r.status_code == 200 for r in answers)
+        assert fake.peak == 4
+        assert h.backend.admission.slo.target() is None  # nothing with a target came
+        assert await _wave(h, 4, 30) < 4  # the streams: one level at a time
     finally:
         await h.client.aclose()

@@ -99,9 +99,8 @@ class Admission:
     It is the one admission API of a backend that the target, the relay and the slot
     watch call, each a few lines over its part: ``Waitroom``, ``SlotMap``,
     ``WaitForecast``, ``LiveAccounting``, ``SloGuard`` and, when shared, ``SharedPump``.
-    It stays over the size the layering issue aims at (``tests/test_relay_layout.py``
-    holds it at about 410 lines) because that API is public and kept whole; its own is
-    the queue-and-grant logic.
+    It stays over the size the layering issue aims at (about 410 lines): that API is
+    public and kept whole. Its own part is the queue-and-grant logic.
     """
 
     def __init__(
@@ -304,6 +303,7 @@ class Admission:
         layout = self._require_layout()
         if not capacity.fits_alone(layout, charge):
             raise _never_fits(layout, charge)
+        self.slo.expect(party)  # (its ITL target binds from now)
         if self._shared is not None:
             return None  # the shared queue decides (SharedPump)
         if (self._room and not front) or not self._fits(layout, charge, party):

@@ -15,8 +15,14 @@ get its first token in time. :class:`SloGuard`, one per
   last :data:`TARGET_MEMORY_S`. While one is,
   :meth:`SloGuard.limited` gives admission the layout with ``busy_cap`` lowered to the
   limit: requests over it wait in the same queue, in the same order, exactly as for
-  want of memory. With no target in flight, or before a level has its samples, the
-  layout is the memory layout, unchanged. A limit that rises wakes the queue.
+  want of memory. With no target in flight, the layout is the memory layout, unchanged.
+  A target starts slow (:meth:`~gateway.core.latency.SloLimit.start`): a level without
+  its samples is not assumed to hold it, so a burst on a fresh gateway runs one stream,
+  then two once one is learnt to hold the target, and so on; a request's own class
+  target holds it from its arrival (:meth:`SloGuard.expect`), before any lease here has
+  carried one. A limit that rises wakes the queue. Whole answers have no ITL a client sees: their party carries no ITL
+  target (:mod:`gateway.request.plan`), so they are admitted as a class without
+  one.
 * **TTFT.** A request's deadline is its own header's (``x-gateway-slo-ttft-ms``) or
   else its class's ``ttft_p95_s``. Its predicted TTFT is the predicted queue wait plus
   its prompt over the learned prefill throughput plus one decode step at the level it
@@ -207,6 +213,15 @@ class SloGuard:
                 del self._seen[target]
         return tightest(self._seen)
 
+    def expect(self, party: Party | None) -> None:
+        """Note that a request of ``party`` came to admission: its class's ITL target
+        binds from now, as one in flight does (:meth:`target`), so that a fresh
+        gateway's first burst is held by it before any lease here has carried it (all
+        of a burst is granted before the first attempt starts). Nothing for a party
+        without an ITL target."""
+        if party is not None and party.itl_target_s is not None:
+            self._seen[party.itl_target_s] = self._clock.now()
+
     def observe_itl(self, itl_s: float, layout: Layout | None) -> None:
         """One inter-token latency of a stream on this backend, seconds; steps the
         controller when :data:`STEP_S` has passed (``layout``: the admission's)."""
@@ -262,7 +277,7 @@ class SloGuard:
         cap when lower); wakes the queue when the limit rose. Returns :attr:`limit`."""
         memory = min(layout.slots, layout.busy_cap or layout.slots)
         target = self.target()
-        before = self.limit if self.limit is not None else memory
+        before = memory if target is None else self._cap(memory, target)
         demand = self.busy() + self._waiting()
         value = self.controller.update(self.model, target_s=target, memory_limit=memory,
                                        demand=demand, now=self._clock.now())
@@ -285,17 +300,30 @@ class SloGuard:
 
         A request of a class without an ITL target (``party`` given, its
         ``itl_target_s`` unset) gets ``layout`` itself: another class's target does not
-        hold it (docs/latency.md: a class without targets is admitted as before)."""
-        cap = self.limit
-        if layout is None or cap is None or cap >= layout.slots or self.target() is None:
+        hold it (docs/latency.md: a class without targets is admitted as before). Before
+        the controller's first step with a target, the cap is the slow start's level
+        (:meth:`_cap`)."""
+        if layout is None or (party is not None and party.itl_target_s is None):
             return layout
-        if party is not None and party.itl_target_s is None:
+        target = self.target()
+        if target is None:
             return layout
-        if layout.busy_cap is not None and layout.busy_cap <= cap:
+        cap = self._cap(min(layout.slots, layout.busy_cap or layout.slots), target)
+        if cap >= layout.slots or (layout.busy_cap is not None and layout.busy_cap <= cap):
             return layout
         if self._capped is None or self._capped[:2] != (layout, cap):
             self._capped = (layout, cap, replace(layout, busy_cap=cap))
         return self._capped[2]
+
+    def _cap(self, memory: int, target_s: float) -> int:
+        """The concurrency admission allows under ``target_s`` with a memory limit of
+        ``memory`` sequences: the controller's limit, or, before its first step with a
+        target, where it will start (slow start, :meth:`SloLimit.start
+        <gateway.core.latency.SloLimit.start>`: a level not yet learnt is not assumed to
+        hold the target)."""
+        if self.controller.limit is None:
+            return self.controller.start(self.model, target_s, max(1, memory))
+        return max(1, min(memory, self.controller.limit))
 
     def in_force(self, slots: int) -> int | None:
         """The concurrency ``gateway_slo_limit`` shows for a layout of ``slots`` slots:
@@ -305,7 +333,8 @@ class SloGuard:
         if slots < 1:
             return None
         memory = min(slots, self.memory_limit or slots)
-        return max(1, min(memory, self.limit if self.binds(slots) else memory))
+        target = self.target()
+        return memory if target is None else self._cap(memory, target)
 
     def learned_p95(self) -> dict[int, float]:
         """The learned ITL p95 by level (slots busy), seconds: only the levels with their
@@ -318,10 +347,11 @@ class SloGuard:
         """The SLO limit is what admission applies now to a layout of ``slots`` slots:
         it is set, below the memory limit, and a target is in flight (or was within
         :data:`TARGET_MEMORY_S`), as in :meth:`limited`. A limit left from the last
-        step after the targets expired on an idle backend does not bind."""
-        if self.limit is None or slots < 1:
-            return False
-        return self.limit < min(slots, self.memory_limit or slots) and self.target() is not None
+        step after the targets expired on an idle backend does not bind; before the
+        first step with a target, the slow start's level does."""
+        memory = min(slots, self.memory_limit or slots)
+        target = self.target()
+        return slots >= 1 and target is not None and self._cap(memory, target) < memory
 
     def predicted_ttft_s(self, charge: Charge, queue_wait_s: float | None) -> float | None:
         """Predicted time to first token of ``charge`` after a queue wait of

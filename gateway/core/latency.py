@@ -33,7 +33,10 @@ at this level over the target" is a yes-or-no signal, and AIMD is the controller
 one, stable, with two parameters. At each :meth:`SloLimit.update`:
 
 1. no target (no class in flight has one): the limit is the memory limit, nothing else
-   changes (inert);
+   changes (inert). When a target appears, the limit **starts slow**
+   (:meth:`SloLimit.start`): a level without enough samples is not assumed to hold the
+   target, so it starts one level above the highest level up to which every level is
+   known to hold it (1 on a backend never measured) and grows by rule 4;
 2. the limit is kept within [1, memory limit]: it can only make admission stricter;
 3. **decrease**: if a level ``n`` at or under the limit has enough samples and its p95 is
    over the target, the limit drops to ``max(1, min(n - 1, floor(beta × limit)))``
@@ -282,7 +285,8 @@ class SloLimit:
     are in the module's docstring).
 
     :param params: the parameters (:class:`LatencyParams`).
-    :ivar limit: the current limit, sequences (``None`` until the first update).
+    :ivar limit: the current limit, sequences (``None`` while there is no target: before
+        the first update with one, and after an update without one).
     :ivar ceiling: the lowest level that last broke the target, on hold until
         ``hold_until`` (clock seconds); ``None`` when there is none.
     """
@@ -307,9 +311,12 @@ class SloLimit:
         if memory_limit < 1:
             raise ValueError("memory_limit must be at least 1")
         if target_s is None:
-            self.limit = memory_limit
+            self.limit = None
             return memory_limit
-        limit = max(1, min(memory_limit, self.limit or memory_limit))
+        if self.limit is None:
+            limit = self.start(model, target_s, memory_limit)
+        else:
+            limit = max(1, min(memory_limit, self.limit))
         broken = self._lowest_broken(model, target_s, limit)
         if broken is not None:
             limit = max(1, min(broken - 1, math.floor(self.params.beta * limit)))
@@ -323,6 +330,21 @@ class SloLimit:
                 self.ceiling = None
         self.limit = limit
         return limit
+
+    @staticmethod
+    def start(model: LatencyModel, target_s: float, memory_limit: int) -> int:
+        """Slow start: the limit a target begins at, sequences. A level without
+        ``min_samples`` samples is not assumed to hold the target: it is one above the
+        highest level ``n`` such that every level from 1 to ``n`` is known to hold it,
+        within [1, ``memory_limit``] (1 on a backend not yet measured). From there the
+        limit grows one level at a time as each is learnt (rule 4)."""
+        level = 1
+        while level < memory_limit:
+            p95 = model.itl_p95(level)
+            if p95 is None or p95 > target_s:
+                break
+            level += 1
+        return level
 
     def _lowest_broken(self, model: LatencyModel, target_s: float, limit: int
                        ) -> int | None:

@@ -237,6 +237,28 @@ def _overhead_block(cells: Sequence[Cell], head: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _shared_block(cells: Sequence[Cell], head: Mapping[str, Any]) -> str:
+    """The README's table of several processes sharing Redis (the row ``shared``): one
+    gateway process against two sharing a ``redis-server``, whole and streamed."""
+    shared = [c for c in cells if c.row == "shared"]
+    lines = ["| 3 chats of ~790 + 300 tokens | one process | two processes sharing Redis "
+             "| goodput, two ÷ one |", "|---|---|---|---|"]
+    for cell in shared:
+        def side(name: str, c: Cell = cell) -> str:
+            return (f"{_fmt(c.median(f'served_{name}'))} served, "
+                    f"{_fmt(c.median(f'upstream_500_{name}'))} upstream 500s, "
+                    f"{_cell_text(c, f'wall_s_{name}')} s")
+        answer = {"stream": "streamed"}.get(cell.axes.get("answer", ""), cell.axes.get("answer"))
+        lines.append(f"| {answer} answers | {side('one')} | {side('two')} | "
+                     f"{_cell_text(cell, 'goodput_ratio')} |")
+    if not shared:
+        lines.append("| (not measured in this result) | | | |")
+    lines.append(f"\n(`make score`, commit {head.get('commit')}, {head.get('date')}, "
+                 f"{head.get('machine', 'this machine')}: the median of each figure's "
+                 "repeats, ± half their spread.)")
+    return "\n".join(lines)
+
+
 #: The gateway the overhead and burst rows are measured against by default (the last
 #: commit before the relay was split into layers: issue 37's SSE figure).
 REFERENCE = "7117abb"
@@ -247,6 +269,7 @@ BLOCKS = {
     "seed": (("README.md", "docs/index.md"), _seed_block),
     "all": (("docs/benchmarks.md",), _all_block),
     "overhead": (("README.md",), _overhead_block),
+    "shared": (("README.md",), _shared_block),
 }
 
 

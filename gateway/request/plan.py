@@ -293,7 +293,7 @@ async def prepare_exchange(state: Planning, request: Request, route: str) -> Exc
     record.route = route
     req = await _read_request(state, request, route)
     tenant = record.tenant or state.tenants.authenticate(request.headers.raw)
-    party = _party(state, request, tenant, req.body)
+    party = _party(state, request, tenant, req.body, req.stream)
     backends, path, queue = _route(state, record, req, route, party)
     batch = max(1, len(req.prompts))
     refusals: list[tuple[int, GatewayError]] = []  # the largest slot's is raised
@@ -452,14 +452,16 @@ def _progress_s(state: Planning, request: Request, req: ParsedRequest) -> float:
             and req.api != Api.ollama and asked in ("1", "true", "yes") else 0.0)
 
 
-def _party(state: Planning, request: Request, tenant: Tenant, body: dict[str, Any]
-           ) -> Party:
+def _party(state: Planning, request: Request, tenant: Tenant, body: dict[str, Any],
+           stream: bool) -> Party:
     """The request's place in the queues: its tenant and the class it asks for in the
     ``x-priority`` header or a string ``priority`` field (taken out of the body: the
     backend never sees it; an integer ``priority``, vLLM's own, is left as it is).
 
     Its TTFT deadline, if the request carries one (``x-gateway-slo-ttft-ms``,
-    :mod:`gateway.wire.slo`), is carried on the party.
+    :mod:`gateway.wire.slo`), is carried on the party. A whole answer (``stream``
+    false) carries no ITL target: no client sees its tokens' pace, so the SLO limit
+    does not hold it (docs/latency.md).
 
     :raises InvalidRequest: the class named does not exist, or the deadline header is
         not a number of milliseconds.
@@ -480,6 +482,8 @@ def _party(state: Planning, request: Request, tenant: Tenant, body: dict[str, An
     if deadline is not None:
         party = replace(party, ttft_deadline_s=deadline)
     record_of(request.scope).priority = party.priority
+    if not stream and party.itl_target_s is not None:
+        party = replace(party, itl_target_s=None)  # no ITL a client sees
     return party
 
 
