@@ -222,13 +222,16 @@ class SloGuard:
         if party is not None and party.itl_target_s is not None:
             self._seen[party.itl_target_s] = self._clock.now()
 
-    def observe_itl(self, itl_s: float, layout: Layout | None) -> None:
+    def observe_itl(self, itl_s: float, layout: Layout | None,
+                    now: float | None = None) -> None:
         """One inter-token latency of a stream on this backend, seconds; steps the
-        controller when :data:`STEP_S` has passed (``layout``: the admission's)."""
+        controller when :data:`STEP_S` has passed (``layout``: the admission's; ``now``:
+        the clock's time if the caller has it, else it is read)."""
         if not itl_s >= 0 or not math.isfinite(itl_s):
             return
         self.model.observe_itl(itl_s, self.busy())
-        now = self._clock.now()
+        if now is None:
+            now = self._clock.now()
         if layout is not None and now >= self._next_step:
             self._next_step = now + STEP_S
             self.step(layout)

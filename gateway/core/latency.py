@@ -89,10 +89,14 @@ N_BUCKETS = 132
 _RENORMALISE_AT = 2.0**64  # the weight scale is folded back into the weights past this
 
 
+_PER_LOG = 1 / math.log(RATIO)  # buckets per unit of natural log
+_LOG_BASE = math.log(BASE_S)
+
+
 def _bucket(value: float) -> int:
     if value <= BASE_S:
         return 0
-    return min(N_BUCKETS - 1, math.ceil(math.log(value / BASE_S, RATIO) - 1e-9))
+    return min(N_BUCKETS - 1, math.ceil((math.log(value) - _LOG_BASE) * _PER_LOG - 1e-9))
 
 
 def _upper(i: int) -> float:
@@ -227,7 +231,7 @@ class LatencyModel:
 
     def observe_itl(self, itl_s: float, decoding: int) -> None:
         """One inter-token latency (seconds) seen while ``decoding`` sequences decoded."""
-        level = self.level_of(decoding)
+        level = decoding if 1 <= decoding <= self.params.max_level else self.level_of(decoding)
         hist = self.levels.get(level)
         if hist is None:
             hist = self.levels[level] = DecayedHistogram(self.params.half_life_samples)

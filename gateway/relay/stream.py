@@ -185,10 +185,14 @@ class StreamRelay:
         out = []
         parts = self.parts
         lease = parts.tries.now.lease
+        now = None  # read once for the tokens of this read, which arrived together
         for raw in events:
             relayed, token, error = read(raw)
             if token:
-                parts.usage.token_seen(times, lease, first=times.last_token is None)
+                if now is None:
+                    now = parts.usage.clock.now()
+                parts.usage.token_seen(times, lease, first=times.last_token is None,
+                                       now=now)
             if error is not None:
                 parts.tries.upstream_error(error)
                 if error == "context_overflow":

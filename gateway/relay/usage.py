@@ -51,7 +51,7 @@ class UsageBook:
         self.late_gaps = 0  # of them, over its class's itl_p95_s
 
     def token_seen(self, times: TokenTimes, lease: Lease | None = None, *,
-                   first: bool = False) -> None:
+                   first: bool = False, now: float | None = None) -> None:
         """An output token was relayed now: count it, and observe the request's TTFT
         (its first token) or the inter-token latency since ``times.last_token``, under
         the backend that sent it. A whole answer followed token by token upstream (the
@@ -63,9 +63,13 @@ class UsageBook:
         stream is an ITL sample (the gap before an attempt's first token, which holds a
         queue wait and a prefill, is not; nor are the gaps of an ``n > 1`` stream, whose
         choices decoded in one step arrive back to back).
+
+        :param now: the clock's time, seconds, when the caller read it already (the
+            tokens of one upstream read arrive together: one clock read for them all).
         """
         self.streamed += 1
-        now = self.clock.now()
+        if now is None:
+            now = self.clock.now()
         backend = self.x.backend
         if lease is not None:
             lease.streamed += 1
@@ -93,7 +97,7 @@ class UsageBook:
             self.late_gaps += 1
         if not first and self.x.charge.n == 1:  # (n > 1: its choices come in pairs)
             admission = backend.admission
-            admission.slo.observe_itl(itl, admission.layout)
+            admission.slo.observe_itl(itl, admission.layout, now)
 
     def paced(self, attempt: Attempt | None, usage: Any, reported: float | None) -> None:
         """A whole answer's decode pace, for the wait prediction of a gateway whose
