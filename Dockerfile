@@ -1,7 +1,11 @@
 # syntax=docker/dockerfile:1
 # The gateway alone, in front of a llama-server (or Ollama, vLLM) you run elsewhere.
 #   docker build -t llm-admission-gateway .
-#   docker run -p 8000:8000 -v "$PWD/config.toml:/etc/gateway/config.toml:ro" llm-admission-gateway
+#   docker run --stop-timeout 40 -p 8000:8000 \
+#     -v "$PWD/config.toml:/etc/gateway/config.toml:ro" llm-admission-gateway
+# (--stop-timeout: longer than server.drain_timeout_s, 30 s; docker's default of 10 s
+# would kill a drain under way. Podman: podman build --format docker, podman run
+# --stop-timeout 40.)
 # The configuration is read from /etc/gateway/config.toml: mount yours there. The example
 # baked in points at 127.0.0.1:8080, which inside the container is the container itself:
 # set the backends' url to an address the container reaches. GATEWAY_* variables override
@@ -28,7 +32,10 @@ ENV GATEWAY_SERVER__HOST=0.0.0.0 \
     PYTHONUNBUFFERED=1
 USER 10001:10001
 EXPOSE 8000
-HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-    CMD ["python", "-c", "import os,sys,urllib.request as u; port = os.environ.get('GATEWAY_SERVER__PORT', '8000'); sys.exit(u.urlopen(f'http://127.0.0.1:{port}/health', timeout=2).status != 200)"]
+# The health check reads the same settings as the gateway (the file, then GATEWAY_*), so
+# it finds the port wherever it is set. Podman keeps it only in the docker format
+# (podman build --format docker); its default OCI format has no HEALTHCHECK.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
+    CMD ["gateway", "health", "--config", "/etc/gateway/config.toml"]
 ENTRYPOINT ["gateway", "serve"]
 CMD ["--config", "/etc/gateway/config.toml"]

@@ -61,6 +61,42 @@ def _settings(args: argparse.Namespace, backends: list[dict[str, Any]] | None) -
     return load_settings(args.config, **({"backends": backends} if backends else {}))
 
 
+#: Where a wildcard listen address is reached from the same host (the health check).
+_LOOPBACK = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}
+
+
+def health_url(host: str, port: int) -> str:
+    """The URL of ``GET /health`` of a gateway listening on ``host`` (``server.host``:
+    one address, or several separated by commas, the first taken) and ``port``, from
+    the same machine: a wildcard address is reached on the loopback."""
+    first = host.split(",")[0].strip()
+    first = _LOOPBACK.get(first, first).strip("[]")
+    return f"http://{f'[{first}]' if ':' in first else first}:{port}/health"
+
+
+def _health(args: argparse.Namespace) -> int:
+    """``gateway health``: exit 0 when the gateway these settings describe answers
+    ``GET /health`` with 200 within ``--timeout`` seconds, else 1 (a container's
+    ``HEALTHCHECK``: it finds the port wherever the settings take it from, the file or
+    ``GATEWAY_SERVER__PORT``)."""
+    import httpx
+
+    settings = _settings(args, None)
+    if settings.server.port == 0:
+        print("gateway health: server.port is 0 (a random port): nothing to check",  # noqa: T201
+              file=sys.stderr)
+        return 1
+    url = health_url(settings.server.host, settings.server.port)
+    try:
+        status = httpx.get(url, timeout=args.timeout).status_code
+    except httpx.HTTPError as exc:
+        print(f"gateway health: {url}: {exc!r}", file=sys.stderr)  # noqa: T201
+        return 1
+    if status != 200:
+        print(f"gateway health: {url}: HTTP {status}", file=sys.stderr)  # noqa: T201
+    return 0 if status == 200 else 1
+
+
 def _serve(args: argparse.Namespace) -> int:
     from gateway.http.app import create_app
     from gateway.http.serving import serve
@@ -381,6 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
                             '= "redis"; each has its own server.max_connections)')
     _backend_option(serve)
     serve.set_defaults(func=_serve)
+    healthy = sub.add_parser("health", help="exit 0 when the gateway of these settings "
+                             "answers /health (a container's health check)")
+    healthy.add_argument("--config", help="TOML config file (default: defaults + GATEWAY_* env)")
+    healthy.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
+    healthy.set_defaults(func=_health)
     check = sub.add_parser("check-config", help="validate a config file and print the result")
     check.add_argument("config", nargs="?",
                        help="TOML config file (default: defaults + GATEWAY_* env)")

@@ -122,8 +122,15 @@ def test_the_dockerfile_passes_hadolint() -> None:
         above = text.split(f"# hadolint ignore={rule}")[0].rstrip().splitlines()[-1]
         assert above.startswith("#") and len(above) > 20, rule
     assert re.search(r"^USER \d+:\d+$", text, re.MULTILINE)  # not root, by number
-    assert "HEALTHCHECK" in text and "/health" in text
+    # The health check reads the gateway's own settings (issue 40: one that read only
+    # GATEWAY_SERVER__PORT turned unhealthy with the port set in the mounted file).
+    assert re.search(r'HEALTHCHECK .*\n\s+CMD \["gateway", "health", "--config", '
+                     r'"/etc/gateway/config.toml"\]', text)
     assert "/etc/gateway/config.toml" in text
+    # docker stop's default grace (10 s) is under the drain (30 s): the docs say more.
+    deploy_doc = (PROMETHEUS.parent.parent / "docs" / "deploy.md").read_text()
+    for said in (text, deploy_doc):
+        assert "--stop-timeout 40" in said and "--format docker" in said
 
 
 def _tool(name: str, package: str) -> Path:
