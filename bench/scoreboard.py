@@ -66,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -553,31 +554,52 @@ def machine(build: str) -> str:
 
 
 def run(rows: list[str], quick: bool, repeats: int, seconds: float,
-        other_tree: str | None = None) -> list[Cell]:
+        other_tree: str | None = None) -> tuple[list[Cell], dict[str, str]]:
+    """Every row of ``rows`` in turn: the cells measured, and what went wrong, by row.
+
+    A row that fails (an exception: llama-server exiting under it, say, seen at about
+    one start in ten on this machine, after its first answer) is said on stderr and
+    run once more from the start, each llama-server row on a server of its own; a
+    second failure leaves the row out of the result, and the failures stay in it
+    (``failed``), so that one row cannot lose the half-hour run of the others."""
     pick: Callable[[list[dict[str, str]]], list[dict[str, str]]] = (
         (lambda cells: cells[:1]) if quick else (lambda cells: cells))
+
+    def on_llama(ctx: list[str], row: Callable[[str], list[Cell]]) -> Callable[[], list[Cell]]:
+        def go() -> list[Cell]:
+            with LlamaServer(ctx).running() as server:
+                return row(server.url)
+        return go
+
+    plan: dict[str, Callable[[], list[Cell]]] = {
+        "overhead": lambda: row_overhead(pick(OVERHEAD_CELLS), repeats, seconds, other_tree),
+        "burst": lambda: row_burst(pick(BURST_CELLS), repeats, other_tree),
+        "seed": on_llama(["-c", "2048"], lambda u: row_seed(u, pick(SEED_CELLS), repeats)),
+        "goodput": on_llama(["-c", "2048"],
+                            lambda u: row_goodput(u, pick(GOODPUT_CELLS), repeats)),
+        "refusal": on_llama(["-c", "2048"],
+                            lambda u: row_refusal(u, pick(REFUSAL_CELLS), repeats)),
+        "shared": on_llama(["-c", "2048"], lambda u: row_shared(u, pick(SHARED_CELLS), repeats)),
+        "slo": on_llama(["-c", "4096"], lambda u: row_slo(u, pick(SLO_CELLS), repeats)),
+        "fakes": lambda: fakes_row.row_fakes(pick(fakes_row.CELLS), repeats),
+    }
     cells: list[Cell] = []
-    if "overhead" in rows:
-        cells += row_overhead(pick(OVERHEAD_CELLS), repeats, seconds, other_tree)
-    if "burst" in rows:
-        cells += row_burst(pick(BURST_CELLS), repeats, other_tree)
-    if {"seed", "goodput", "refusal", "shared"} & set(rows):
-        with LlamaServer(["-c", "2048"]).running() as server:
-            if "seed" in rows:
-                cells += row_seed(server.url, pick(SEED_CELLS), repeats)
-            if "goodput" in rows:
-                cells += row_goodput(server.url, pick(GOODPUT_CELLS), repeats)
-            if "refusal" in rows:
-                cells += row_refusal(server.url, pick(REFUSAL_CELLS), repeats)
-            if "shared" in rows:
-                cells += row_shared(server.url, pick(SHARED_CELLS), repeats)
-    if "slo" in rows:
-        with LlamaServer(["-c", "4096"]).running() as server:
-            cells += row_slo(server.url, pick(SLO_CELLS), repeats)
-    if "fakes" in rows:
-        cells += fakes_row.row_fakes(pick(fakes_row.CELLS), repeats)
-        print(markdown(cells[-len(pick(fakes_row.CELLS)):]), flush=True)
-    return cells
+    failed: dict[str, str] = {}
+    for name in [r for r in plan if r in rows]:
+        for attempt in (1, 2):
+            try:
+                got = plan[name]()
+            except Exception as exc:  # noqa: BLE001 (said, kept, and the run goes on)
+                traceback.print_exc()
+                failed[name] = (failed.get(name, "") + f" attempt {attempt}: {exc!r}").strip()
+                print(f"row {name} failed (attempt {attempt}): {exc!r}", file=sys.stderr,
+                      flush=True)
+                continue
+            cells += got
+            if name == "fakes":
+                print(markdown(got), flush=True)
+            break
+    return cells, failed
 
 
 def write_docs(head: dict[str, Any], cells: list[Cell]) -> None:
@@ -623,15 +645,15 @@ def main(argv: list[str] | None = None) -> int:
     other_tree = args.other_tree
     if other_tree is None and args.against != "none" and {"overhead", "burst"} & set(rows):
         other_tree = str(reference_tree(args.against))
-    cells = run(rows, args.quick, repeats, min(3.0, args.seconds) if args.quick
-                else args.seconds, other_tree)
+    cells, failed = run(rows, args.quick, repeats, min(3.0, args.seconds) if args.quick
+                        else args.seconds, other_tree)
     now = datetime.datetime.now(datetime.UTC)
     build = LlamaServer([]).binary.parent.name if set(rows) - {"overhead", "burst"} else "-"
     head = {"commit": commit(), "date": now.strftime("%Y-%m-%d"),
             "created": now.isoformat(timespec="seconds"), "quick": args.quick,
             "rows": rows, "machine": machine(build),
             "against": args.other_tree or args.against,
-            "seconds": round(time.monotonic() - started)}
+            "seconds": round(time.monotonic() - started), "failed": failed}
     # A quick run is a check, not a result to commit: it goes to results/quick/ (ignored).
     folder = RESULTS / "quick" if args.quick else RESULTS
     out = args.out or folder / f"{head['date']}-{head['commit']}.json"
@@ -639,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({**head, "cells": [c.as_json() for c in cells]}, indent=1) + "\n")
     shown = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
     print(f"\n{markdown(cells)}\nwritten to {shown} ({head['seconds']} s)")
+    for row, why in failed.items():
+        print(f"row {row} failed: {why}")
     if args.compare:
         from gateway.dev.scoreboard import load
 

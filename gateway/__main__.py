@@ -404,6 +404,15 @@ def _add_users_arguments(plan: argparse.ArgumentParser) -> None:
                        help="slots = ceil(in flight x (1 + headroom)); default 0.25")
 
 
+def _add_health(sub: Any) -> None:
+    """The ``gateway health`` command (:func:`_health`)."""
+    healthy = sub.add_parser("health", help="exit 0 when the gateway of these settings "
+                             "answers /health (a container's health check)")
+    healthy.add_argument("--config", help="TOML config file (default: defaults + GATEWAY_* env)")
+    healthy.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
+    healthy.set_defaults(func=_health)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gateway`` argument parser."""
     parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
@@ -417,11 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
                             '= "redis"; each has its own server.max_connections)')
     _backend_option(serve)
     serve.set_defaults(func=_serve)
-    healthy = sub.add_parser("health", help="exit 0 when the gateway of these settings "
-                             "answers /health (a container's health check)")
-    healthy.add_argument("--config", help="TOML config file (default: defaults + GATEWAY_* env)")
-    healthy.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
-    healthy.set_defaults(func=_health)
+    _add_health(sub)
     check = sub.add_parser("check-config", help="validate a config file and print the result")
     check.add_argument("config", nargs="?",
                        help="TOML config file (default: defaults + GATEWAY_* env)")

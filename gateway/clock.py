@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 __all__ = ["Clock", "MonotonicClock", "wait"]
 
@@ -63,7 +63,8 @@ async def wait(clock: Clock, future: asyncio.Future[T], timeout_s: float) -> T:
         return future.result()
     timer = asyncio.ensure_future(clock.sleep(timeout_s))
     try:
-        await asyncio.wait({future, timer}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {future, timer}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     finally:
         timer.cancel()
     if future.done():

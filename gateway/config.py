@@ -666,7 +666,7 @@ class Settings(BaseSettings):
         default = self.routing.default_model
         if default is None or any(b.model is None for b in self.backends):
             return self  # a discovered model id may match it
-        known = {n for b in self.backends for n in (b.name, b.model, *b.aliases)}
+        known = {n for b in self.backends for n in (b.name, b.model, *b.aliases) if n}
         if default not in known:
             raise ValueError(f"routing.default_model {default!r} is not a model, alias or "
                              f"backend name configured ({', '.join(sorted(known))})")

@@ -151,7 +151,7 @@ class ClientError(GatewayError):
 
     status_code = 400
     error_type = "invalid_request_error"
-    rejection_reason = RejectionReason.invalid_request
+    rejection_reason: ClassVar[RejectionReason | None] = RejectionReason.invalid_request
 
 
 class InvalidRequest(ClientError):

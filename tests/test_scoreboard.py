@@ -184,3 +184,34 @@ def test_the_docs_show_the_latest_committed_result() -> None:
             assert splice(text, name, block) == text, (
                 f"{file}'s block {name!r} is not {newest.name}'s: run "
                 f"python bench/scoreboard.py --write-docs (or make score)")
+
+
+def test_a_row_that_fails_is_run_again_then_left_out_and_said(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failing row (llama-server exiting under the slo row lost a whole 28-minute run)
+    is run once more; a second failure leaves it out, and the result says so."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import fakes_row
+    import scoreboard
+
+    calls: list[int] = []
+
+    def flaky(cells: list[dict[str, str]], repeats: int) -> list[Cell]:
+        calls.append(repeats)
+        if len(calls) == 1:
+            raise RuntimeError("llama-server exited")
+        return [Cell("fakes", {"backend": "vllm"}, {"served_gateway": [6]})]
+
+    monkeypatch.setattr(fakes_row, "row_fakes", flaky)
+    cells, failed = scoreboard.run(["fakes"], quick=True, repeats=1, seconds=1)
+    assert [c.key for c in cells] == ["fakes backend=vllm"] and len(calls) == 2
+    assert failed == {"fakes": "attempt 1: RuntimeError('llama-server exited')"}
+
+    def broken(cells: list[dict[str, str]], repeats: int) -> list[Cell]:
+        raise RuntimeError("always")
+
+    monkeypatch.setattr(fakes_row, "row_fakes", broken)
+    cells, failed = scoreboard.run(["fakes"], quick=True, repeats=1, seconds=1)
+    assert cells == [] and "attempt 2" in failed["fakes"]
+    block = doc_blocks({"commit": "abc", "failed": failed}, [seed_cell([3, 3], [0, 0])])["all"]
+    assert "Row `fakes` failed in this run: attempt 1" in block

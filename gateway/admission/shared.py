@@ -641,8 +641,10 @@ class SharedStore:
             pubsub = self._sub_client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.psubscribe(prefix + "*", tenants + "*")
-                for target in [*self.accounts.values(), *self.tenants.values()]:
-                    target.stir()  # what was published before this subscription
+                for account in self.accounts.values():
+                    account.stir()  # what was published before this subscription
+                for tenant in self.tenants.values():
+                    tenant.stir()
                 async for message in pubsub.listen():
                     stop_if_cancelled()
                     channel = message.get("channel")

@@ -191,7 +191,7 @@ class TenantShare:
         """Set what a held request really counted (in the background): its prompt at the
         time it was held (0 drops it), its completion from now."""
         base = member.rsplit("|", 1)[0]
-        args = [60_000, member, score_ms, f"{base}|{prompt}" if prompt > 0 else "",
+        args: list[str | int] = [60_000, member, score_ms, f"{base}|{prompt}" if prompt > 0 else "",
                 f"{base}c|{completion}" if completion > 0 else ""]
         self.store.background("tenant", lambda: self._settle(keys=[self.window_key],
                                                              args=args))

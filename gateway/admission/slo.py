@@ -20,9 +20,9 @@ get its first token in time. :class:`SloGuard`, one per
   its samples is not assumed to hold it, so a burst on a fresh gateway runs one stream,
   then two once one is learnt to hold the target, and so on; a request's own class
   target holds it from its arrival (:meth:`SloGuard.expect`), before any lease here has
-  carried one. A limit that rises wakes the queue. Whole answers have no ITL a client sees: their party carries no ITL
-  target (:mod:`gateway.request.plan`), so they are admitted as a class without
-  one.
+  carried one. A limit that rises wakes the queue. Whole answers have no ITL a client
+  sees: their party carries no ITL target (:mod:`gateway.request.plan`), so they are
+  admitted as a class without one.
 * **TTFT.** A request's deadline is its own header's (``x-gateway-slo-ttft-ms``) or
   else its class's ``ttft_p95_s``. Its predicted TTFT is the predicted queue wait plus
   its prompt over the learned prefill throughput plus one decode step at the level it
@@ -244,8 +244,8 @@ class SloGuard:
         any has, the pace of :meth:`observe_pace` the same way; before any of those,
         :attr:`calibration_s`; else ``None``."""
         busy = max(1, self.busy())
-        known = {level: h.mean() for level, h in self.model.levels.items()
-                 if h.samples >= FIRST_SAMPLES}
+        known = {level: mean for level, h in self.model.levels.items()
+                 if h.samples >= FIRST_SAMPLES and (mean := h.mean()) is not None}
         if not known:
             known = self._paces  # whole answers' pace
         if not known:

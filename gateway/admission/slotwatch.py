@@ -140,7 +140,8 @@ def parse_slots(data: Any) -> list[SlotView]:
     for entry in data:
         if not isinstance(entry, dict) or not isinstance(entry.get("id"), int):
             raise ValueError("/slots entry without an integer id")
-        params = entry.get("params") if isinstance(entry.get("params"), dict) else {}
+        given = entry.get("params")
+        params: dict[str, Any] = given if isinstance(given, dict) else {}
         ints = tuple((name, params[name]) for name in ("n_predict", *TAG_FIELDS)
                      if isinstance(params.get(name), int))
         views.append(SlotView(id=entry["id"], processing=bool(entry.get("is_processing")),
@@ -239,7 +240,7 @@ class SlotWatch:
 
     def hold(
         self, lease: Lease, ticket: Ticket, *, served: bool,
-        pending: asyncio.Task[httpx.Response] | None = None, stream: bool = False,
+        pending: asyncio.Future[httpx.Response] | None = None, stream: bool = False,
         launched: bool = False, quick: bool = False,
     ) -> None:
         """Release ``lease`` once the request behind ``ticket`` has left the backend.
@@ -275,7 +276,7 @@ class SlotWatch:
             self._task = asyncio.ensure_future(
                 self._run(QUICK_POLL_S if quick else POLL_INTERVAL_S))
 
-    async def _follow(self, held: _Held, pending: asyncio.Task[httpx.Response],
+    async def _follow(self, held: _Held, pending: asyncio.Future[httpx.Response],
                       stream: bool) -> None:
         """Wait for the open upstream request's headers: a whole answer means the
         request is over (release now); a stream's means it has started (close it)."""
@@ -298,7 +299,7 @@ class SlotWatch:
         else:
             self._release(held)
 
-    def _fall_back(self, lease: Lease, served: bool, upstream: asyncio.Task[Any] | None
+    def _fall_back(self, lease: Lease, served: bool, upstream: asyncio.Future[Any] | None
                    ) -> None:
         """No /slots: close any open upstream request and release after the grace."""
         if upstream is not None:
@@ -348,8 +349,8 @@ class SlotWatch:
                 "their slot is seen free", self.name, self._grace_s,
             )
             self._unsupported_at = self._clock.now()
-            self._held, held = [], self._held
-            for h in held:
+            self._held, unsupported = [], self._held
+            for h in unsupported:
                 self._fall_back(h.lease, h.served, h.follow)
             return
         except UpstreamUnavailable:

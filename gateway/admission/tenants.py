@@ -386,9 +386,8 @@ class Tenant:
         return clock.now() - turn.since
 
     async def _enter_shared(self, cap: int, timeout_s: float, clock: Clock) -> float:
-        """:meth:`enter` when ``max_inflight`` counts every gateway process's requests:
-        take a place in Redis, or wait (counted as waiting) for one to be given back
-        anywhere (woken by its notification, or every ``poll_interval_s``)."""
+        """:meth:`enter` when ``max_inflight`` counts every process's requests: take a place
+        in Redis, or wait (counted as waiting) for one given back (notified, or polled)."""
         share = self.share
         assert share is not None
         start = clock.now()
@@ -422,6 +421,7 @@ class Tenant:
                 if self._refused is None and await share.acquire(cap):
                     self.inflight += 1
                     return clock.now() - start
+            raise AssertionError("not_cancelled() returns True or raises")
         finally:
             self.stop_waiting()
 

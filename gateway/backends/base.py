@@ -146,6 +146,7 @@ class Dialect(Protocol):
     relayed at ``/backends/{name}/metrics`` (``None``: it has none).
     """
 
+    settings: BackendSettings  # its entry of the configuration (a reload replaces it)
     kind: ClassVar[str]
     route_paths: ClassVar[Mapping[str, str]]
     side_paths: ClassVar[frozenset[str]]

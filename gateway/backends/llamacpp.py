@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import httpx
@@ -61,7 +62,7 @@ CALIBRATION_TOKENS = 16
 #: are all busy with other clients it waits for one, and discovery waits for it.
 CALIBRATION_TIMEOUT_S = 5.0
 # Routes whose body llama-server counts itself, and where (tools/server/server.cpp).
-_COUNT_ROUTES = {Route.messages: "/v1/messages/count_tokens",
+_COUNT_ROUTES: dict[str, str] = {Route.messages: "/v1/messages/count_tokens",
                  Route.count_tokens: "/v1/messages/count_tokens",
                  Route.responses: "/v1/responses/input_tokens"}
 RERANK_SEPARATORS = 3  # format_prompt_rerank adds EOS, SEP and EOS around query and doc
@@ -137,7 +138,7 @@ class LlamaCpp(Calibrated, ExactCount):
     """
 
     kind: ClassVar[str] = "llama.cpp"
-    route_paths: ClassVar[dict[str, str]] = {
+    route_paths: ClassVar[Mapping[str, str]] = {
         Route.chat: "/v1/chat/completions", Route.completions: "/v1/completions",
         Route.responses: "/v1/responses", Route.messages: "/v1/messages",
         Route.count_tokens: "/v1/messages/count_tokens", Route.embeddings: "/v1/embeddings",
@@ -159,7 +160,7 @@ class LlamaCpp(Calibrated, ExactCount):
     # (measured: the next request on it gets no answer).
     closes_streams: ClassVar[bool] = True
     stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
-    default_caps: ClassVar[dict[str, int]] = {}  # no cap of its own: the gateway's default
+    default_caps: ClassVar[Mapping[str, int]] = {}  # no cap of its own: the gateway's default
 
     def __init__(self, settings: Any, side: SideCalls) -> None:
         self.name = settings.name
@@ -379,9 +380,9 @@ class LlamaCpp(Calibrated, ExactCount):
             return self._refused(resp)
         return await self._tokenize(resp.json()["prompt"])
 
-    def _refused(self, resp: httpx.Response) -> None:
+    def _refused(self, resp: httpx.Response) -> int | None:
         """Classify a failed counting call: the client's mistake (raise), loading
-        (raise), or a backend that just cannot count (``None``: estimate instead)."""
+        (raise), or a backend that cannot count (a count of ``None``: estimate)."""
         status = resp.status_code
         if status == 503:
             raise BackendNotReady(f"Backend {self.name!r} is loading.")

@@ -44,6 +44,7 @@ import asyncio
 import logging
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -185,7 +186,7 @@ class Ollama(WithoutSlots):
     """
 
     kind: ClassVar[str] = "ollama"
-    route_paths: ClassVar[dict[str, str]] = {
+    route_paths: ClassVar[Mapping[str, str]] = {
         Route.chat: "/v1/chat/completions", Route.completions: "/v1/completions",
         Route.ollama_chat: "/api/chat", Route.ollama_generate: "/api/generate",
     }
@@ -201,7 +202,7 @@ class Ollama(WithoutSlots):
     usage_covers_one_choice: ClassVar[bool] = False
     closes_streams: ClassVar[bool] = False  # Go's net/http keeps the connection open
     stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
-    default_caps: ClassVar[dict[str, int]] = {}  # no cap of its own: the gateway's default
+    default_caps: ClassVar[Mapping[str, int]] = {}  # no cap of its own: the gateway's default
 
     def __init__(self, settings: Any, side: SideCalls) -> None:
         self.name = settings.name

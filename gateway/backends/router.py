@@ -152,10 +152,11 @@ def parse_models(data: Any) -> dict[str, ModelEntry]:
         status = item.get("status")
         if not isinstance(status, dict) or not isinstance(status.get("value"), str):
             raise ValueError(f"model {item['id']!r} has no status object")
-        args = status.get("args") if isinstance(status.get("args"), list) else []
-        aliases = item.get("aliases") if isinstance(item.get("aliases"), list) else []
+        args, aliases, meta = status.get("args"), item.get("aliases"), item.get("meta")
+        args = args if isinstance(args, list) else []
+        aliases = aliases if isinstance(aliases, list) else []
+        meta = meta if isinstance(meta, dict) else {}
         code = status.get("exit_code")
-        meta = item.get("meta") if isinstance(item.get("meta"), dict) else {}
         found[item["id"]] = ModelEntry(
             id=item["id"], status=status["value"], args=tuple(str(a) for a in args),
             aliases=tuple(str(a) for a in aliases if isinstance(a, str) and a),
@@ -311,6 +312,8 @@ class RouterModel(LlamaCpp):
     :param model_id: the model's id at the router.
     """
 
+    model_id: str  # (always known here: the router named it)
+
     def __init__(self, settings: BackendSettings, side: RouterSideCalls, hub: RouterHub,
                  model_id: str) -> None:
         super().__init__(settings, side)
@@ -419,7 +422,7 @@ class RouterModel(LlamaCpp):
             retry_after_s=self.hub.gate.retry_after_s(self.model_id),
             kind=UpstreamKind.status_5xx)
 
-    def _refused(self, resp: httpx.Response) -> None:
+    def _refused(self, resp: httpx.Response) -> int | None:
         """As :meth:`LlamaCpp._refused`, the router's own refusals raised as
         :class:`BackendNotReady` (a 400 "model is not loaded" is not the client's)."""
         message = self._router_fault(resp.content)

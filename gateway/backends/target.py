@@ -245,7 +245,7 @@ class Target:
         reservations, queue, slot map and health of the server: names, timeouts, key and
         layout settings apply from now on, the layout at the next discovery (asked for now)."""
         self.settings = entry
-        self.dialect.settings = entry  # type: ignore[misc]
+        self.dialect.settings = entry
         self.sizing.configure(entry)
         self.counts.clear()
         side = getattr(self.dialect, "side", None)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -127,7 +128,7 @@ class Vllm(WithoutSlots, ExactCount):
     """
 
     kind: ClassVar[str] = "vllm"
-    route_paths: ClassVar[dict[str, str]] = {
+    route_paths: ClassVar[Mapping[str, str]] = {
         Route.chat: "/v1/chat/completions", Route.completions: "/v1/completions",
     }
     # vLLM's own /tokenize and /detokenize (vllm/entrypoints/openai/api_server.py; its
@@ -143,7 +144,7 @@ class Vllm(WithoutSlots, ExactCount):
     closes_streams: ClassVar[bool] = False  # uvicorn keeps the connection open
     stop_margin: ClassVar[int] = 0  # prompt + max_tokens <= max_model_len, strictly
     # vLLM's own cap when a request sets none, per route (None: the room left).
-    default_caps: ClassVar[dict[str, int]] = {Route.completions: 16}
+    default_caps: ClassVar[Mapping[str, int]] = {Route.completions: 16}
 
     def __init__(self, settings: Any, side: SideCalls) -> None:
         self.name = settings.name
@@ -264,7 +265,7 @@ class Vllm(WithoutSlots, ExactCount):
             return count
         raise ValueError(f"count {count!r}")
 
-    def _refused(self, status: int, body: bytes) -> None:
+    def _refused(self, status: int, body: bytes) -> int | None:
         """A failed ``/tokenize``: the client's mistake or an unready engine (raise), or
         a server that cannot count (``None``)."""
         if status in (429, 503):

@@ -208,7 +208,7 @@ class FairQueue(Generic[T]):
         saved = dict(self._vtime)
         self.push(probe, party, cost, now)  # type: ignore[arg-type]
         try:
-            ahead = []
+            ahead: list[T] = []
             for item in self._ordered(now):
                 if item is probe:
                     return ahead
@@ -246,7 +246,7 @@ class FairQueue(Generic[T]):
         for entry in self._front:
             yield entry.item
         vtime = dict(self._vtime)
-        heap = []
+        heap: list[tuple[int, float, int, int, deque[_Entry[T]]]] = []
         for lane in self._lanes.values():
             head = lane[0]
             heapq.heappush(heap, (self._lane_rank(lane, 0, now),

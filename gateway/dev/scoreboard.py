@@ -200,9 +200,11 @@ def _seed_block(cells: Sequence[Cell], head: Mapping[str, Any]) -> str:
 
 def _all_block(cells: Sequence[Cell], head: Mapping[str, Any]) -> str:
     """``docs/benchmarks.md``'s table: every row."""
+    failed = "".join(f"\n\nRow `{row}` failed in this run: {why}"
+                     for row, why in (head.get("failed") or {}).items())
     return (f"Result of `make score` at commit {head.get('commit')} on {head.get('date')} "
             f"({head.get('machine', 'this machine')}); each figure the median of its "
-            f"repeats, ± half their spread.\n\n" + markdown(cells).rstrip())
+            f"repeats, ± half their spread.{failed}\n\n" + markdown(cells).rstrip())
 
 
 def _overhead_block(cells: Sequence[Cell], head: Mapping[str, Any]) -> str:

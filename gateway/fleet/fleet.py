@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from gateway.admission.admission import Admission
 from gateway.admission.lease import AdmissionStats
 from gateway.admission.shared import SharedAccount, SharedStore
 from gateway.backends.target import Target
@@ -329,9 +330,9 @@ class Fleet:
 
     def refuse_waiting(self, exc: Exception) -> None:
         """Fail every request waiting in a backend's queue or a pool queue with ``exc``."""
-        for waiting in (*(b.admission for b in self.backends.values()),
-                        *self._queues.values(), *self._old_queues):
-            waiting.refuse_waiting(exc)
+        waiting: list[Admission | ModelQueue] = [b.admission for b in self.backends.values()]
+        for queue in (*waiting, *self._queues.values(), *self._old_queues):
+            queue.refuse_waiting(exc)
 
     def busy(self) -> bool:
         """Work in hand: a request queued or pausing (a backend refused it for want of

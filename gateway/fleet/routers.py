@@ -59,8 +59,8 @@ def sync_members(fleet: Members, hub: Target) -> None:
         elif member.settings != wanted:
             member.reconfigure(wanted)
         members[model_id] = member
-    for model_id, member in current.items():
-        if model_id not in members:
+    for old_id, member in current.items():
+        if old_id not in members:
             fleet.retire(member)
     ordered: dict[str, Target] = {}
     for name, backend in fleet.backends.items():

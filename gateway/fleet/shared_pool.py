@@ -277,7 +277,7 @@ class SharedModelQueue(ModelQueue):
         if task.cancelled():
             return
         exc = task.exception()
-        if exc is not None:
+        if isinstance(exc, Exception):  # (a cancellation returned above)
             ask.refused.add(key)
             ask.errors.append(exc)
             if not ask.places and not waiter.future.done():

@@ -63,6 +63,12 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reloads: set[asyncio.Task[None]] = set()
 
+    @property
+    def gateway(self) -> Any:
+        """The gateway's state (``app.state.gateway`` of the config's app)."""
+        app: Any = self.config.app  # (uvicorn types it as any ASGI app, or a name)
+        return app.state.gateway
+
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
@@ -80,7 +86,7 @@ class DrainingServer(uvicorn.Server):
 
     def _reload(self) -> None:
         """SIGHUP: read the configuration file again (see :func:`reload_config`)."""
-        state = self.config.app.state.gateway  # type: ignore[attr-defined]
+        state = self.gateway
 
         async def reload() -> None:
             try:
@@ -113,7 +119,7 @@ class DrainingServer(uvicorn.Server):
         self._drain = asyncio.ensure_future(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
-        state = self.config.app.state.gateway  # type: ignore[attr-defined]
+        state = self.gateway
         log.info("draining: refusing new requests, finishing those in hand (up to %g s)",
                  state.settings.server.drain_timeout_s)
         try:

@@ -158,7 +158,7 @@ class SideRoutes:
 
 
 def _state(request: Request) -> GatewayState:
-    return request.app.state.gateway  # type: ignore[no-any-return]
+    return request.app.state.gateway
 
 
 def _model_of(request: Request, body: bytes) -> object:
@@ -240,7 +240,7 @@ async def side_route(request: Request) -> Response:
     target = path + (f"?{query}" if query else "")
     if backend.router.model_id is not None:  # one model of a llama-server router
         target, body = for_model(backend.router.model_id, request.method, target, body)
-    return await request.app.state.side_routes.relay(  # type: ignore[no-any-return]
+    return await request.app.state.side_routes.relay(
         backend, request.method, target, body, record.upstream_id)
 
 
@@ -261,7 +261,7 @@ async def backend_metrics(request: Request, name: str) -> Response:
                             "metrics endpoint of its own.")
     record = record_of(request.scope)
     record.backend = backend.name
-    return await request.app.state.side_routes.relay(  # type: ignore[no-any-return]
+    return await request.app.state.side_routes.relay(
         backend, "GET", path, b"", record.upstream_id)
 
 

@@ -156,9 +156,10 @@ def model_memory(model_id: str, args: tuple[str, ...]) -> ModelMemory:
     if layout is None:
         return ModelMemory(model_id, gguf, problem="its arguments give no context")
     n_ctx = layout.pool_tokens or layout.ctx_per_slot * layout.slots
-    types = {"type_k": opts.get("--cache-type-k") or "f16",
-             "type_v": opts.get("--cache-type-v") or "f16"}
-    kv = kv_size(shape, n_ctx, layout.slots, unified=unified, **types)
+    types = {"type_k": str(opts.get("--cache-type-k") or "f16"),
+             "type_v": str(opts.get("--cache-type-v") or "f16")}
+    kv = kv_size(shape, n_ctx, layout.slots, unified=unified, type_k=types["type_k"],
+                 type_v=types["type_v"])
     kv_bytes, weights = kv.total_bytes, gguf_bytes(gguf)
     mmproj, draft = opts.get("--mmproj"), opts.get("--spec-draft-model")
     if mmproj:
@@ -167,7 +168,8 @@ def model_memory(model_id: str, args: tuple[str, ...]) -> ModelMemory:
     if draft:  # loaded with the model, with a KV cache of its own at the same context
         try:
             kv_bytes += kv_size(_shape_of(str(Path(draft).resolve())), n_ctx, layout.slots,
-                                unified=unified, **types).total_bytes
+                                unified=unified, type_k=types["type_k"],
+                                type_v=types["type_v"]).total_bytes
             weights += gguf_bytes(draft)
         except (OSError, ValueError) as exc:
             return ModelMemory(model_id, gguf, problem=f"its draft model cannot be read "

@@ -197,9 +197,9 @@ class Follower:
             await client.error(exc)
             return None
         tries.now.finished()
-        exc = x.backend.translate_error(resp.status_code, body,
-                                        resp.headers.get("retry-after"))
-        kind = exc.upstream_kind if exc is not None else None
+        translated = x.backend.translate_error(resp.status_code, body,
+                                               resp.headers.get("retry-after"))
+        kind = translated.upstream_kind if translated is not None else None
         if kind == "context_overflow":
             self._overflowed()
             x.backend.upstream_failed(kind, live_tokens=self._live())
@@ -207,11 +207,11 @@ class Follower:
         if kind:
             tries.upstream_error(kind)
             x.backend.upstream_failed(kind, live_tokens=self._live())
-        if exc is None and not client.started and resp.status_code >= 400:
+        if translated is None and not client.started and resp.status_code >= 400:
             # The backend's own refusal (a 4xx), passed on as the untracked path does.
             await send_whole(client.send, resp, reshaped(resp.status_code, body, x.api), x)
             return None
-        await client.error(exc or UpstreamError(
+        await client.error(translated or UpstreamError(
             f"Backend {name!r} answered HTTP {resp.status_code} instead of a stream."))
         return None
 

@@ -26,6 +26,7 @@ from gateway.relay.parts import RelayParts
 from gateway.relay.progress import begun
 from gateway.relay.retry import MAX_OVERFLOW_RESTARTS, keep_for_failover
 from gateway.relay.send import (
+    Racer,
     Unraced,
     body_message,
     send_error,
@@ -98,7 +99,7 @@ class PlainRelay:
         except OSError:
             pass  # the client is gone too
 
-    async def _forward(self, watcher: DisconnectWatcher, send: Send) -> None:
+    async def _forward(self, watcher: Racer, send: Send) -> None:
         parts = self.parts
         x, tries = parts.x, parts.tries
         name = x.backend.name
@@ -147,7 +148,7 @@ class PlainRelay:
             else:
                 await resp.aclose()
 
-    async def _read_all(self, watcher: DisconnectWatcher, resp: httpx.Response) -> bytes:
+    async def _read_all(self, watcher: Racer, resp: httpx.Response) -> bytes:
         """Read the whole upstream body. Counts and re-raises upstream failures."""
         tries = self.parts.tries
         try:
@@ -159,7 +160,7 @@ class PlainRelay:
             tries.upstream_error(tries.broke(exc))
             raise
 
-    async def _relay_whole(self, watcher: DisconnectWatcher, send: Send,
+    async def _relay_whole(self, watcher: Racer, send: Send,
                            resp: httpx.Response) -> None:
         """Read a whole answer, translate backend errors, record usage, and send it."""
         parts = self.parts

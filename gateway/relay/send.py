@@ -5,7 +5,8 @@ answers off the event loop."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio.to_thread
 import orjson
@@ -20,9 +21,11 @@ from gateway.wire.shapes import error_messages, sse_error_prefix
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["SSE_HEADERS", "THREAD_PARSE_BYTES", "Started", "Unraced", "body_message",
+__all__ = ["SSE_HEADERS", "THREAD_PARSE_BYTES", "Racer", "Started", "Unraced", "body_message",
            "failure_kind", "json_object", "send_error", "send_whole", "unless_gone",
            "usage_of"]
+
+T = TypeVar("T")
 
 
 #: The response headers of a relayed SSE stream (no caching; nginx must not buffer it,
@@ -155,10 +158,18 @@ class Started:
         await self.raw({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+class Racer(Protocol):
+    """What a relay step needs of its watcher: ``race`` awaits ``work``, or raises
+    :class:`~gateway.errors.ClientDisconnected` when the client goes first
+    (:class:`~gateway.relay.watcher.DisconnectWatcher`; :class:`Unraced` never does)."""
+
+    async def race(self, work: Awaitable[T], *, cancel: bool = True) -> T: ...
+
+
 class Unraced:
     """A stand-in for :class:`DisconnectWatcher` that never interrupts the work."""
 
-    async def race(self, work: Any, *, cancel: bool = True) -> Any:
+    async def race(self, work: Awaitable[T], *, cancel: bool = True) -> T:
         return await work
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from gateway.wire.routes import Route
 
@@ -164,7 +164,7 @@ def read_event(route: str, obj: dict[str, Any]) -> Seen:
         return Seen(token=kind.endswith(".delta") and bool(obj.get("delta")),
                     done=kind in ("response.failed", "response.incomplete"))
     if route == Route.messages:
-        kind = obj.get("type")
+        kind = str(obj.get("type") or "")
         if kind == "message_start":
             usage = (obj.get("message") or {}).get("usage") or {}
             return Seen(usage=_ints(prompt_tokens=_anthropic_input(usage),
@@ -177,7 +177,9 @@ def read_event(route: str, obj: dict[str, Any]) -> Seen:
             return Seen(usage=_ints(completion_tokens=usage.get("output_tokens")))
         return Seen(done=kind == "message_stop")
     if route in _OLLAMA:
-        message = obj.get("message") if isinstance(obj.get("message"), dict) else {}
+        message = obj.get("message")
+        if not isinstance(message, dict):
+            message = {}
         done = obj.get("done") is True
         return Seen(token=bool(obj.get("response") or message.get("content")
                                or message.get("thinking")),
@@ -189,8 +191,8 @@ def usage_of_whole(route: str, data: Any) -> tuple[dict[str, int] | None, list[A
     """Token counts of a whole (non-streamed) answer of ``route``, normalised, and each
     choice's ``finish_reason`` (OpenAI routes; for ``n > 1`` accounting)."""
     if isinstance(data, list):  # llama-server's native routes answer a batch with a list
-        parts = [usage_of_whole(route, item)[0] for item in data if isinstance(item, dict)]
-        parts = [p for p in parts if p]
+        parts = [part for item in data if isinstance(item, dict)
+                 if (part := usage_of_whole(route, item)[0])]
         if not parts:
             return None, []
         return _ints(prompt_tokens=max(p.get("prompt_tokens", 0) for p in parts),
@@ -201,7 +203,9 @@ def usage_of_whole(route: str, data: Any) -> tuple[dict[str, int] | None, list[A
         return _native_usage(data), []
     if route in _OLLAMA:
         return _ollama_usage(data), []
-    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    usage = data.get("usage")
+    if not isinstance(usage, dict):
+        usage = {}
     if route == Route.responses:
         return _ints(prompt_tokens=usage.get("input_tokens"),
                      completion_tokens=usage.get("output_tokens")), []
@@ -234,6 +238,6 @@ def decode_pace(data: Any) -> float | None:
     return None
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and \
         math.isfinite(value)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from gateway.wire import validation as v
 from gateway.wire.validation import ParsedRequest
@@ -202,17 +203,16 @@ class RouteSpec:
         return self.count_as or self.name
 
 
-def _get(name: Route, path: str, **flags: object) -> RouteSpec:
-    return RouteSpec(name, path, method="GET", generates=False, **flags)  # type: ignore[arg-type]
+def _get(name: Route, path: str, **flags: Any) -> RouteSpec:
+    return RouteSpec(name, path, method="GET", generates=False, **flags)
 
 
-def _forwarded(name: Route, path: str, parser: Parser, **flags: object) -> RouteSpec:
-    return RouteSpec(name, path, parser=parser, forwarded=True, **flags)  # type: ignore[arg-type]
+def _forwarded(name: Route, path: str, parser: Parser, **flags: Any) -> RouteSpec:
+    return RouteSpec(name, path, parser=parser, forwarded=True, **flags)
 
 
-def _side(name: Route, path: str, method: str = "POST", **flags: object) -> RouteSpec:
-    return RouteSpec(name, path, method=method, generates=False, side=True,  # type: ignore[arg-type]
-                     **flags)
+def _side(name: Route, path: str, method: str = "POST", **flags: Any) -> RouteSpec:
+    return RouteSpec(name, path, method=method, generates=False, side=True, **flags)
 
 
 ROUTES: tuple[RouteSpec, ...] = (
