@@ -25,8 +25,9 @@ test: backend             ## the whole suite, real-backend tests included
 test-fast: install        ## everything but the real-backend tests
 	$(PY) -m pytest -m "not llama"
 
-lint: install             ## ruff over the code and tests
+lint: install             ## ruff over the code and tests, mypy over the code
 	$(VENV)/bin/ruff check gateway tests bench scripts
+	$(VENV)/bin/mypy
 
 docs: install             ## the documentation site (docs/, mkdocs.yml), built strictly into site/
 	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(VENV)/bin/mkdocs build --strict --site-dir site
