@@ -352,9 +352,8 @@ class SloGuard:
         :data:`TARGET_MEMORY_S`), as in :meth:`limited`. A limit left from the last
         step after the targets expired on an idle backend does not bind; before the
         first step with a target, the slow start's level does."""
-        memory = min(slots, self.memory_limit or slots)
-        target = self.target()
-        return slots >= 1 and target is not None and self._cap(memory, target) < memory
+        limit = self.in_force(slots)
+        return limit is not None and limit < min(slots, self.memory_limit or slots)
 
     def predicted_ttft_s(self, charge: Charge, queue_wait_s: float | None) -> float | None:
         """Predicted time to first token of ``charge`` after a queue wait of
