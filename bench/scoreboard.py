@@ -557,8 +557,9 @@ def run(rows: list[str], quick: bool, repeats: int, seconds: float,
         other_tree: str | None = None) -> tuple[list[Cell], dict[str, str]]:
     """Every row of ``rows`` in turn: the cells measured, and what went wrong, by row.
 
-    A row that fails (an exception: llama-server exiting under it, say, seen at about
-    one start in ten on this machine, after its first answer) is said on stderr and
+    A row that fails (an exception: once, a request sent straight to llama-server on
+    the connection its last stream had closed, before clients here used
+    :data:`~gateway.dev.localbackend.NO_KEEPALIVE`) is said on stderr and
     run once more from the start, each llama-server row on a server of its own; a
     second failure leaves the row out of the result, and the failures stay in it
     (``failed``), so that one row cannot lose the half-hour run of the others."""

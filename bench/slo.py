@@ -54,7 +54,7 @@ from goodput import gateway_thread  # noqa: E402  (bench/, this script's folder)
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from gateway.config import load_settings  # noqa: E402
-from gateway.dev.localbackend import LlamaServer  # noqa: E402
+from gateway.dev.localbackend import NO_KEEPALIVE, LlamaServer  # noqa: E402
 
 
 @dataclass
@@ -107,7 +107,8 @@ async def one(client: httpx.AsyncClient, url: str, i: int, tokens: int, run: Run
 async def rounds(url: str, clients: int, tokens: int, count: int, long_words: int,
                  stagger_s: float = 0.0) -> Run:
     run = Run()
-    async with httpx.AsyncClient(timeout=900) as client:
+    # (Straight to llama-server too, which closes the connection after each stream.)
+    async with httpx.AsyncClient(timeout=900, limits=NO_KEEPALIVE) as client:
         start = time.monotonic()
         for _ in range(count):
             await asyncio.gather(*(one(client, url, i, tokens, run, long_words, stagger_s)

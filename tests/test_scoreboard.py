@@ -188,7 +188,8 @@ def test_the_docs_show_the_latest_committed_result() -> None:
 
 def test_a_row_that_fails_is_run_again_then_left_out_and_said(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A failing row (llama-server exiting under the slo row lost a whole 28-minute run)
+    """A failing row (a request the slo row sent straight to llama-server on a connection
+    it had closed lost a whole 28-minute run)
     is run once more; a second failure leaves it out, and the result says so."""
     sys.path.insert(0, str(ROOT / "bench"))
     import fakes_row

