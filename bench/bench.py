@@ -111,6 +111,21 @@ def serve_upstream(chat: Any, port: int, backlog: int = 128) -> None:
                 backlog=backlog)
 
 
+def run_trace_sink(port: int) -> None:
+    """An OTLP/HTTP collector stand-in on 127.0.0.1:``port`` that takes every export
+    (``POST /v1/traces``) and keeps nothing: where a traced gateway's spans go when only
+    the gateway's cost of tracing is measured."""
+    from aiohttp import web
+
+    async def traces(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", traces)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
 def run_upstream(port: int) -> None:
     from aiohttp import web
 

@@ -18,7 +18,7 @@ Rows (``--rows`` picks some), each over a matrix of workloads (its cells):
   default :data:`REFERENCE`), in front of an instant fake upstream (``bench/bench.py``'s):
   requests per second at 64 connections, JSON answers and 100-event SSE streams;
   ``ratio_floor`` and ``ratio_other`` are the gateway's over the floor's and the earlier
-  gateway's.
+  gateway's; ``ratio_traced`` the gateway's with tracing on over its own without.
 * ``burst``: 2,000 streams opened at once (one each, 30 events a second apart, from
   ``bench/streams.py``'s slow upstream), through the gateway and through the floor in
   turn (and through the earlier commit's gateway): each stream's time to its first
@@ -129,17 +129,18 @@ _GATEWAY_PIDS: dict[str, int] = {}  # the process of each gateway running, by it
 @contextlib.contextmanager
 def gateway(backend_url: str, tree: Path = ROOT, backend: dict[str, Any] | None = None,
             classes: list[dict[str, Any]] | None = None, redis_url: str | None = None,
-            **admission: Any) -> Iterator[str]:
+            otel: dict[str, str] | None = None, **admission: Any) -> Iterator[str]:
     """``gateway serve`` (of the source ``tree``) in front of ``backend_url``, with
     ``[admission]`` settings (``server_*``: ``[server]`` ones), the ``backend``'s own,
-    ``[[classes]]`` and, with ``redis_url``, state shared in that Redis, as environment
-    variables; yields its URL once ``/ready``."""
+    ``[[classes]]``, with ``redis_url`` state shared in that Redis, and ``otel``'s
+    OpenTelemetry variables, as environment variables; yields its URL once ``/ready``."""
     port = free_port()
     server = {k.removeprefix("server_"): v for k, v in admission.items()
               if k.startswith("server_")}
     extra = {} if classes is None else {"GATEWAY_CLASSES": json.dumps(classes)}
     if redis_url is not None:
         extra |= {"GATEWAY_STATE__BACKEND": "redis", "GATEWAY_STATE__REDIS_URL": redis_url}
+    extra |= otel or {}
     env = dict(os.environ, GATEWAY_SERVER__PORT=str(port), PYTHONPATH=str(tree),
                GATEWAY_SERVER__LOG_LEVEL="warning", **extra,
                GATEWAY_BACKENDS=json.dumps([{"name": "local", "url": backend_url,
@@ -420,12 +421,16 @@ def row_overhead(cells: list[dict[str, str]], repeats: int, seconds: float,
                  other_tree: str | None = None) -> list[Cell]:
     """The gateway and the bare aiohttp pass-through (and the gateway of
     ``other_tree``), in front of bench/bench.py's instant upstream, each measured for
-    ``seconds`` at 64 connections, in turn."""
+    ``seconds`` at 64 connections, in turn; and the gateway with OpenTelemetry tracing
+    on (every request sampled, OTLP/HTTP to a sink that keeps nothing:
+    :func:`bench.run_trace_sink`), whose ``ratio_traced`` is its throughput over the
+    gateway's without tracing."""
     b = overhead_bench
-    up_port, floor_port = free_port(), free_port()
+    up_port, floor_port, sink_port = free_port(), free_port(), free_port()
     procs = [mp.Process(target=b.run_upstream, args=(up_port,), daemon=True),
              mp.Process(target=b.run_bare_proxy, args=(floor_port, up_port, "aiohttp"),
-                        daemon=True)]
+                        daemon=True),
+             mp.Process(target=b.run_trace_sink, args=(sink_port,), daemon=True)]
     for proc in procs:
         proc.start()
     b.wait_http(f"http://127.0.0.1:{up_port}/props")
@@ -437,6 +442,10 @@ def row_overhead(cells: list[dict[str, str]], repeats: int, seconds: float,
             own = {"kv_unified": False}
             gw = stack.enter_context(gateway(f"http://127.0.0.1:{up_port}", backend=own,
                                              max_queue=100000))
+            traced = stack.enter_context(gateway(
+                f"http://127.0.0.1:{up_port}", backend=own, max_queue=100000, otel={
+                    "OTEL_TRACES_EXPORTER": "otlp",
+                    "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}"}))
             other = None if other_tree is None else stack.enter_context(gateway(
                 f"http://127.0.0.1:{up_port}", tree=Path(other_tree), backend=own,
                 max_queue=100000))
@@ -450,6 +459,8 @@ def row_overhead(cells: list[dict[str, str]], repeats: int, seconds: float,
                     got = {"rps_floor": floor["rps"], "rps_gateway": mine["rps"],
                            "ratio_floor": mine["rps"] / floor["rps"],
                            "errors_gateway": mine["errors"]}
+                    on = b.measure(traced + "/v1/chat/completions", 64, seconds, stream)
+                    got |= {"rps_traced": on["rps"], "ratio_traced": on["rps"] / mine["rps"]}
                     if other is not None:
                         theirs = b.measure(other + "/v1/chat/completions", 64, seconds, stream)
                         got |= {"rps_other": theirs["rps"],

@@ -302,6 +302,7 @@ def fair_process(index: int, url: str, prefix: str, plan: list[tuple[int, float]
     last ``OFFSET_SAMPLES``)."""
     from gateway.admission.admission import Admission
     from gateway.admission.shared import SharedStore
+    from gateway.admission.shared_grant import SharedGrantor
     from gateway.clock import MonotonicClock
     from gateway.config import StateSettings
     from gateway.core.capacity import Charge, Layout
@@ -323,7 +324,7 @@ def fair_process(index: int, url: str, prefix: str, plan: list[tuple[int, float]
         settings = StateSettings(backend="redis", redis_url=url, key_prefix=prefix)
         store = Probe(settings, clock=MonotonicClock(), owner=f"p{index}")
         admission = Admission(Layout(slots=1, ctx_per_slot=4096), max_queue=10000,
-                              max_wait_s=120.0, shared=store.account("fair"))
+                              max_wait_s=120.0, grantor=SharedGrantor(store.account("fair")))
         await store.start()
         blocker = None
         if block and index == 0:

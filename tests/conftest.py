@@ -38,7 +38,8 @@ def _no_gateway_env(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
     for key in list(os.environ):
-        if key.startswith("GATEWAY_") and key != "GATEWAY_MODEL":
+        # (OTEL_*: a machine's own tracing settings would trace every test's app)
+        if (key.startswith("GATEWAY_") and key != "GATEWAY_MODEL") or key.startswith("OTEL_"):
             monkeypatch.delenv(key)
 
 

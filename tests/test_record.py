@@ -22,7 +22,7 @@ def test_the_line_has_the_fields_in_their_order() -> None:
     assert ACCESS_FIELDS == (
         "request_id", "upstream_request_id", "method", "path", "route", "backend", "tenant",
         "status", "reason", "upstream_error", "prompt_tokens", "count_source", "max_tokens",
-        "queue_wait_ms", "ttft_ms", "duration_ms")
+        "queue_wait_ms", "ttft_ms", "duration_ms", "trace_id")
     line = AccessRecord(method="POST", path="/v1/chat/completions").line("chat")
     assert tuple(line) == ACCESS_FIELDS
 

@@ -78,7 +78,7 @@ class RedisView:
 def idle(h: Harness) -> bool:
     """The app's own admission holds nothing and nobody waits."""
     s = h.backend.admission
-    return s._inflight == 0 and not s._room and not s._shared.leases
+    return s._inflight == 0 and not s._room and not s._grantor.account.leases
 
 
 @pytest.fixture
@@ -296,6 +296,7 @@ async def test_a_heartbeat_during_a_grant_keeps_the_lease(redis_server: Any,
     its capacity: measured over three apps, 4 streams at once on a 2-slot backend."""
     from gateway.admission.admission import Admission
     from gateway.admission.shared import SharedStore
+    from gateway.admission.shared_grant import SharedGrantor
     from gateway.clock import MonotonicClock
     from gateway.core.capacity import Charge, Layout
 
@@ -305,7 +306,7 @@ async def test_a_heartbeat_during_a_grant_keeps_the_lease(redis_server: Any,
     await store.start()
     try:
         adm = Admission(Layout(slots=2, ctx_per_slot=2048, pool_tokens=4096),
-                        max_queue=10, max_wait_s=10.0, shared=store.account("local", "http://upstream:8080"))
+                        max_queue=10, max_wait_s=10.0, grantor=SharedGrantor(store.account("local", "http://upstream:8080")))
         blocker = await stall_redis(redis_server.url, 0.4)
         admit = asyncio.ensure_future(adm.admit(Charge(10, 10)))
         await asyncio.sleep(0.05)  # the grant is sent, and waits behind the sleep
@@ -365,6 +366,7 @@ async def test_a_redis_restart_is_not_taken_for_a_late_renewal(
     overflow") and a ``renewed_late`` expiry, though nobody had been taken for dead."""
     from gateway.admission.admission import Admission
     from gateway.admission.shared import SharedStore
+    from gateway.admission.shared_grant import SharedGrantor
     from gateway.clock import MonotonicClock
     from gateway.core.capacity import Charge, Layout
 
@@ -378,7 +380,7 @@ async def test_a_redis_restart_is_not_taken_for_a_late_renewal(
                             on_expired=lambda n, why: expiries.append((n, why)))
         await store.start()
         adm = Admission(Layout(slots=4, ctx_per_slot=2048, pool_tokens=8192),
-                        max_queue=10, max_wait_s=10.0, shared=store.account("local", "http://upstream:8080"))
+                        max_queue=10, max_wait_s=10.0, grantor=SharedGrantor(store.account("local", "http://upstream:8080")))
         stores.append(store)
         leases.append((adm, await asyncio.wait_for(adm.admit(Charge(10, 10)), 5)))
     try:
@@ -783,6 +785,7 @@ async def test_the_slo_limit_caps_the_busy_slots_of_every_process(
     is published, so B's next request waits for it too."""
     from gateway.admission.admission import Admission
     from gateway.admission.shared import SharedStore
+    from gateway.admission.shared_grant import SharedGrantor
     from gateway.clock import MonotonicClock
     from gateway.core.capacity import Charge, Layout
     from gateway.core.fairness import Party
@@ -795,7 +798,7 @@ async def test_the_slo_limit_caps_the_busy_slots_of_every_process(
         await store.start()
     try:
         a, b = (Admission(layout, max_queue=10, max_wait_s=10.0,
-                          shared=s.account("local", "http://upstream:8080")) for s in stores)
+                          grantor=SharedGrantor(s.account("local", "http://upstream:8080"))) for s in stores)
         chat = Party(priority="chat", itl_target_s=0.025)
         for level in (1, 2, 3):  # A knows up to three streams to hold the target: its
             for _ in range(a.slo.params.min_samples):  # slow start would allow four

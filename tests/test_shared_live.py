@@ -21,6 +21,7 @@ from gateway.admission.admission import Admission
 from gateway.admission.lease import Lease
 from gateway.admission.live import GROWTH_HORIZON_S, LiveAccounting
 from gateway.admission.shared import Ask, SharedStore, close_bounded
+from gateway.admission.shared_grant import SharedGrantor
 from gateway.admission.shared_live import (
     LiveFigures,
     LiveRule,
@@ -48,7 +49,8 @@ class Proc:
                                                 lease_ttl_s=60.0, **kw),
                                  clock=clock, owner=name)
         self.admission = Admission(POOL, max_queue=100, max_wait_s=30.0, clock=clock,
-                                   predictive=True, shared=self.store.account("b"))
+                                   predictive=True,
+                                   grantor=SharedGrantor(self.store.account("b"), clock))
         self.preempted: list[Lease] = []
 
     @property
@@ -179,8 +181,8 @@ async def test_grant_script_decides_as_live_accounting_fits(
         await client.zadd("t:procs", {"P": 2**50})
         account = store.account("b")
         active: dict[int, Lease] = {}
-        live = LiveAccounting(clock, predictive=True, margin_tokens=margin,
-                              shared=account, active=active)
+        live = SharedGrantor(account, clock).live(clock, predictive=True,
+                                                  margin_tokens=margin, active=active)
         for i, (p, c, predicted, tracked, done, n) in enumerate(specs):
             charge = Charge(p, c, n=n, predicted=predicted)
             lease = Lease(charge, granted_at=clock.now(), shared_id=f"P#{i}",
@@ -190,9 +192,10 @@ async def test_grant_script_decides_as_live_accounting_fits(
             clock.advance(0.5)
             lease.generated = max(1, int(done * c))
             await client.hset("t:b:b:leases", f"P#{i}", f"P|{charge.tokens}|{n}|")
-        assert live.shared is not None
-        live.shared.kick = lambda: None  # type: ignore[method-assign]  # no loop here
-        await live.shared.publish(live.shared.collect())
+        shared = live.peers
+        assert isinstance(shared, SharedLive)
+        shared.kick = lambda: None  # type: ignore[method-assign]  # no loop here
+        await shared.publish(shared.collect())
         for lease_id, value in (await client.hgetall("t:b:b:live")).items():
             head = value.decode().rsplit("|", 1)[0]
             await client.hset("t:b:b:live", lease_id, f"{head}|{FAR}")  # age 0

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from gateway.admission.admission import Admission
 from gateway.admission.shared import Ask, SharedStore, close_bounded
+from gateway.admission.shared_grant import SharedGrantor
 from gateway.clock import MonotonicClock
 from gateway.config import StateSettings
 from gateway.core import capacity
@@ -41,7 +42,7 @@ class Proc:
         self.store = SharedStore(state_settings(url, **kw), clock=MonotonicClock(),
                                  owner=name)
         self.admission = Admission(LAYOUT, max_queue=100, max_wait_s=10.0,
-                                   shared=self.store.account("b"))
+                                   grantor=SharedGrantor(self.store.account("b")))
 
     async def __aenter__(self) -> Proc:
         await self.store.start()
@@ -179,7 +180,7 @@ async def test_redis_lost_refuses_then_recovers(redis_server: Any) -> None:
 async def test_a_waiter_that_times_out_leaves_the_shared_queue(redis_server: Any) -> None:
     async with Proc(redis_server.url, "A") as a, Proc(redis_server.url, "B") as b:
         short = Admission(LAYOUT, max_queue=10, max_wait_s=0.3,
-                          shared=a.store.account("b"))
+                          grantor=SharedGrantor(a.store.account("b")))
         held = await asyncio.wait_for(b.admission.admit(Charge(100, 1500)), 2)
         with pytest.raises(QueueTimeout):
             await short.admit(Charge(100, 1500))

@@ -151,8 +151,8 @@ async def test_a_continuation_waiting_in_the_queue_keeps_telling_where_it_stands
     while not (adm._active and next(iter(adm._active.values())).generated >= 3):
         await asyncio.sleep(0.01)
     first = next(iter(adm._active.values()))
-    fits = adm._fits
-    adm._fits = lambda layout, charge, party=None: first.released and fits(layout, charge, party)
+    fits = adm.fits
+    adm.fits = lambda layout, charge, party=None: first.released and fits(layout, charge, party)
     adm.preempt(first, "pool_pressure")
     r = await req
     head, _, after_first = r.text.partition("data: ")

@@ -10,7 +10,9 @@ by ``max_queue`` and each wait by ``max_wait_s``. A lease is given back with
 Modelled on anyio's ``CapacityLimiter``: a waiter cancelled after it was granted a lease
 gives it back and wakes the next one (:class:`gateway.admission.waitroom.Waitroom`). The
 pure parts live in ``core/``: the slot map (:class:`gateway.core.slots.SlotMap`) and the
-wait predictions (:class:`gateway.core.waits.WaitPredictor`).
+wait predictions (:class:`gateway.core.waits.WaitPredictor`). Who grants (this process
+alone, or the queue every gateway process shares) is the admission's grantor
+(:mod:`gateway.admission.grantor`), chosen once by whoever builds it.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import math
 from collections.abc import Callable
 
 from gateway.admission.forecast import WaitForecast
+from gateway.admission.grantor import Grantor, LocalGrantor
 from gateway.admission.lease import AdmissionStats, InFlight, Lease
-from gateway.admission.live import GROWTH_HORIZON_S, LiveAccounting
-from gateway.admission.pump import QueuedAsk, SharedPump
-from gateway.admission.shared import CLOSE_S, SharedAccount
+from gateway.admission.live import GROWTH_HORIZON_S
+from gateway.admission.pump import QueuedAsk
+from gateway.admission.shared import CLOSE_S
 from gateway.admission.slo import SloGuard
 from gateway.admission.waitroom import Waitroom, shed_error
 from gateway.clock import Clock, MonotonicClock
@@ -89,18 +92,19 @@ class Admission:
     :param preempt_margin_tokens: tokens of a unified pool kept free under
         ``predictive``.
     :param age_s: priority ageing, seconds per class (:class:`FairQueue`).
-    :param shared: the backend's budget shared with other gateway processes
-        (:class:`~gateway.admission.shared.SharedAccount`), or ``None``: this process
-        alone reserves on the backend. When shared, every request queues and is granted
-        by the shared queue's script, in arrival order over all processes
-        (:class:`~gateway.admission.pump.SharedPump`); the local budget is this process's
-        part of it.
+    :param grantor: who grants (:mod:`gateway.admission.grantor`): this process alone
+        (:class:`~gateway.admission.grantor.LocalGrantor`, the default), or the queue
+        every gateway process shares
+        (:class:`~gateway.admission.shared_grant.SharedGrantor`), where every request
+        queues and is granted in arrival order over all processes; the local budget is
+        then this process's part of the backend's.
 
     It is the one admission API of a backend that the target, the relay and the slot
     watch call, each a few lines over its part: ``Waitroom``, ``SlotMap``,
-    ``WaitForecast``, ``LiveAccounting``, ``SloGuard`` and, when shared, ``SharedPump``.
+    ``WaitForecast``, ``LiveAccounting``, ``SloGuard`` and its ``Grantor``; to the
+    grantor it is the :class:`~gateway.admission.grantor.Desk`.
     It stays over the size the layering issue aims at (about 410 lines): that API is
-    public and kept whole. Its own part is the queue-and-grant logic.
+    public and kept whole. Its own part is what fits; who grants is the grantor's.
     """
 
     def __init__(
@@ -114,7 +118,7 @@ class Admission:
         predictive: bool = False,
         preempt_margin_tokens: int = 32,
         age_s: float = 30.0,
-        shared: SharedAccount | None = None,
+        grantor: Grantor | None = None,
     ) -> None:
         self._layout = layout
         self._max_queue = max_queue
@@ -122,19 +126,18 @@ class Admission:
         self._reject_doomed = reject_doomed
         self._clock = clock or MonotonicClock()
         self._active = InFlight()  # leases in flight, by id
-        self._live = LiveAccounting(self._clock, predictive=predictive, shared=shared,
-                                    margin_tokens=preempt_margin_tokens, active=self._active)
+        self._grantor = chosen = grantor or LocalGrantor()
+        self._live = chosen.live(self._clock, predictive=predictive,
+                                  margin_tokens=preempt_margin_tokens, active=self._active)
         self._budget = Budget()
         self._layout_changes = 0
         self._inflight = 0
         self._admitted = 0
         self._room: Waitroom[QueuedAsk, Lease] = Waitroom(
             self._clock, age_s=age_s, max_queue=max_queue, full=self._queue_full,
-            give_back=self.release, on_leave=self._wake,
-            counted=None if shared is None else (lambda w: w.request.seen))
+            give_back=self.release, on_leave=self._wake, counted=chosen.counted)
         self.slo = SloGuard(self._clock, active=self._active, waiting=lambda: len(self._room),
-                            wake=self._wake, shared_busy=None if shared is None
-                            else lambda: shared.busy_slots)  # (admission.slo)
+                            wake=self._wake, shared_busy=chosen.busy_slots)  # (admission.slo)
         self.slo.defer.max_wait_s = max_wait_s
         self.forecast = WaitForecast(
             self._room, WaitPredictor(),
@@ -147,14 +150,7 @@ class Admission:
         # Called after every change that may make room (a release, a new layout, a
         # waiter leaving): the model queue of a fleet (gateway.fleet.pool) listens.
         self._listeners: list[Callable[[], None]] = []
-        self._shared = shared
-        self._pump = None if shared is None else SharedPump(
-            shared, self._room, self.slots, lambda: self.slo.limited(self._layout),
-            lambda c, waited_s, ids: self._grant(c, waited_s=waited_s, shared_ids=ids),
-            self._clock, budget=lambda: self._budget, max_queue=max_queue,
-            refusal=lambda fresh: self._queue_full() if fresh else shed_error(
-                f"The queue for this backend is full ({max_queue} waiting).",
-                self.retry_after_s()))
+        chosen.bind(self)
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` whenever room may have been made on this backend, after
@@ -175,10 +171,7 @@ class Admission:
                  cached: bool = False) -> bool:
         """True when ``charge`` would be granted now by :meth:`try_admit`: no one waits,
         it fits, and, given its ``party``, its prefill is not held back (``slo.defer``)."""
-        layout = self._layout
-        return (layout is not None and not self._room and self._shared is None
-                and capacity.fits_alone(layout, charge) and self._fits(layout, charge, party)
-                and not (party and self.slo.defer.hold_s(charge, party, waited_s, cached=cached)))
+        return self._grantor.fits_now(self, charge, party, waited_s, cached)
 
     def headroom(self, charge: Charge) -> tuple[float, float]:
         """What would be left after granting ``charge``, as fractions of the backend:
@@ -217,13 +210,7 @@ class Admission:
     def stats(self) -> AdmissionStats:
         """Return a snapshot of queue and budget."""
         layout = self._layout
-        budget = self._budget
-        shared = self._shared if self._shared is not None and self._shared.store.up else None
-        if shared is not None:  # what every process holds on the backend, as last seen
-            budget = Budget(shared.reserved_tokens, shared.busy_slots)
-        queued = len(self._room)
-        if shared is not None:  # tickets of every process (as last seen)
-            queued = max(queued, shared.queued)
+        budget, queued = self._grantor.seen(self._budget, len(self._room))
         return AdmissionStats(
             queued=queued,
             inflight=self._inflight,
@@ -289,6 +276,13 @@ class Admission:
             retry_after_s=self.retry_after_s(),
         )
 
+    def refusal(self, fresh: bool) -> Exception:
+        """(:class:`~gateway.admission.grantor.Desk`) The error of a waiter past
+        ``max_queue``: queue full for a ``fresh`` one, else shed."""
+        return self._queue_full() if fresh else shed_error(
+            f"The queue for this backend is full ({self._max_queue} waiting).",
+            self.retry_after_s())
+
     def try_admit(self, charge: Charge, *, front: bool = False,
                   prefer: int | None = None, party: Party | None = None) -> Lease | None:
         """Grant a lease now, or return ``None``: refuses while others wait (fairness),
@@ -304,16 +298,7 @@ class Admission:
         if not capacity.fits_alone(layout, charge):
             raise _never_fits(layout, charge)
         self.slo.expect(party)  # (its ITL target binds from now)
-        if self._shared is not None:
-            return None  # the shared queue decides (SharedPump)
-        if (self._room and not front) or not self._fits(layout, charge, party):
-            return None
-        if not front:  # (a preempted request coming back is never refused nor held)
-            self.slo.check_ttft(charge, party or Party(), 0.0)
-            if self.slo.defer.hold_s(charge, party or Party(), 0.0, cached=prefer is not None):
-                return None
-        self._room.charge(party or Party(), charge.tokens)
-        return self._grant(charge, waited_s=0.0, prefer=prefer)
+        return self._grantor.arrive(self, charge, party or Party(), front=front, prefer=prefer)
 
     async def admit(self, charge: Charge, *, front: bool = False,
                     prefer: int | None = None, party: Party | None = None) -> Lease:
@@ -338,8 +323,7 @@ class Admission:
         if lease is not None:
             return lease
         max_wait = self._max_wait_s if party.max_wait_s is None else party.max_wait_s
-        victim = (None if front or self._shared is not None  # shared: the pump's bound
-                  else self._room.victim_for(party))
+        victim = None if front else self._grantor.victim(self._room, party)
         predicted = None if front else (0.0 if self.slo.defer.was_held(charge)  # (held:
                                         else self.predict_wait_s(charge, party))  # in time)
         if self._reject_doomed and predicted is not None and predicted > max_wait:
@@ -350,12 +334,11 @@ class Admission:
             self._room.fail(victim, shed_error(
                 f"The queue for this backend is full ({self._max_queue} waiting).",
                 self.retry_after_s()))
-        ticket = None if self._shared is None else self._shared.store.new_id()
-        waiter = self._room.join(QueuedAsk(charge, predicted, prefer, ticket, front), party,
-                                 charge.tokens, front=front)
-        if self._shared is not None or (self._room.head() is waiter and self._layout
-                                        is not None and self._fits(self._layout, charge, party)):
-            self._wake()  # it goes before waiters that wait for room it does not need
+        waiter = self._room.join(
+            QueuedAsk(charge, predicted, prefer, self._grantor.ticket(), front), party,
+            charge.tokens, front=front)
+        if self._grantor.wakes_on_join(self, waiter):
+            self._wake()
         return await self._room.wait(waiter, max_wait, lambda: QueueTimeout(
             f"The request waited {max_wait:g} s in the queue without room on "
             "the backend; retry after the Retry-After delay.",
@@ -378,16 +361,15 @@ class Admission:
         self._live.released(lease, now)
         if served:
             self.forecast.waits.record_release(now)
-        if self._shared is not None and lease.shared_id is not None:
-            self._shared.release([lease.shared_id])
+        self._grantor.released(lease)
         self._wake()
 
     async def close(self) -> None:
         """Shutdown: end the delayed releases (each releases its lease as it ends) and
-        the deferral's wakes, then the shared pump, within :data:`CLOSE_S` s each."""
+        the deferral's wakes, then the grantor's own work (a shared pump), within
+        :data:`CLOSE_S` s each."""
         await cancel_bounded([*self._delayed, *self.slo.defer.timers], "admission", CLOSE_S)
-        if self._pump is not None:  # last: the releases above stir it
-            await self._pump.close(CLOSE_S)
+        await self._grantor.close(CLOSE_S)  # last: the releases above stir it
 
     def release_later(self, lease: Lease, delay_s: float, *, served: bool = True) -> None:
         """Release ``lease`` after ``delay_s`` seconds (on the injected clock), in the
@@ -413,39 +395,49 @@ class Admission:
                 "loading); retry after the Retry-After delay.", retry_after_s=1.0)
         return self._layout
 
-    def _grant(self, charge: Charge, *, waited_s: float, prefer: int | None = None,
-               shared_ids: tuple[str, tuple[int, ...]] | None = None) -> Lease:
+    def grant_lease(self, charge: Charge, *, waited_s: float, slot_ids: tuple[int, ...],
+                    shared_id: str | None = None) -> Lease:
+        """(:class:`~gateway.admission.grantor.Desk`) Reserve ``charge`` on ``slot_ids``
+        (``()``: unpinned; see :meth:`SlotMap.take <gateway.core.slots.SlotMap.take>`)
+        and return its lease, known as ``shared_id`` beyond this process."""
         self._budget = capacity.reserve(self._budget, charge)
         self._inflight += 1
         self._admitted += 1
-        if shared_ids is None:
-            slot_ids = self.slots.pick(charge.pinnable, charge.slots, prefer)
-        else:  # the shared script chose them
-            slot_ids = self.slots.take(shared_ids[1])
-        lease = Lease(charge, waited_s=waited_s, slot_ids=slot_ids,
-                      granted_at=self._clock.now(),
-                      shared_id=None if shared_ids is None else shared_ids[0])
+        lease = Lease(charge, waited_s=waited_s, slot_ids=self.slots.take(slot_ids),
+                      granted_at=self._clock.now(), shared_id=shared_id)
         self._active[id(lease)] = lease
         return lease
 
     def _wake(self) -> None:
-        layout = self._layout
-        if self._pump is not None:
-            self._pump.stir()
-            for listener in self._listeners:
-                listener()
-            return
-        if layout is None:
-            return
-        now = self._clock.now()
-        while (waiter := self._room.head()) is not None and self._fits(
-                layout, waiter.request.charge, waiter.party) and not self.slo.defer.holds(waiter):
-            ask = waiter.request
-            lease = self._grant(ask.charge, waited_s=now - waiter.since, prefer=ask.prefer)
-            lease.predicted_wait_s = ask.predicted
-            self._room.grant(waiter, lease)
+        self._grantor.wake(self)
         for listener in self._listeners:
             listener()
+
+    # -- what the grantor reads (gateway.admission.grantor.Desk) --------------------------
+
+    @property
+    def waitroom(self) -> Waitroom[QueuedAsk, Lease]:
+        """The backend's waiting requests."""
+        return self._room
+
+    @property
+    def budget(self) -> Budget:
+        """What this process holds on the backend."""
+        return self._budget
+
+    @property
+    def max_queue(self) -> int:
+        """Most requests allowed to wait."""
+        return self._max_queue
+
+    @property
+    def clock(self) -> Clock:
+        """The injected time source."""
+        return self._clock
+
+    def grant_layout(self) -> Layout | None:
+        """The layout grants are judged against: the backend's, under the latency limit."""
+        return self.slo.limited(self._layout)
 
     # -- live accounting (the predictive policy, gateway.admission.live) --------------
 
@@ -481,7 +473,7 @@ class Admission:
         :meth:`gateway.admission.live.LiveAccounting.preempt`)."""
         self._live.preempt(lease, reason)
 
-    def _fits(self, layout: Layout, charge: Charge, party: Party | None = None) -> bool:
+    def fits(self, layout: Layout, charge: Charge, party: Party | None = None) -> bool:
         """:func:`gateway.core.capacity.fits` against what is reserved, the leases in flight
         as live accounting counts them, under :meth:`SloGuard.limited` for ``party``."""
         return self._live.fits(self.slo.limited(layout, party), self._budget,

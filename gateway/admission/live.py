@@ -7,10 +7,11 @@ decides which tracked leases to preempt when the pool runs short. The choice its
 (:func:`gateway.core.capacity.choose_victims`); this class keeps the decode rates observed
 and the preemptions chosen.
 
-When the backend is shared with other gateway processes (``[state] backend = "redis"``),
-it publishes its leases' figures and judges the pressure over every process's
-(:class:`~gateway.admission.shared_live.SharedLive`): each process preempts only its own
-victims, chosen on the same figures in the same order.
+The other gateway processes that may share the backend are its :class:`Peers`: none
+(:class:`Alone`), or, with ``[state] backend = "redis"``, every process's published
+figures (:class:`~gateway.admission.shared_live.SharedLive`, wired by
+:class:`~gateway.admission.shared_grant.SharedGrantor`), over which each process preempts
+only its own victims, chosen on the same figures in the same order.
 """
 
 from __future__ import annotations
@@ -18,23 +19,22 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import replace
+from typing import Protocol
 
 from gateway.admission.lease import Lease
-from gateway.admission.shared import SharedAccount
 from gateway.admission.shared_live import (
     KEPT,
     PREEMPTED,
     PREEMPTIBLE,
     LiveFigures,
     LiveRule,
-    SharedLive,
     live_reserved,
 )
 from gateway.clock import Clock
 from gateway.core import capacity
 from gateway.core.capacity import Budget, Charge, Layout, LiveUse
 
-__all__ = ["DEFAULT_DECODE_RATE", "GROWTH_HORIZON_S", "LiveAccounting"]
+__all__ = ["DEFAULT_DECODE_RATE", "GROWTH_HORIZON_S", "Alone", "LiveAccounting", "Peers"]
 
 # How far ahead live use is projected, seconds: the gateway sees each token as its event
 # arrives, and llama-server cancels a stream at its next write, so a victim's cells are
@@ -44,6 +44,40 @@ _HORIZON_MS = int(GROWTH_HORIZON_S * 1000)
 DEFAULT_DECODE_RATE = 100.0  # tokens/s per sequence assumed before any is measured
 
 
+class Peers(Protocol):
+    """The other gateway processes on the backend, as live accounting sees them."""
+
+    def kick(self) -> None:
+        """A lease was granted or advanced: publish this process's figures (when due)."""
+        ...
+
+    def others(self, now: float) -> tuple[list[LiveUse], int | None]:
+        """Their leases as :func:`~gateway.core.capacity.choose_victims` takes them, and
+        the sum of their whole caps (``None``: one is not known)."""
+        ...
+
+    def rank(self, progress: int, granted_at: float) -> tuple[int, float]:
+        """(progress, since) a lease of this process with ``progress`` tokens, granted at
+        clock time ``granted_at``, is ordered by among the victims."""
+        ...
+
+
+class Alone:
+    """No other process: nothing to publish, nobody else's leases; victims go least
+    progress first."""
+
+    def kick(self) -> None:
+        """Nothing to publish."""
+
+    def others(self, now: float) -> tuple[list[LiveUse], int]:
+        """None, holding nothing."""
+        return [], 0
+
+    def rank(self, progress: int, granted_at: float) -> tuple[int, float]:
+        """Its own progress and grant time."""
+        return progress, granted_at
+
+
 class LiveAccounting:
     """What the leases in flight of one backend hold now, as observed.
 
@@ -51,26 +85,21 @@ class LiveAccounting:
     :param predictive: live accounting is on (otherwise every lease counts at its
         charge, and nothing is preempted).
     :param margin_tokens: tokens of a unified pool kept free under ``predictive``.
-    :param shared: the backend's budget shared with other gateway processes: under
-        ``predictive``, the leases of ``active`` are published there and the pressure is
-        judged over every process's.
+    :param peers: the other processes on the backend (:class:`Alone` by default).
     :param active: the admission's leases in flight, by a key of each (read when
         publishing and when the others' figures arrive).
     """
 
     def __init__(self, clock: Clock, *, predictive: bool, margin_tokens: int,
-                 shared: SharedAccount | None = None,
+                 peers: Peers | None = None,
                  active: Mapping[int, Lease] | None = None) -> None:
         self._clock = clock
         self._predictive = predictive
         self._margin = margin_tokens
         self._decode_rates: deque[float] = deque(maxlen=32)  # tokens/s per sequence seen
         self.preemptions: dict[str, int] = {}  # preemptions chosen, by reason
-        self._active: Mapping[int, Lease] = {} if active is None else active
-        self.shared: SharedLive | None = None
-        if predictive and shared is not None:
-            self.shared = SharedLive.of(shared, horizon_s=GROWTH_HORIZON_S)
-            self.shared.bind(self._figures, self._pressure, self._fastest, margin_tokens)
+        self.active: Mapping[int, Lease] = {} if active is None else active
+        self.peers: Peers = peers or Alone()
 
     def observe(self, lease: Lease, generated: int) -> None:
         """Note that ``lease``'s request has generated ``generated`` tokens (per
@@ -78,8 +107,7 @@ class LiveAccounting:
         if generated > 0 and lease.first_token_at is None:
             lease.first_token_at = self._clock.now()
         lease.generated = max(lease.generated, generated)
-        if self.shared is not None:
-            self.shared.kick()
+        self.peers.kick()
 
     def released(self, lease: Lease, now: float) -> None:
         """``lease`` was given back at clock time ``now``: keep its decode rate."""
@@ -93,11 +121,9 @@ class LiveAccounting:
         margin (:func:`gateway.core.capacity.choose_victims`). None while the whole caps
         of everything in flight fit the pool: then nothing can overflow.
 
-        Shared with other processes, the other processes' leases count too, as last
-        published and projected over their age (:meth:`SharedLive.others
-        <gateway.admission.shared_live.SharedLive.others>`), and the leases are ordered
-        by grant time alone, the latest first, so that each process picks the same victims;
-        only this process's are returned.
+        The other processes' leases count too (:meth:`Peers.others`), and the leases are
+        ordered as the peers rank them (:meth:`Peers.rank`); only this process's are
+        returned.
 
         :param active: the leases in flight, by a key of each.
         """
@@ -105,12 +131,9 @@ class LiveAccounting:
             return []
         now = self._clock.now()
         mine = {key: lease for key, lease in active.items() if lease.preempted is None}
-        others: list[LiveUse] = []
-        caps: int | None = 0
-        if self.shared is not None:
-            if not any(self.can_free(lease) for lease in mine.values()):
-                return []  # nothing of this process's could be chosen
-            others, caps = self.shared.others(now, self.shared.rule().fresh_growth)
+        if not any(self.can_free(lease) for lease in mine.values()):
+            return []  # nothing of this process's could be chosen
+        others, caps = self.peers.others(now)
         if caps is not None and caps + sum(replace(lease.charge, predicted=None).tokens
                                            for lease in active.values()) <= layout.pool_tokens:
             return []  # even every whole cap fits: nothing can overflow
@@ -120,17 +143,9 @@ class LiveAccounting:
 
     def _live_use(self, key: int, lease: Lease, now: float) -> LiveUse:
         """One lease of this process as :func:`~gateway.core.capacity.choose_victims`
-        takes it; shared, with the progress it last published and its grant time on
-        Redis's clock (what the other processes see of it)."""
+        takes it, ranked by the peers (:meth:`Peers.rank`)."""
         used, growth = self._use_of(lease, now)
-        progress, since = lease.earlier + lease.generated, lease.granted_at
-        if self.shared is not None:
-            # Shared, by grant time alone (the latest first): each process reads the
-            # others' progress at another age, so two of them could each take the
-            # other's lease for the least advanced and neither preempt (seen in CI: two
-            # streams at 238 tokens each overflowed the pool together). Grant times
-            # never change, so every process picks the same victims.
-            progress, since = 0, self.shared.store.score_ms(lease.granted_at) / 1000
+        progress, since = self.peers.rank(lease.earlier + lease.generated, lease.granted_at)
         return LiveUse(key, used, growth, progress, self.can_free(lease), since)
 
     @staticmethod
@@ -143,10 +158,9 @@ class LiveAccounting:
         it would free nothing in time while the streams it spared kept growing."""
         return lease.preemptible and lease.tracked and lease.first_token_at is not None
 
-    def _pressure(self) -> None:
-        """The others' figures arrived: preempt this process's victims, if any."""
-        assert self.shared is not None
-        for lease in self.victims(self.shared.account.layout, self._active):
+    def pressure(self, layout: Layout | None) -> None:
+        """The others' figures arrived: preempt this process's victims on ``layout``."""
+        for lease in self.victims(layout, self.active):
             self.preempt(lease, "pool_pressure")
 
     def preempt(self, lease: Lease, reason: str) -> None:
@@ -173,7 +187,7 @@ class LiveAccounting:
             leases, figures = {}, {}
             for i, lease in enumerate(active):
                 leases[str(i)] = (lease.charge.tokens, lease.charge.n)
-                figures[str(i)] = self._figure_of(lease, now)
+                figures[str(i)] = self.figure_of(lease, now)
             reserved = live_reserved(budget.reserved_tokens, leases, figures, 0,
                                      LiveRule(self._margin, _HORIZON_MS, 0))
             budget = Budget(reserved, budget.busy_slots)
@@ -186,11 +200,11 @@ class LiveAccounting:
         elapsed = now - lease.first_token_at
         return (lease.generated - 1) / elapsed if elapsed > 0 else None
 
-    def _fastest(self) -> float:
+    def fastest(self) -> float:
         """The fastest decode rate seen, tokens/s per sequence (the default before any)."""
         return max(self._decode_rates, default=DEFAULT_DECODE_RATE)
 
-    def _figure_of(self, lease: Lease, now: float, since_ms: int = 0) -> LiveFigures:
+    def figure_of(self, lease: Lease, now: float, since_ms: int = 0) -> LiveFigures:
         """What ``lease`` holds now (``at`` 0). An untracked lease is its whole charge and
         does not grow past it."""
         progress = lease.earlier + lease.generated
@@ -200,20 +214,12 @@ class LiveAccounting:
             return LiveFigures(lease.charge.tokens, 0, 0, progress, state, since_ms)
         rate = self._rate_of(lease, now)
         if rate is None:
-            rate = self._fastest()
+            rate = self.fastest()
         return LiveFigures(lease.used_tokens, max(0, lease.charge.max_tokens - lease.generated),
                            round(rate * 1000), progress, state, since_ms)
-
-    def _figures(self) -> dict[str, LiveFigures]:
-        """This process's leases on the shared backend, by lease id, to publish."""
-        assert self.shared is not None
-        now, store = self._clock.now(), self.shared.store
-        return {lease.shared_id: self._figure_of(lease, now, store.score_ms(lease.granted_at))
-                for lease in list(self._active.values())
-                if lease.shared_id is not None and not lease.released}
 
     def _use_of(self, lease: Lease, now: float) -> tuple[int, int]:
         """(cells held now, cells it may add within the horizon) of one lease in flight
         (:meth:`LiveFigures.growth <gateway.admission.shared_live.LiveFigures.growth>`)."""
-        fig = self._figure_of(lease, now)
+        fig = self.figure_of(lease, now)
         return fig.used, fig.growth(lease.charge.n, _HORIZON_MS)

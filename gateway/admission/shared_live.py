@@ -413,12 +413,24 @@ class SharedLive:
         self.snapshot = snap
         return snap
 
-    def others(self, now: float, fresh_growth: int) -> tuple[list[LiveUse], int | None]:
+    def rank(self, progress: int, granted_at: float) -> tuple[int, float]:
+        """(progress, since) a lease of this process is ordered by among the victims
+        (:class:`~gateway.admission.live.Peers`): by grant time alone, on Redis's clock,
+        the latest first. Each process reads the others' progress at another age, so two
+        of them could each take the other's lease for the least advanced and neither
+        preempt (seen in CI: two streams at 238 tokens each overflowed the pool
+        together); grant times never change, so every process picks the same victims."""
+        return 0, self.store.score_ms(granted_at) / 1000
+
+    def others(self, now: float, fresh_growth: int | None = None
+               ) -> tuple[list[LiveUse], int | None]:
         """The other processes' leases as :func:`~gateway.core.capacity.choose_victims`
         takes them (keys -1, -2, ...: none is this process's), each projected over the
         horizon plus its figures' age at ``now`` (this process's clock); and the sum of
         their whole caps, or ``None`` when one is not known (a lease not published yet,
-        counted as its charge plus ``n x fresh_growth``)."""
+        counted as its charge plus ``n x fresh_growth``, by default the rule's)."""
+        if fresh_growth is None:
+            fresh_growth = self.rule().fresh_growth
         snap = self.snapshot
         now_ms = snap.now_ms + round((now - snap.read_at) * 1000)
         uses: list[LiveUse] = []

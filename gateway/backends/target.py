@@ -35,6 +35,7 @@ import httpx
 from gateway.admission.admission import Admission
 from gateway.admission.lease import AdmissionStats, Lease
 from gateway.admission.shared import SharedAccount
+from gateway.admission.shared_grant import SharedGrantor
 from gateway.admission.shared_marks import BackendMarks, Values, with_values
 from gateway.admission.slotwatch import SlotWatch
 from gateway.backends import Dialect, Discovered, SideCalls, kind_class
@@ -79,7 +80,7 @@ def _admission(settings: AdmissionSettings, layout: Layout | None, clock: Clock,
         predictive=predictive,
         preempt_margin_tokens=settings.preempt_margin_tokens,
         age_s=settings.priority_age_s,
-        shared=shared,
+        grantor=None if shared is None else SharedGrantor(shared, clock),
     )
     admission.slo.defer.defer_s = settings.prefill_defer_s
     return admission

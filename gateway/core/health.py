@@ -44,7 +44,7 @@ class Health:
         :returns: how long it is down, seconds.
         """
         self.failures += 1
-        down = min(max_s, initial_s * 2 ** (self.failures - 1))
+        down = min(max_s, initial_s * 2.0 ** (self.failures - 1))
         self.down_until = now + down
         return down
 

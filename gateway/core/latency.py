@@ -159,7 +159,7 @@ class DecayedHistogram:
         for i, weight in enumerate(self.weights):
             if weight > 0 and seen + weight >= rank:
                 low = _upper(i - 1) if i else BASE_S / RATIO
-                return low * (_upper(i) / low) ** ((rank - seen) / weight)
+                return float(low * (_upper(i) / low) ** ((rank - seen) / weight))
             seen += weight
         return _upper(N_BUCKETS - 1)
 

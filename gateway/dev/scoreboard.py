@@ -233,6 +233,12 @@ def _overhead_block(cells: Sequence[Cell], head: Mapping[str, Any]) -> str:
     lines = [f"| | gateway | bare pass-through | gateway at {other} | gateway ÷ pass-through "
              f"| gateway ÷ {other} |", "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join([name, *values]) + " |" for name, values in rows]
+    sse, json_ = find("overhead", body="sse"), find("overhead", body="json")
+    if sse is not None and json_ is not None and "ratio_traced" in sse.metrics \
+            and "ratio_traced" in json_.metrics:
+        lines.append(f"\nWith OpenTelemetry tracing on (every request sampled, OTLP/HTTP): "
+                     f"{_cell_text(sse, 'ratio_traced')}x the SSE throughput without it, "
+                     f"{_cell_text(json_, 'ratio_traced')}x the JSON ([Traces](docs/traces.md)).")
     lines.append(f"\n(`make score`, commit {head.get('commit')}, {head.get('date')}, "
                  f"{head.get('machine', 'this machine')}: the median of each figure's "
                  "repeats, ± half their spread.)")
@@ -242,10 +248,10 @@ def _overhead_block(cells: Sequence[Cell], head: Mapping[str, Any]) -> str:
 def _shared_block(cells: Sequence[Cell], head: Mapping[str, Any]) -> str:
     """The README's table of several processes sharing Redis (the row ``shared``): one
     gateway process against two sharing a ``redis-server``, whole and streamed."""
-    shared = [c for c in cells if c.row == "shared"]
+    rows = [c for c in cells if c.row == "shared"]
     lines = ["| 3 chats of ~790 + 300 tokens | one process | two processes sharing Redis "
              "| goodput, two ÷ one |", "|---|---|---|---|"]
-    for cell in shared:
+    for cell in rows:
         def side(name: str, c: Cell = cell) -> str:
             return (f"{_fmt(c.median(f'served_{name}'))} served, "
                     f"{_fmt(c.median(f'upstream_500_{name}'))} upstream 500s, "
@@ -253,7 +259,7 @@ def _shared_block(cells: Sequence[Cell], head: Mapping[str, Any]) -> str:
         answer = {"stream": "streamed"}.get(cell.axes.get("answer", ""), cell.axes.get("answer"))
         lines.append(f"| {answer} answers | {side('one')} | {side('two')} | "
                      f"{_cell_text(cell, 'goodput_ratio')} |")
-    if not shared:
+    if not rows:
         lines.append("| (not measured in this result) | | | |")
     lines.append(f"\n(`make score`, commit {head.get('commit')}, {head.get('date')}, "
                  f"{head.get('machine', 'this machine')}: the median of each figure's "

@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio.to_thread
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -42,6 +43,7 @@ from gateway.http.status import register_status
 from gateway.http.views import pool_gauge_rows
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import record_of
+from gateway.observe.tracing import Tracing, tracing_from_env
 from gateway.wire.shapes import render, shape_of
 
 __all__ = ["GatewayState", "create_app", "shutdown", "uvicorn_options"]
@@ -93,6 +95,7 @@ def create_app(
     clock: Clock | None = None,
     discover: bool = True,
     redis_client: Any = None,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """Build the gateway ASGI app.
 
@@ -108,6 +111,10 @@ def create_app(
     :param discover: run background capacity discovery during the app's lifespan.
     :param redis_client: with ``[state] backend = "redis"``, the Redis client of the
         shared state (a ``redis.asyncio.Redis``); by default one on ``state.redis_url``.
+    :param tracing: the requests' traces; by default as the OpenTelemetry environment
+        variables ask (:func:`gateway.observe.tracing.tracing_from_env`: off unless set).
+
+    :raises ConfigError: those variables ask for an exporter the gateway does not have.
     """
     state = _build_state(settings, http_client, registry or CollectorRegistry(),
                          clock or MonotonicClock(), discover, redis_client)
@@ -116,13 +123,14 @@ def create_app(
         openapi_url=None, redirect_slashes=False,
     )
     app.state.gateway = state
+    app.state.tracing = tracing = tracing or tracing_from_env()
     app.state.side_routes = SideRoutes.build(http_client)
     direct = register_routes(app)
     register_status(app, state)
     app.add_middleware(RequestAccounting, metrics=state.metrics,
                        keepalive_timeout_s=settings.server.keepalive_timeout_s,
                        authenticate=authenticate, routes=direct,
-                       max_in_flight=settings.server.max_connections)
+                       max_in_flight=settings.server.max_connections, tracing=tracing)
     if settings.server.cors_origins:  # outside the accounting: see CorsOnApi
         app.add_middleware(CorsOnApi, origins=settings.server.cors_origins)
         app.add_middleware(TitleCaseHeaders)  # outermost: the names CORS adds too
@@ -206,6 +214,9 @@ async def shutdown(app: FastAPI) -> None:
     finally:  # this process's leases in Redis are given back whatever failed above
         if state.shared is not None:
             await state.shared.close()
+        tracing: Tracing = app.state.tracing
+        if tracing.on:  # the spans still buffered go out, from a thread (the wire waits)
+            await anyio.to_thread.run_sync(tracing.shutdown)
 
 
 async def _render(request: Request, exc: GatewayError) -> Response:

@@ -56,6 +56,7 @@ from gateway.errors import GatewayError, HeadersTooLarge, TooManyConnections
 from gateway.observe.logs import access_level, log_access, request_id_of
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.record import SCOPE_KEY, AccessRecord
+from gateway.observe.tracing import Tracing
 from gateway.wire.routes import (
     ADMIN_PREFIX,
     NO_CORS_PATHS,
@@ -128,14 +129,17 @@ class RequestAccounting:
     :param routes: ``POST`` paths served by their own ASGI callable instead of ``app``.
     :param max_in_flight: the most requests in hand at once (``server.max_connections``);
         the next gets 503 :class:`~gateway.errors.TooManyConnections`. ``None``: no limit.
+    :param tracing: the requests' traces (:mod:`gateway.observe.tracing`): each request
+        but the probes, the scrape and the admin and status pages gets one when on.
     """
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics,
                  keepalive_timeout_s: int | None = None,
                  authenticate: Callable[[Scope], None] | None = None,
                  routes: Mapping[str, ASGIApp] | None = None,
-                 max_in_flight: int | None = None) -> None:
+                 max_in_flight: int | None = None, tracing: Tracing | None = None) -> None:
         self.app = app
+        self.tracing = tracing if tracing is not None and tracing.on else None
         self.metrics = metrics
         self.authenticate = authenticate
         self.routes = routes or {}
@@ -152,6 +156,8 @@ class RequestAccounting:
         record = AccessRecord(request_id=request_id, upstream_id=upstream_id,
                               method=scope["method"], path=scope["path"])
         scope.setdefault("state", {})[SCOPE_KEY] = record
+        if self.tracing is not None:
+            self._trace(scope, record, self.tracing)
 
         async def tracking_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -196,12 +202,32 @@ class RequestAccounting:
         finally:
             if counted:
                 self.in_flight -= 1
-            record.duration_s = time.monotonic() - record.began
-            route = route_of(scope["path"])
-            self.metrics.requests.labels(*record.labels(route)).inc()
-            level = access_level(scope["path"], record.counted_status)
-            if level is not None:  # the line's fields are gathered only when written
-                log_access(record.line(route), level)
+            self._ended(scope["path"], record)
+
+    def _ended(self, path: str, record: AccessRecord) -> None:
+        """The request has ended: end its trace, count it, write its access line."""
+        record.duration_s = time.monotonic() - record.began
+        if record.trace is not None:
+            record.trace.end(record.counted_status, record.reason, record.backend,
+                             record.request_id.decode("latin-1"))
+        route = route_of(path)
+        self.metrics.requests.labels(*record.labels(route)).inc()
+        level = access_level(path, record.counted_status)
+        if level is not None:  # the line's fields are gathered only when written
+            log_access(record.line(route), level)
+
+    @staticmethod
+    def _trace(scope: Scope, record: AccessRecord, tracing: Tracing) -> None:
+        """Begin the request's trace, unless it is a probe, the scrape, or an admin or
+        status page."""
+        path = scope["path"]
+        if path in _UNLIMITED or path.startswith((ADMIN_PREFIX, "/status")):
+            return
+        known = route_of(path) != "other"
+        record.trace = tracing.begin(scope["method"], path, path if known else None,
+                                     scope["headers"])
+        if record.trace is not None:
+            record.trace_id = record.trace.trace_id
 
     def _enter(self, limit: int) -> None:
         """Count one more request in hand, or refuse it when ``limit`` are already."""

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import Scope
+
+if TYPE_CHECKING:
+    from gateway.observe.tracing import RequestTrace
 
 __all__ = ["ACCESS_FIELDS", "SCOPE_KEY", "AccessRecord", "record_of"]
 
@@ -57,6 +60,8 @@ class AccessRecord:
         from (``backend``, ``cache``, ``estimate``); ``max_tokens`` the output cap charged.
     :param forwarded: the request reached the backend (so ``upstream_id`` is logged).
     :param priority: the tenant's priority class (a metric label).
+    :param trace: the request's trace (:mod:`gateway.observe.tracing`), ``None`` when
+        tracing is off; ``trace_id`` its id, for the line.
     """
 
     request_id: bytes = field(default=b"", metadata=_line())
@@ -75,11 +80,13 @@ class AccessRecord:
     queue_wait_s: float | None = field(default=None, metadata=_line("queue_wait_ms", ms=True))
     ttft_s: float | None = field(default=None, metadata=_line("ttft_ms", ms=True))
     duration_s: float | None = field(default=None, metadata=_line("duration_ms", ms=True))
+    trace_id: str | None = field(default=None, metadata=_line())
     # Not in the line:
     status: int = 0
     priority: str | None = None
     forwarded: bool = False
     began: float = field(default_factory=time.monotonic)
+    trace: RequestTrace | None = None
 
     @property
     def counted_status(self) -> int:

@@ -42,6 +42,7 @@ class Admitter:
         self.clock = clock
         self.progress: Started | None = None
         self.gated = False
+        self.since = 0.0  # when obtain began (clock seconds): the tenant's gate, the queue
 
     def leave(self) -> None:
         """Leave the tenant's gate, if the request went through it."""
@@ -54,6 +55,7 @@ class Admitter:
         the queue headers; or answer the refusal and return ``None``. Also returns the
         ``send`` to use from then on (wrapped once progress may start the stream)."""
         x, m, name = self.x, self.metrics, self.x.backend.name
+        self.since = self.clock.now()
         if x.progress_s > 0:
             send = self.progress = Started(send, x.api)  # opens early: queue, prefill
         tenant, waiting, gate_s = x.tenant, False, 0.0
@@ -80,17 +82,32 @@ class Admitter:
         except ClientDisconnected:
             x.reason = "client_disconnected"
             m.rejections.labels(name, x.reason, *x.who).inc()
+            self._traced(None, x.reason)
             return None, send
         except GatewayError as exc:
             x.reason = exc.rejection_reason or "other"
             m.rejections.labels(name, x.reason, *x.who).inc()
+            self._traced(None, x.reason)
             await send_error(send, exc, x)
             return None, send
         finally:
             if waiting and tenant is not None:
                 tenant.stop_waiting()
         self._granted(lease, gate_s)
+        self._traced(lease, "granted")
         return lease, send
+
+    def _traced(self, lease: Lease | None, outcome: str) -> None:
+        """The ``gateway.queue`` span of the request's wait, which ends now with
+        ``outcome`` (``granted``, or the rejection reason), when it is traced."""
+        x = self.x
+        if x.trace is None:
+            return
+        x.trace.step("gateway.queue", self.clock.now() - self.since, {
+            "gateway.queue.outcome": outcome, "gateway.backend": x.backend.name,
+            "gateway.queue.wait_s": None if lease is None else lease.waited_s,
+            "gateway.queue.predicted_wait_s": None if lease is None
+            else lease.predicted_wait_s, "gateway.priority": x.party.priority})
 
     def _granted(self, lease: Lease, gate_s: float) -> None:
         """Count ``lease``'s wait (``gate_s`` seconds at the tenant's gate included) and

@@ -149,10 +149,10 @@ class Follower:
         name = x.backend.name
         headers = forward_headers(x)
         headers.append((b"connection", b"close"))  # see attempt.upstream_request_for
-        request = upstream_request(
+        request = tries.traced(upstream_request(
             "POST", x.backend.route_url(x.route), headers=headers,
             content=json_bytes(x.backend.dialect.pin(self._upstream_body(), self.lease)),
-            timeout=x.backend.timeout)
+            timeout=x.backend.timeout))
         try:
             with map_upstream_errors(name):
                 tries.sent()

@@ -21,6 +21,8 @@ failure becomes one final ``data: {"error": …}`` event, and no ``[DONE]`` is i
 
 from __future__ import annotations
 
+import json
+
 import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -41,7 +43,14 @@ from gateway.relay.watcher import DisconnectWatcher
 from gateway.request.exchange import Exchange
 from gateway.tasks import Flag
 
-__all__ = ["ProxyResponse", "strategy_for"]
+__all__ = ["ProxyResponse", "answer_name", "strategy_for"]
+
+
+def answer_name(x: Exchange) -> str:
+    """The model the answers of ``x`` name (``gen_ai.response.model``)."""
+    if x.answer_model is not None:
+        return str(json.loads(x.answer_model))
+    return x.backend.model
 
 
 def strategy_for(x: Exchange) -> StrategyFactory:
@@ -111,6 +120,11 @@ class ProxyResponse(Response):
         record.upstream_error = x.upstream_error
         if x.reason is not None:
             record.reason = x.reason
+        if x.trace is not None:
+            usage = self.parts.usage
+            x.trace.answered(answer_name(x), usage.reported_prompt, usage.completion)
+            if record.final_status == 499:
+                x.trace.event("gateway.client_left")
         self.metrics.duration.labels(x.backend.name).observe(self.clock.now() - x.started)
 
     async def _run(self, watcher: DisconnectWatcher, send: Send) -> None:

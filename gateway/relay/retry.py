@@ -144,6 +144,8 @@ async def fail_over(parts: RelayParts, watcher: DisconnectWatcher, send: Send
     failed = x.backend
     x.candidates = [c for c in x.candidates if c.backend is not failed]
     m.failovers.labels(x.queue.model).inc()
+    if x.trace is not None:
+        x.trace.event("gateway.failover", **{"gateway.backend": failed.name})
     try:
         return await watcher.race(x.admit(front=True))
     except ClientDisconnected:
@@ -163,6 +165,9 @@ async def restart(parts: RelayParts, watcher: DisconnectWatcher, send: Send
     x, m = parts.x, parts.metrics
     name = x.backend.name
     m.preemptions.labels(name, "overflow").inc()
+    if x.trace is not None:
+        x.trace.event("gateway.preempted", **{"gateway.reason": "overflow",
+                                              "gateway.backend": name})
     try:
         lease = await watcher.race(x.readmit(front=True))
     except ClientDisconnected:
@@ -174,4 +179,6 @@ async def restart(parts: RelayParts, watcher: DisconnectWatcher, send: Send
         await send_error(send, exc, x)
         return None
     m.resumes.labels(name, "restarted").inc()
+    if x.trace is not None:
+        x.trace.event("gateway.resumed", **{"gateway.outcome": "restarted"})
     return lease

@@ -100,6 +100,9 @@ class TrackedRelay:
                             served=reason is None and 200 <= x.status < 400,
                             stream=True, quick=reason is not None)
         tries.now.preempted = reason
+        if reason is not None and x.trace is not None:
+            x.trace.event("gateway.preempted", **{"gateway.reason": reason,
+                                                  "gateway.backend": x.backend.name})
 
     @staticmethod
     async def _until(preempted: asyncio.Event, lease: Lease,
@@ -174,6 +177,8 @@ class TrackedRelay:
             await client.error(exc)
             return None
         m.resumes.labels(name, outcome).inc()
+        if x.trace is not None:
+            x.trace.event("gateway.resumed", **{"gateway.outcome": outcome})
         return lease
 
     def _check_resumable(self, cont: Continuation) -> None:

@@ -15,6 +15,7 @@ from gateway.admission.lease import Lease
 from gateway.clock import Clock
 from gateway.errors import GatewayError
 from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.tracing import OPERATIONS
 from gateway.relay.attempt import Attempt, ticket_for, upstream_request_for
 from gateway.relay.send import failure_kind
 from gateway.request.exchange import Exchange
@@ -79,9 +80,20 @@ class Tries:
         self.sends += 1
 
     def upstream_request(self) -> httpx.Request:
-        """The request the current attempt sends (pinned to its lease's slot)."""
+        """The request the current attempt sends (pinned to its lease's slot); when
+        traced, it carries its attempt span's context (:mod:`gateway.observe.tracing`)."""
         lease = None if self.current is None else self.current.lease
-        return upstream_request_for(self.x, lease)
+        return self.traced(upstream_request_for(self.x, lease))
+
+    def traced(self, request: httpx.Request) -> httpx.Request:
+        """``request``, the current attempt's, with its attempt span begun and its
+        context in its headers when the request is traced (:mod:`gateway.observe.tracing`)."""
+        x = self.x
+        if x.trace is not None:
+            request.headers.update({k.decode(): v.decode() for k, v in x.trace.attempt_begins(
+                OPERATIONS.get(x.route, x.route), x.backend.model, x.backend.name,
+                str(request.url), x.charge.max_tokens, x.stream)})
+        return request
 
     def upstream_error(self, kind: str) -> None:
         """Count a failure of the request's backend in
@@ -105,6 +117,17 @@ class Tries:
             attempt.finished()
         return kind
 
+    def _outcome(self) -> str | None:
+        """How the current attempt ended short, for its trace: the failure's kind,
+        ``backend_full``, ``preempted`` or ``overflow`` (``None``: it did not)."""
+        a = self.current
+        if a is None:
+            return None
+        if a.failed is not None:
+            return failure_kind(a.failed)
+        return ("backend_full" if a.full is not None else "preempted" if a.preempted
+                else "overflow" if a.restart else self.x.upstream_error)
+
     def give_back(self, lease: Lease, held_since: float, *, served: bool, stream: bool,
                   quick: bool = False) -> None:
         """Release ``lease`` after an attempt that began at ``held_since``: at once when
@@ -116,6 +139,8 @@ class Tries:
             soon (:data:`gateway.admission.slotwatch.QUICK_POLL_S`).
         """
         x = self.x
+        if x.trace is not None:
+            x.trace.attempt_ends(x.status, self._outcome())
         if served:
             x.backend.admission.record_duration(self.clock.now() - held_since, x.charge)
         attempt = self.current

@@ -85,6 +85,8 @@ class UsageBook:
             ttft = now - self.x.started
             if self.x.ttft_s is None:  # a resumed answer's first token is not its first
                 self.x.ttft_s = ttft
+                if self.x.trace is not None:
+                    self.x.trace.first_token(ttft)
             self.metrics.ttft.labels(backend.name).observe(ttft)
             return
         if self._itl_of is not backend:  # looked up once per backend, not per token

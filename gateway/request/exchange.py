@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.admission.lease import Lease
 from gateway.admission.tenants import Tenant, TokenHold
@@ -14,6 +14,9 @@ from gateway.core.fairness import ANONYMOUS, Party
 from gateway.core.prefix import Prefix
 from gateway.fleet.pool import AdmitPath, Candidate, ModelQueue
 from gateway.wire.routes import BY_NAME, RouteSpec
+
+if TYPE_CHECKING:
+    from gateway.observe.tracing import RequestTrace
 
 __all__ = ["Exchange"]
 
@@ -94,6 +97,8 @@ class Exchange:
     # The JSON string (quotes included) each "model" of its answers is set to, whole and
     # streamed (gateway.wire.naming); None: the backend's own value is relayed.
     answer_model: bytes | None = None
+    # Its trace (gateway.observe.tracing); None when tracing is off.
+    trace: RequestTrace | None = None
     # The candidate of the last grant; None while it waits through its admit path.
     _bound: Candidate | None = field(default=None, repr=False)
 

@@ -319,6 +319,7 @@ async def prepare_exchange(state: Planning, request: Request, route: str) -> Exc
         affinity=queue.affinity_for(key) if queue is not None else None, prefix=prefix,
         tenant=tenant, party=party, hold=hold, prompt_total=prompt_total,
         batched=batch > 1, answer_model=_answer_model(state, req, first.backend),
+        trace=record.trace,
     )
 
 
@@ -500,8 +501,13 @@ async def _count_on_one(state: Planning, record: AccessRecord, req: ParsedReques
     routing = state.settings.routing
     for i, counter in enumerate(backends):
         record.backend = counter.name
+        began = state.clock.now()
         try:
             counted, raw, forget = await count_prompt(state, counter, req, record)
+            if record.trace is not None:
+                record.trace.step("gateway.count", state.clock.now() - began, {
+                    "gateway.backend": counter.name, "gateway.count.source":
+                    record.count_source, "gateway.prompt_tokens": counted})
             return counted, raw, forget, backends[i:]
         except GatewayError as exc:
             passed_over = never_reached(exc) or isinstance(exc, BackendNotReady)

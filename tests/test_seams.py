@@ -1,0 +1,84 @@
+"""Modes are chosen once (issue 39): outside the shared state's own modules, a line that
+asks "is state shared?" (a condition on a name ``shared`` or ``store``: ``if shared``,
+``store is None``, ``x if self.shared is not None else y``) is counted here, by file,
+and may only get rarer. The admission asks its grantor
+(:mod:`gateway.admission.grantor`) and its live accounting its peers
+(:class:`gateway.admission.live.Peers`) instead.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+GATEWAY = Path(__file__).resolve().parents[1] / "gateway"
+
+#: The shared state's own modules: the seam's Redis side, free to know it is shared.
+SEAM = re.compile(r"^admission/(shared[^/]*|pump)\.py$")
+NAMES = re.compile(r"^_?(shared|store)$")
+
+#: The most questions each file may still ask. Before the grantor (2026-12-07):
+#: admission/admission.py 11, admission/live.py 6, and the rest as below but
+#: backends/target.py 1. target.py's second is the choice itself (which grantor a
+#: backend's admission gets); app.py's are the store's start and close.
+CEILING = {
+    "admission/tenants.py": 3,
+    "backends/target.py": 2,
+    "fleet/fleet.py": 2,
+    "fleet/routers.py": 1,
+    "http/app.py": 4,
+    "http/endpoints.py": 1,
+    "http/status.py": 1,
+}
+
+
+def _asks(test: ast.expr) -> bool:
+    """``test`` is, or compares to ``None``, a name or attribute called shared/store."""
+    if isinstance(test, ast.Name | ast.Attribute):
+        return bool(NAMES.match(test.id if isinstance(test, ast.Name) else test.attr))
+    for node in ast.walk(test):
+        if isinstance(node, ast.Compare) and any(
+                isinstance(c, ast.Constant) and c.value is None for c in node.comparators):
+            left = node.left
+            if isinstance(left, ast.Name | ast.Attribute) and NAMES.match(
+                    left.id if isinstance(left, ast.Name) else left.attr):
+                return True
+        if isinstance(node, ast.UnaryOp) and _asks(node.operand):
+            return True
+        if isinstance(node, ast.BoolOp) and any(_asks(v) for v in node.values):
+            return True
+    return False
+
+
+def questions(source: str) -> list[int]:
+    """The line of each condition in ``source`` that asks whether state is shared."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.If | ast.IfExp | ast.While | ast.Assert) and _asks(node.test):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_the_counter_sees_each_form_of_the_question() -> None:
+    source = (
+        "if shared is None:\n    pass\n"
+        "x = 1 if self._shared is not None else 2\n"
+        "while not store:\n    pass\n"
+        "if a and self.shared:\n    pass\n"
+        "if sharedness is None or shared_ids:\n    pass\n"  # other names: not asked
+    )
+    assert questions(source) == [1, 3, 4, 6]
+
+
+def test_no_file_asks_more_often_whether_state_is_shared() -> None:
+    found = {}
+    for path in sorted(GATEWAY.rglob("*.py")):
+        where = path.relative_to(GATEWAY).as_posix()
+        if SEAM.match(where):
+            continue
+        lines = questions(path.read_text())
+        if len(lines) > CEILING.get(where, 0):
+            found[where] = lines
+    assert found == {}, ("these files ask whether state is shared more often than "
+                         f"CEILING allows (give the choice to a grantor or peers): {found}")
