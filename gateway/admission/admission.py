@@ -298,7 +298,7 @@ class Admission:
         if not capacity.fits_alone(layout, charge):
             raise _never_fits(layout, charge)
         self.slo.expect(party)  # (its ITL target binds from now)
-        return self._grantor.arrive(self, charge, party or Party(), front=front, prefer=prefer)
+        return self._grantor.arrive(self, charge, party, front=front, prefer=prefer)
 
     async def admit(self, charge: Charge, *, front: bool = False,
                     prefer: int | None = None, party: Party | None = None) -> Lease:

@@ -116,9 +116,10 @@ class Grantor(Protocol):
         """The live accounting of the backend's leases (the ``predictive`` policy)."""
         ...
 
-    def arrive(self, desk: Desk, charge: Charge, party: Party, *, front: bool,
+    def arrive(self, desk: Desk, charge: Charge, party: Party | None, *, front: bool,
                prefer: int | None) -> Lease | None:
-        """A lease at once, or ``None``: the request queues."""
+        """A lease at once, or ``None``: the request queues. (``party`` ``None``: a
+        request of no class, which every latency limit holds.)"""
         ...
 
     def fits_now(self, desk: Desk, charge: Charge, party: Party | None, waited_s: float,
@@ -173,7 +174,7 @@ class LocalGrantor:
         return LiveAccounting(clock, predictive=predictive, margin_tokens=margin_tokens,
                               active=active)
 
-    def arrive(self, desk: Desk, charge: Charge, party: Party, *, front: bool,
+    def arrive(self, desk: Desk, charge: Charge, party: Party | None, *, front: bool,
                prefer: int | None) -> Lease | None:
         """Granted at once when nobody waits (unless ``front``: a preempted request
         coming back goes before them), it fits, and its prefill is not held back; a
@@ -185,11 +186,12 @@ class LocalGrantor:
         if layout is None or (desk.waitroom and not front) or not desk.fits(
                 layout, charge, party):
             return None
+        who = party or Party()
         if not front:  # (a preempted request coming back is never refused nor held)
-            desk.slo.check_ttft(charge, party, 0.0)
-            if desk.slo.defer.hold_s(charge, party, 0.0, cached=prefer is not None):
+            desk.slo.check_ttft(charge, who, 0.0)
+            if desk.slo.defer.hold_s(charge, who, 0.0, cached=prefer is not None):
                 return None
-        desk.waitroom.charge(party, charge.tokens)
+        desk.waitroom.charge(who, charge.tokens)
         return desk.grant_lease(charge, waited_s=0.0, slot_ids=_slots(desk, charge, prefer))
 
     def fits_now(self, desk: Desk, charge: Charge, party: Party | None, waited_s: float,

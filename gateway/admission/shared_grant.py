@@ -80,7 +80,7 @@ class SharedGrantor:
                    margin_tokens)
         return live
 
-    def arrive(self, desk: Desk, charge: Charge, party: Party, *, front: bool,
+    def arrive(self, desk: Desk, charge: Charge, party: Party | None, *, front: bool,
                prefer: int | None) -> None:
         """Never at once: the shared queue decides."""
         return None
