@@ -20,7 +20,7 @@ from gateway.clock import Clock
 from gateway.errors import ClientDisconnected, GatewayError
 from gateway.observe.metrics import GatewayMetrics
 from gateway.relay.progress import queued
-from gateway.relay.send import Started, send_error
+from gateway.relay.send import Started, refuse
 from gateway.relay.watcher import DisconnectWatcher
 from gateway.request.exchange import Exchange
 
@@ -85,10 +85,8 @@ class Admitter:
             self._traced(None, x.reason)
             return None, send
         except GatewayError as exc:
-            x.reason = exc.rejection_reason or "other"
-            m.rejections.labels(name, x.reason, *x.who).inc()
-            self._traced(None, x.reason)
-            await send_error(send, exc, x)
+            self._traced(None, exc.rejection_reason or "other")
+            await refuse(send, exc, x, m, name)
             return None, send
         finally:
             if waiting and tenant is not None:

@@ -18,7 +18,7 @@ from starlette.types import Send
 from gateway.admission.lease import Lease
 from gateway.errors import BackendFull, ClientDisconnected, GatewayError, QueueTimeout, describe
 from gateway.relay.parts import RelayParts
-from gateway.relay.send import send_error
+from gateway.relay.send import refuse, send_error
 from gateway.relay.watcher import DisconnectWatcher
 from gateway.request.exchange import Exchange
 
@@ -129,9 +129,7 @@ async def requeue(parts: RelayParts, watcher: DisconnectWatcher, send: Send
     except ClientDisconnected:
         x.status = 499
     except GatewayError as refused:
-        x.reason = refused.rejection_reason or "other"
-        m.rejections.labels(x.backend.name, x.reason, *x.who).inc()
-        await send_error(send, refused, x)
+        await refuse(send, refused, x, m, x.backend.name)
     return None
 
 
@@ -151,9 +149,7 @@ async def fail_over(parts: RelayParts, watcher: DisconnectWatcher, send: Send
     except ClientDisconnected:
         x.status = 499
     except GatewayError as refused:
-        x.reason = refused.rejection_reason or "other"
-        m.rejections.labels(failed.name, x.reason, *x.who).inc()
-        await send_error(send, refused, x)
+        await refuse(send, refused, x, m, failed.name)
     return None
 
 

@@ -21,9 +21,11 @@ from gateway.wire.shapes import error_messages, sse_error_prefix
 if TYPE_CHECKING:
     import httpx
 
+    from gateway.observe.metrics import GatewayMetrics
+
 __all__ = ["SSE_HEADERS", "THREAD_PARSE_BYTES", "Racer", "Started", "Unraced", "body_message",
-           "failure_kind", "json_object", "send_error", "send_whole", "unless_gone",
-           "usage_of"]
+           "failure_kind", "json_object", "refuse", "send_error", "send_whole",
+           "unless_gone", "usage_of"]
 
 T = TypeVar("T")
 
@@ -53,6 +55,16 @@ async def send_error(send: Send, exc: GatewayError, x: Exchange) -> None:
     x.status = exc.status_code
     await send(start)
     await send(body)
+
+
+async def refuse(send: Send, exc: GatewayError, x: Exchange, metrics: GatewayMetrics,
+                 backend: str) -> None:
+    """Refuse ``x`` with ``exc`` once it reached the relay: note the rejection reason for
+    its access line (``other`` for an error that is not a rejection), count it in
+    ``gateway_rejections_total`` under ``backend``, and answer it (:func:`send_error`)."""
+    x.reason = exc.rejection_reason or "other"
+    metrics.rejections.labels(backend, x.reason, *x.who).inc()
+    await send_error(send, exc, x)
 
 
 async def send_whole(send: Send, resp: httpx.Response, body: bytes, x: Exchange) -> None:
