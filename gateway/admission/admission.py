@@ -331,9 +331,7 @@ class Admission:
         if not front:
             self.slo.check_ttft(charge, party, predicted)
         if victim is not None:
-            self._room.fail(victim, shed_error(
-                f"The queue for this backend is full ({self._max_queue} waiting).",
-                self.retry_after_s()))
+            self._room.fail(victim, self.refusal(fresh=False))
         waiter = self._room.join(
             QueuedAsk(charge, predicted, prefer, self._grantor.ticket(), front), party,
             charge.tokens, front=front)

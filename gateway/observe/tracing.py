@@ -181,6 +181,11 @@ def tracing_from_env(environ: Mapping[str, str] | None = None) -> Tracing:
     return Tracing(provider)
 
 
+def _present(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """``attributes`` without those that are ``None`` (a span takes no ``None``)."""
+    return {k: v for k, v in attributes.items() if v is not None}
+
+
 def _ns_ago(seconds: float) -> int:
     """The wall-clock time, ns, ``seconds`` before now (spans take wall-clock times)."""
     return time.time_ns() - int(max(0.0, seconds) * 1e9)
@@ -215,13 +220,12 @@ class RequestTrace:
         queue)."""
         child = self.tracer.start_span(name, context=self._context(self.span),
                                        start_time=_ns_ago(seconds),
-                                       attributes={k: v for k, v in attributes.items()
-                                                   if v is not None})
+                                       attributes=_present(attributes))
         child.end()
 
     def event(self, name: str, **attributes: Any) -> None:
         """An event on the request's span (preempted, resumed, failover, client left)."""
-        self.span.add_event(name, {k: v for k, v in attributes.items() if v is not None})
+        self.span.add_event(name, _present(attributes))
 
     def attempt_begins(self, operation: str, model: str | None, backend: str, url: str,
                        max_tokens: int | None, stream: bool) -> list[tuple[bytes, bytes]]:
@@ -235,15 +239,13 @@ class RequestTrace:
         self._close_attempt()
         self.attempts += 1
         where = urlsplit(url)
-        attributes: dict[str, Any] = {
-            "gen_ai.operation.name": operation, "gen_ai.request.model": model,
-            "gen_ai.request.max_tokens": max_tokens, "server.address": where.hostname,
-            "server.port": where.port, "gateway.backend": backend,
-            "gateway.attempt": self.attempts, "gateway.stream": stream}
         self.attempt = self.tracer.start_span(
             f"{operation} {model}" if model else operation, context=self._context(self.span),
-            kind=SpanKind.CLIENT,
-            attributes={k: v for k, v in attributes.items() if v is not None})
+            kind=SpanKind.CLIENT, attributes=_present({
+                "gen_ai.operation.name": operation, "gen_ai.request.model": model,
+                "gen_ai.request.max_tokens": max_tokens, "server.address": where.hostname,
+                "server.port": where.port, "gateway.backend": backend,
+                "gateway.attempt": self.attempts, "gateway.stream": stream}))
         carrier: dict[str, str] = {}
         inject(carrier, context=self._context(self.attempt))
         return [(k.encode(), v.encode()) for k, v in carrier.items()]
@@ -280,14 +282,10 @@ class RequestTrace:
     def answered(self, model: str | None, input_tokens: int | None,
                  output_tokens: int | None) -> None:
         """What the answer was, on the last attempt's span (the GenAI usage)."""
-        span = self.attempt
-        if span is None:
-            return
-        for key, value in (("gen_ai.response.model", model),
-                           ("gen_ai.usage.input_tokens", input_tokens),
-                           ("gen_ai.usage.output_tokens", output_tokens)):
-            if value is not None:
-                span.set_attribute(key, value)
+        if self.attempt is not None:
+            self.attempt.set_attributes(_present({
+                "gen_ai.response.model": model, "gen_ai.usage.input_tokens": input_tokens,
+                "gen_ai.usage.output_tokens": output_tokens}))
 
     def end(self, status: int, reason: str | None, backend: str | None,
             request_id: str) -> None:

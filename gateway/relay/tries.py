@@ -119,14 +119,16 @@ class Tries:
 
     def _outcome(self) -> str | None:
         """How the current attempt ended short, for its trace: the failure's kind,
-        ``backend_full``, ``preempted`` or ``overflow`` (``None``: it did not)."""
+        ``backend_full``, ``overflow``, or the request's last upstream error (``None``:
+        none). A preemption is known only after the attempt is given back: it is an
+        event on the request's span (:mod:`gateway.relay.tracked`)."""
         a = self.current
         if a is None:
             return None
         if a.failed is not None:
             return failure_kind(a.failed)
-        return ("backend_full" if a.full is not None else "preempted" if a.preempted
-                else "overflow" if a.restart else self.x.upstream_error)
+        return ("backend_full" if a.full is not None else "overflow" if a.restart
+                else self.x.upstream_error)
 
     def give_back(self, lease: Lease, held_since: float, *, served: bool, stream: bool,
                   quick: bool = False) -> None:
