@@ -20,6 +20,8 @@ KINDS = {trace_pb2.Span.SPAN_KIND_SERVER: "server", trace_pb2.Span.SPAN_KIND_CLI
 
 def _value(v: AnyValue) -> Any:
     kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(item) for item in v.array_value.values]
     return None if kind is None else getattr(v, kind)
 
 

@@ -92,6 +92,7 @@ async def test_a_chat_and_a_stream_over_otlp_http_continue_the_callers_trace(
     assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == h.backend.model
     assert a["gen_ai.request.max_tokens"] == 50 and a["gen_ai.response.model"]
     assert a["gen_ai.usage.output_tokens"] == fake.tokens and a["gen_ai.usage.input_tokens"] > 0
+    assert a["gen_ai.response.finish_reasons"] == ["length"]  # as the backend said
     assert a["http.response.status_code"] == 200 and not attempt.error
     # The upstream request carried the attempt's context: a backend that traces joins.
     assert upstream[0].headers["traceparent"] == f"00-{CALLER_TRACE}-{attempt.span_id}-01"
@@ -101,6 +102,7 @@ async def test_a_chat_and_a_stream_over_otlp_http_continue_the_callers_trace(
     first = children(streamed, server_span(streamed))[f"chat {h.backend.model}"]
     assert first.attributes["gateway.stream"] is True
     assert first.event("gen_ai.first_token") is not None
+    assert first.attributes["gen_ai.response.finish_reasons"] == ["length"]
     for span in http_receiver.spans:  # children inside their request's time
         assert span.start_ns <= span.end_ns
     ids = [getattr(r, "trace_id", None) for r in caplog.records if r.name == "gateway.access"]

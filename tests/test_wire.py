@@ -52,6 +52,30 @@ def test_each_routes_stream_is_read_for_tokens_counts_and_end() -> None:
     assert last.done and last.usage == {"prompt_tokens": 3, "completion_tokens": 3}
 
 
+def test_each_routes_finish_reason_is_read_from_its_stream_and_its_whole_answer() -> None:
+    from gateway.wire.events import read_event, usage_of_whole
+
+    assert read_event("chat", {"choices": [{"index": 0, "delta": {},
+                                            "finish_reason": "tool_calls"}]}).finish == \
+        "tool_calls"
+    assert read_event("chat", {"choices": [{"index": 0, "delta": {"content": "a"},
+                                            "finish_reason": None}]}).finish is None
+    assert read_event("messages", {"type": "message_delta", "delta": {
+        "stop_reason": "max_tokens"}, "usage": {"output_tokens": 9}}).finish == "max_tokens"
+    assert read_event("ollama_chat", {"done": True, "done_reason": "length",
+                                      "eval_count": 3}).finish == "length"
+    assert read_event("ollama_chat", {"done": False, "message": {"content": "a"}}) \
+        .finish is None
+    assert usage_of_whole("chat", {"choices": [{"finish_reason": "stop"},
+                                               {"finish_reason": "length"}]})[1] == \
+        ["stop", "length"]
+    assert usage_of_whole("messages", {"stop_reason": "end_turn", "usage": {}})[1] == \
+        ["end_turn"]
+    assert usage_of_whole("ollama_generate", {"done": True, "done_reason": "stop"})[1] == \
+        ["stop"]
+    assert usage_of_whole("messages", {"usage": {}})[1] == []
+
+
 def test_whole_answers_of_each_route_give_their_counts() -> None:
     from gateway.wire.events import usage_of_whole
 
@@ -307,6 +331,13 @@ def test_quick_token_agrees_with_the_parsed_reading(chunk: dict[str, Any], compa
     (b'data: {"choices":\ndata: [{"delta":{"content":"Hi"}}]}\n\n', None),
     (b"data: [DONE]\n\n", None),
     (b'data: {"choices":[{"delta":{"content":"Hi"}}]}\r\n\r\n', None),
+    # the last chunk of a choice: its finish reason is read (for the trace)
+    (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n', None),
+    (b'data: {"choices":[{"index":0,"delta":{},"finish_reason": "stop"}]}\n\n', None),
+    (b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null},'
+     b'{"index":1,"delta":{},"finish_reason":"length"}]}\n\n', None),
+    (b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n',
+     True),
 ])
 def test_quick_token_reads_plain_chunks_and_leaves_the_rest(raw: bytes,
                                                             quick: bool | None) -> None:
@@ -322,7 +353,7 @@ _PLAIN_TEXTS = st.one_of(st.none(), st.just(""), st.text(max_size=12).filter(
         "delta": st.fixed_dictionaries({}, optional={
             "role": st.just("assistant"), "content": _PLAIN_TEXTS,
             "reasoning_content": _PLAIN_TEXTS}),
-        "text": _PLAIN_TEXTS, "finish_reason": st.sampled_from([None, "stop"])}),
+        "text": _PLAIN_TEXTS, "finish_reason": st.none()}),
     max_size=2)}, optional={"id": st.just("c1"), "model": _PLAIN_TEXTS}))
 def test_quick_token_settles_every_plain_chunk(chunk: dict[str, Any]) -> None:
     # Compact chunks of text deltas (what llama-server and vLLM send for each token) are

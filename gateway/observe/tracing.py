@@ -29,7 +29,8 @@ by the backend, a round trip), ``gateway.queue`` (the wait for a lease: the pred
 wait, the outcome, the rejection reason) and one ``CLIENT`` span per upstream attempt,
 in the GenAI semantic conventions (``chat {model}``: ``gen_ai.operation.name``,
 ``gen_ai.request.model``, ``gen_ai.request.max_tokens``, ``gen_ai.response.model``,
-``gen_ai.usage.input_tokens``, ``gen_ai.usage.output_tokens``, a
+``gen_ai.usage.input_tokens``, ``gen_ai.usage.output_tokens``,
+``gen_ai.response.finish_reasons``, a
 ``gen_ai.first_token`` event), whose context goes upstream in ``traceparent`` so that a
 backend that traces joins the trace. Events on the request's span: ``gateway.preempted``,
 ``gateway.resumed``, ``gateway.failover``, ``gateway.client_left``. The access line
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.config import ConfigError
@@ -280,12 +281,14 @@ class RequestTrace:
         self.attempt_end_ns = None
 
     def answered(self, model: str | None, input_tokens: int | None,
-                 output_tokens: int | None) -> None:
-        """What the answer was, on the last attempt's span (the GenAI usage)."""
+                 output_tokens: int | None, finish_reasons: Sequence[str] = ()) -> None:
+        """What the answer was, on the last attempt's span (the GenAI usage, and
+        ``gen_ai.response.finish_reasons`` as the backend named them)."""
         if self.attempt is not None:
             self.attempt.set_attributes(_present({
                 "gen_ai.response.model": model, "gen_ai.usage.input_tokens": input_tokens,
-                "gen_ai.usage.output_tokens": output_tokens}))
+                "gen_ai.usage.output_tokens": output_tokens,
+                "gen_ai.response.finish_reasons": list(finish_reasons) or None}))
 
     def end(self, status: int, reason: str | None, backend: str | None,
             request_id: str) -> None:

@@ -254,7 +254,7 @@ class Follower:
             await client.error(UpstreamError(
                 f"Backend {name!r} closed the stream before it finished."))
             return None
-        self.parts.usage.record(self.times.usage)
+        self.parts.usage.record(self.times.usage, [self.cont.finish_reason])
         await client.finish()
         return None
 

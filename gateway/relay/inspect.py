@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.relay.send import json_object
@@ -82,6 +82,8 @@ class StreamInspector:
     usage: dict[str, Any] | None = None
     final_completion: int = 0  # completion tokens summed over the usage chunks
     final_chunks: int = 0  # usage (or task end) chunks seen
+    #: Each finish reason the stream's events gave (one per choice), for the trace.
+    finish_reasons: list[str] = field(default_factory=list)
 
     def feed(self, raw: bytes) -> Inspected:
         """Inspect one raw event (SSE, or an NDJSON line)."""
@@ -115,6 +117,8 @@ class StreamInspector:
         return raw, self._seen(read_event(self.spec.name, obj)), None
 
     def _seen(self, seen: Seen) -> bool:
+        if seen.finish is not None:
+            self.finish_reasons.append(seen.finish)
         if seen.usage:
             self.usage = {**(self.usage or {}), **seen.usage}
         if seen.done and self.spec.native_tasks:

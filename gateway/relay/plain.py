@@ -193,7 +193,7 @@ class PlainRelay:
                 body = reshaped(resp.status_code, body, x.api)
         else:
             usage, reasons, pace = await usage_of(x.route, body)
-            parts.usage.record(parts.usage.all_choices(usage, reasons))
+            parts.usage.record(parts.usage.all_choices(usage, reasons), reasons)
             if resp.status_code == 200:
                 parts.usage.paced(parts.tries.current, usage, pace)
             if x.answer_model is not None:  # the served model's name, not the backend's

@@ -122,7 +122,8 @@ class ProxyResponse(Response):
             record.reason = x.reason
         if x.trace is not None:
             usage = self.parts.usage
-            x.trace.answered(answer_name(x), usage.reported_prompt, usage.completion)
+            x.trace.answered(answer_name(x), usage.reported_prompt, usage.completion,
+                             usage.finish_reasons)
             if record.final_status == 499:
                 x.trace.event("gateway.client_left")
         self.metrics.duration.labels(x.backend.name).observe(self.clock.now() - x.started)

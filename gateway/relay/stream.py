@@ -150,7 +150,8 @@ class StreamRelay:
         if not self.opened:
             self.opened = True
             await self.send(self.start)
-        self.parts.usage.record(state.stream_usage(x.backend.dialect.usage_covers_one_choice))
+        self.parts.usage.record(state.stream_usage(x.backend.dialect.usage_covers_one_choice),
+                                state.finish_reasons)
         await self.send({"type": "http.response.body", "body": b"", "more_body": False})
         if state.whole and not x.backend.dialect.closes_streams:
             self.tail = chunks  # read to its end in the background, to pool the connection

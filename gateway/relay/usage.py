@@ -5,6 +5,7 @@ prediction and the tenant's window, and the timing of its output tokens (TTFT, I
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from gateway.admission.lease import Lease
@@ -36,6 +37,7 @@ class UsageBook:
     :ivar completion: completion tokens the backends reported, summed (``None``: none).
     :ivar reported_prompt: the backend's last ``usage.prompt_tokens``.
     :ivar streamed: output events relayed (the completion count when no usage came).
+    :ivar finish_reasons: why the answer ended, as the backend said (one per choice).
     """
 
     def __init__(self, x: Exchange, metrics: GatewayMetrics, clock: Clock) -> None:
@@ -45,6 +47,7 @@ class UsageBook:
         self.completion: int | None = None
         self.reported_prompt: int | None = None
         self.streamed = 0
+        self.finish_reasons: list[str] = []
         self._itl: Any = None  # gateway_itl_seconds for the backend _itl_of
         self._itl_of: object = None
         self.gaps = 0  # gaps between the stream's tokens, as its client saw them
@@ -173,10 +176,12 @@ class UsageBook:
         tokens.labels(x.tenant.name, "prompt").inc(prompt)
         tokens.labels(x.tenant.name, "completion").inc(completion)
 
-    def record(self, usage: Any) -> None:
-        """Observe a finished answer's ``usage`` (or ``None``): the token histograms, the
-        completion for the output prediction, the prompt count against the one charged
-        (a disagreement drops the kept count; an estimate is calibrated)."""
+    def record(self, usage: Any, finish_reasons: Iterable[Any] = ()) -> None:
+        """Observe a finished answer's ``usage`` (or ``None``) and why it ended: the
+        token histograms, the completion for the output prediction, the prompt count
+        against the one charged (a disagreement drops the kept count; an estimate is
+        calibrated), the finish reasons for the trace."""
+        self.finish_reasons += [r for r in finish_reasons if isinstance(r, str)]
         name = self.x.backend.name
         prompt = self.x.charge.prompt_tokens
         completion = None

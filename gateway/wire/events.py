@@ -30,7 +30,7 @@ from typing import Any, TypeGuard
 
 from gateway.wire.routes import Route
 
-__all__ = ["Seen", "decode_pace", "has_token", "quick_token", "read_event",
+__all__ = ["Seen", "decode_pace", "finish_of", "has_token", "quick_token", "read_event",
            "usage_of_whole"]
 
 _DELTA_TOKENS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
@@ -46,11 +46,15 @@ class Seen:
     :param usage: token counts it carries, normalised (``prompt_tokens``,
         ``completion_tokens``); ``None`` when it has none.
     :param done: it ends the stream.
+    :param finish: the reason the answer (or one choice of it) ended, as the backend
+        names it (``stop``, ``length``, ``tool_calls``; Anthropic's ``end_turn``,
+        ``max_tokens``; Ollama's ``done_reason``), or ``None``.
     """
 
     token: bool = False
     usage: dict[str, int] | None = None
     done: bool = False
+    finish: str | None = None
 
 
 def has_token(choices: Any) -> bool:
@@ -91,11 +95,18 @@ def quick_token(raw: bytes) -> bool | None:
     not recognised. Each name is looked for with ``bytes.find`` (a regular expression
     over all six took 4 µs a chunk, this under 1 µs: the SSE relay reads every event,
     issue 37). A name followed by anything but ``:`` (a spaced key, or a string value
-    such as ``"text"``) is not settled here: ``None``.
+    such as ``"text"``) is not settled here: ``None``. Nor is a chunk whose
+    ``finish_reason`` is anything but ``null`` (the last of each choice), which is
+    parsed for its reason (the trace's ``gen_ai.response.finish_reasons``).
     """
     if not (raw.startswith(b"data: {") and raw.endswith(b"}\n\n")) or raw.count(b"\n") != 2 \
             or b"\r" in raw or b'"usage"' in raw or b'"error"' in raw:
         return None
+    at = raw.find(b'"finish_reason"')
+    while at >= 0:  # only ``"finish_reason":null`` is settled here
+        if raw[at + 15 : at + 20] != b":null":
+            return None
+        at = raw.find(b'"finish_reason"', at + 20)
     token = False
     for name in _OUTPUT_NAMES:
         at = raw.find(name)
@@ -110,6 +121,20 @@ def quick_token(raw: bytes) -> bool | None:
                 token = True
             at = raw.find(name, end)
     return token
+
+
+def finish_of(choices: Any) -> str | None:
+    """The first ``finish_reason`` among an OpenAI chunk's or answer's ``choices``, or
+    ``None``."""
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
+                return str(choice["finish_reason"])
+    return None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
 
 
 def _ints(**values: Any) -> dict[str, int] | None:
@@ -147,10 +172,11 @@ def read_event(route: str, obj: dict[str, Any]) -> Seen:
     """
     if route in (Route.chat, Route.completions):
         usage = obj.get("usage")
-        return Seen(token=has_token(obj.get("choices")),
+        choices = obj.get("choices")
+        return Seen(token=has_token(choices),
                     usage=_ints(prompt_tokens=usage.get("prompt_tokens"),
                                 completion_tokens=usage.get("completion_tokens"))
-                    if isinstance(usage, dict) else None)
+                    if isinstance(usage, dict) else None, finish=finish_of(choices))
     if route in _NATIVE:
         stop = obj.get("stop") is True
         return Seen(token=bool(obj.get("content")) and not stop,
@@ -174,7 +200,8 @@ def read_event(route: str, obj: dict[str, Any]) -> Seen:
             return Seen(token=any(delta.get(k) for k in ("text", "partial_json", "thinking")))
         if kind == "message_delta":
             usage = obj.get("usage") or {}
-            return Seen(usage=_ints(completion_tokens=usage.get("output_tokens")))
+            return Seen(usage=_ints(completion_tokens=usage.get("output_tokens")),
+                        finish=_text((obj.get("delta") or {}).get("stop_reason")))
         return Seen(done=kind == "message_stop")
     if route in _OLLAMA:
         message = obj.get("message")
@@ -183,13 +210,15 @@ def read_event(route: str, obj: dict[str, Any]) -> Seen:
         done = obj.get("done") is True
         return Seen(token=bool(obj.get("response") or message.get("content")
                                or message.get("thinking")),
-                    usage=_ollama_usage(obj) if done else None, done=done)
+                    usage=_ollama_usage(obj) if done else None, done=done,
+                    finish=_text(obj.get("done_reason")) if done else None)
     return Seen()
 
 
 def usage_of_whole(route: str, data: Any) -> tuple[dict[str, int] | None, list[Any]]:
     """Token counts of a whole (non-streamed) answer of ``route``, normalised, and each
-    choice's ``finish_reason`` (OpenAI routes; for ``n > 1`` accounting)."""
+    choice's ``finish_reason`` (OpenAI routes, one per choice, for ``n > 1``
+    accounting; Anthropic's ``stop_reason`` and Ollama's ``done_reason``, one)."""
     if isinstance(data, list):  # llama-server's native routes answer a batch with a list
         parts = [part for item in data if isinstance(item, dict)
                  if (part := usage_of_whole(route, item)[0])]
@@ -202,7 +231,7 @@ def usage_of_whole(route: str, data: Any) -> tuple[dict[str, int] | None, list[A
     if route in _NATIVE:
         return _native_usage(data), []
     if route in _OLLAMA:
-        return _ollama_usage(data), []
+        return _ollama_usage(data), [r for r in (_text(data.get("done_reason")),) if r]
     usage = data.get("usage")
     if not isinstance(usage, dict):
         usage = {}
@@ -211,7 +240,8 @@ def usage_of_whole(route: str, data: Any) -> tuple[dict[str, int] | None, list[A
                      completion_tokens=usage.get("output_tokens")), []
     if route == Route.messages:
         return _ints(prompt_tokens=_anthropic_input(usage),
-                     completion_tokens=usage.get("output_tokens")), []
+                     completion_tokens=usage.get("output_tokens")), \
+            [r for r in (_text(data.get("stop_reason")),) if r]
     choices = data.get("choices")
     reasons = [c.get("finish_reason") for c in choices if isinstance(c, dict)] \
         if isinstance(choices, list) else []

@@ -139,6 +139,7 @@ class Continuation:
     created: Any = None
     reasoning: bool = False  # reasoning_content was streamed: not continued faithfully
     finished: bool = False  # a finish_reason was seen: the answer is over
+    finish_reason: str | None = None  # that finish_reason, when it was a string
     _strip: str = ""  # text the continuation will repeat before its new tokens
     _role_sent: bool = False
 
@@ -212,6 +213,8 @@ class Continuation:
         choice = choices[0]
         if choice.get("finish_reason") is not None:
             self.finished = True
+            if isinstance(choice["finish_reason"], str):
+                self.finish_reason = choice["finish_reason"]
         if self.route == Route.completions:
             text = choice.get("text")
             if isinstance(text, str) and text:
