@@ -14,6 +14,7 @@ import pytest
 
 from gateway.config import ConfigError
 from gateway.observe.tracing import tracing_from_env
+from gateway.wire.naming import served_name
 from tests.otlp import GrpcReceiver, HttpReceiver, Span
 from tests.test_predictive import _predictive, _warm
 
@@ -86,11 +87,11 @@ async def test_a_chat_and_a_stream_over_otlp_http_continue_the_callers_trace(
     steps = children(mine, server)
     assert steps["gateway.count"].attributes["gateway.count.source"] == "backend"
     assert steps["gateway.queue"].attributes["gateway.queue.outcome"] == "granted"
-    attempt = steps[f"chat {h.backend.model}"]
+    attempt = steps[f"chat {served_name(h.backend.model)}"]
     assert attempt.kind == "client"
     a = attempt.attributes
-    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == h.backend.model
-    assert a["gen_ai.request.max_tokens"] == 50 and a["gen_ai.response.model"]
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == "fake"
+    assert a["gen_ai.request.max_tokens"] == 50 and a["gen_ai.response.model"] == "fake"
     assert a["gen_ai.usage.output_tokens"] == fake.tokens and a["gen_ai.usage.input_tokens"] > 0
     assert a["gen_ai.response.finish_reasons"] == ["length"]  # as the backend said
     assert a["http.response.status_code"] == 200 and not attempt.error
@@ -99,7 +100,7 @@ async def test_a_chat_and_a_stream_over_otlp_http_continue_the_callers_trace(
     # The stream: a trace of its own (no caller context), its first token an event.
     (other,) = [t for t in traces if t != CALLER_TRACE]
     streamed = traces[other]
-    first = children(streamed, server_span(streamed))[f"chat {h.backend.model}"]
+    first = children(streamed, server_span(streamed))[f"chat {served_name(h.backend.model)}"]
     assert first.attributes["gateway.stream"] is True
     assert first.event("gen_ai.first_token") is not None
     assert first.attributes["gen_ai.response.finish_reasons"] == ["length"]
@@ -122,7 +123,7 @@ async def test_otlp_grpc_receives_the_same_trace(harness_factory: Any,
         spans = by_trace(receiver.spans)[CALLER_TRACE]
         names = {s.name for s in spans}
         assert {"POST /v1/chat/completions", "gateway.queue",
-                f"chat {h.backend.model}"} <= names
+                f"chat {served_name(h.backend.model)}"} <= names
     finally:
         receiver.close()
 

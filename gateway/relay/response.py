@@ -21,8 +21,6 @@ failure becomes one final ``data: {"error": …}`` event, and no ``[DONE]`` is i
 
 from __future__ import annotations
 
-import json
-
 import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -42,15 +40,9 @@ from gateway.relay.usage import UsageBook
 from gateway.relay.watcher import DisconnectWatcher
 from gateway.request.exchange import Exchange
 from gateway.tasks import Flag
+from gateway.wire.naming import served_name
 
-__all__ = ["ProxyResponse", "answer_name", "strategy_for"]
-
-
-def answer_name(x: Exchange) -> str:
-    """The model the answers of ``x`` name (``gen_ai.response.model``)."""
-    if x.answer_model is not None:
-        return str(json.loads(x.answer_model))
-    return x.backend.model
+__all__ = ["ProxyResponse", "strategy_for"]
 
 
 def strategy_for(x: Exchange) -> StrategyFactory:
@@ -122,7 +114,8 @@ class ProxyResponse(Response):
             record.reason = x.reason
         if x.trace is not None:
             usage = self.parts.usage
-            x.trace.answered(answer_name(x), usage.reported_prompt, usage.completion,
+            x.trace.answered(served_name(x.backend.model), usage.reported_prompt,
+                             usage.completion,
                              usage.finish_reasons)
             if record.final_status == 499:
                 x.trace.event("gateway.client_left")

@@ -19,6 +19,7 @@ from gateway.observe.tracing import OPERATIONS
 from gateway.relay.attempt import Attempt, ticket_for, upstream_request_for
 from gateway.relay.send import failure_kind
 from gateway.request.exchange import Exchange
+from gateway.wire.naming import served_name
 
 __all__ = ["Tries"]
 
@@ -91,7 +92,7 @@ class Tries:
         x = self.x
         if x.trace is not None:
             request.headers.update({k.decode(): v.decode() for k, v in x.trace.attempt_begins(
-                OPERATIONS.get(x.route, x.route), x.backend.model, x.backend.name,
+                OPERATIONS.get(x.route, x.route), served_name(x.backend.model), x.backend.name,
                 str(request.url), x.charge.max_tokens, x.stream)})
         return request
 
