@@ -65,7 +65,8 @@ def free_port() -> int:
 
 def add_llama_routes(app: Any) -> None:
     """The llama-server routes besides generation that the gateway calls: ``/props``
-    (4,096 slots of 4,096 tokens, so admission never queues) and the chat count."""
+    (4,096 slots of 4,096 tokens, so admission never queues), the chat count and
+    ``/tokenize`` (asked once, by the build survey at discovery)."""
     from aiohttp import web
 
     async def count(request: web.Request) -> web.Response:
@@ -76,7 +77,12 @@ def add_llama_routes(app: Any) -> None:
         return web.json_response(
             {"total_slots": 4096, "default_generation_settings": {"n_ctx": 4096}})
 
+    async def tokenize(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"tokens": [1, 2, 3]})
+
     app.router.add_post("/v1/chat/completions/input_tokens", count)
+    app.router.add_post("/tokenize", tokenize)  # the gateway's build survey asks it
     app.router.add_get("/props", props)
 
 

@@ -368,7 +368,8 @@ def _backend_option(parser: argparse.ArgumentParser) -> None:
         help="a backend, in place of the file's [[backends]] (repeatable): its URL, and "
              "optional key=value items after commas (kind, name, model, api_key_file, "
              "slots, ctx_per_slot, kv_unified, pool_tokens); without kind=, the kind is "
-             "asked of the server")
+             "asked of the server. Give the port: llama-server listens on 8080 by "
+             "default, newer builds on 9931")
 
 
 def _add_router_arguments(plan: argparse.ArgumentParser) -> None:
@@ -461,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
     probe = sub.add_parser("probe", help="detect a backend and read its capacity")
-    probe.add_argument("url")
+    probe.add_argument("url", help="the server's whole URL, port included (llama-server: "
+                                   "8080 by default, 9931 on newer builds; Ollama: 11434)")
     probe.add_argument("--api-key", help="the key the backend was started with (--api-key)")
     probe.add_argument("--json", action="store_true")
     probe.set_defaults(func=_probe)

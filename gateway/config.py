@@ -290,6 +290,10 @@ class BackendSettings(_Strict):
     # llama-server only) whose timings give the decode pace, so that a fresh gateway
     # predicts queue waits (and refuses doomed requests) before any answer has ended.
     calibrate: bool = True
+    # At the first discovery, a few requests that generate nothing (llama-server only:
+    # gateway.wire.builds), to say once what this build lacks and what the gateway does
+    # instead, or to refuse a build it cannot count prompts on.
+    survey: bool = True
     # Idle pooled connections to the backend are closed after this, seconds: below the
     # backend's own keep-alive timeout (llama-server: 5 s), so the gateway never writes a
     # request onto a connection the backend is closing.

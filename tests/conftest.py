@@ -53,8 +53,9 @@ def make_settings() -> SettingsFactory:
     def make(admission: dict[str, Any] | None = None, **backend: Any) -> Settings:
         # No calibration request at discovery (backends[].calibrate) unless a test is
         # about it: tests count the fake's requests.
+        # Nor the build survey (backends[].survey), for the same reason.
         entry: dict[str, Any] = {"name": "local", "url": "http://upstream:8080",
-                                 "calibrate": False, **backend}
+                                 "calibrate": False, "survey": False, **backend}
         # The fake upstream stops the moment it is closed, so no release grace is needed
         # unless a test is about that grace.
         admission = {"disconnect_grace_s": 0.0, **(admission or {})}

@@ -71,6 +71,10 @@ class FakeLlamaServer:
     count_hold: asyncio.Event | None = None  # when set, counting waits for it
     input_tokens_route: bool = True
     slots_route: bool = True
+    #: Paths this build lacks: answered 404 (cpp-httplib's default), as on older builds.
+    missing_routes: set[str] = field(default_factory=set)
+    #: Answer POST /v1/responses/input_tokens (b10240 and later); off, it is a 404.
+    responses_count_route: bool = False
     api_key: str | None = None  # as llama-server --api-key: 401 without it
     n_vocab: int = 262144
     # When set, a generation the gateway abandons keeps its slot busy (as llama-server
@@ -120,6 +124,8 @@ class FakeLlamaServer:
     async def handle(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
         path = request.url.path
+        if path in self.missing_routes:
+            return httpx.Response(404, text="Not Found")
         if self.mode == "connect":
             raise httpx.ConnectError("connection refused", request=request)
         if self.api_key is not None and path not in ("/health", "/v1/health"):
@@ -161,6 +167,9 @@ class FakeLlamaServer:
                 await self.count_hold.wait()
             n = count_words(json.loads(request.content))
             return httpx.Response(200, json={"object": "response.input_tokens", "input_tokens": n})
+        if path == "/v1/responses/input_tokens" and self.responses_count_route:
+            return httpx.Response(200, json={"object": "response.input_tokens",
+                                             "input_tokens": 3})
         if path == "/apply-template":
             body = json.loads(request.content)
             return httpx.Response(200, json={"prompt": " ".join(

@@ -149,7 +149,7 @@ async def gateway(**routing: Any) -> tuple[httpx.AsyncClient, Any]:
     policy = routing.pop("policy", "strict")
     settings = load_settings(
         admission={"disconnect_grace_s": 0.0, "policy": policy}, routing=routing,
-        backends=[{"name": "local", "url": "http://llama:8080"}])
+        backends=[{"name": "local", "url": "http://llama:8080", "survey": False}])
     app = create_app(settings, http_client=httpx.AsyncClient(
         transport=httpx.MockTransport(upstream)), registry=CollectorRegistry(),
         discover=False)
@@ -275,7 +275,7 @@ async def test_an_event_that_is_not_json_does_not_hide_the_next_ones_model() -> 
         return await upstream(request)
 
     settings = load_settings(admission={"disconnect_grace_s": 0.0},
-                             backends=[{"name": "local", "url": "http://llama:8080"}])
+                             backends=[{"name": "local", "url": "http://llama:8080", "survey": False}])
     app = create_app(settings, http_client=httpx.AsyncClient(
         transport=httpx.MockTransport(one_read)), registry=CollectorRegistry(),
         discover=False)

@@ -121,6 +121,10 @@ async def test_mark_failed_backs_off_per_routing_and_wakes_the_pool_later() -> N
         async def calibrate(self) -> float | None:
             return None
 
+        async def survey(self) -> Any:
+            from gateway.wire.builds import BuildReport
+            return BuildReport()
+
     running = settings({"name": "a", "model": "m"}, {"name": "b", "model": "m"},
                        routing={"down_initial_s": 2.0, "down_max_s": 3.0})
     clock = ManualClock()

@@ -296,7 +296,8 @@ def _backend(kind: str, policy: str) -> dict[str, Any]:
     # Strict on private slots, or predictive on a unified pool large enough for every
     # slot: either way, a valid request without a cap (1024 by default) fits.
     layout = {"kv_unified": False} if policy == "strict" else {"pool_tokens": 4 * 2048}
-    return {"name": "local", "url": "http://upstream:8080", **layout}
+    # No build survey: this upstream answers the generation routes only.
+    return {"name": "local", "url": "http://upstream:8080", "survey": False, **layout}
 
 
 async def _exchange(kind: str, path: str, raw: bytes, policy: str = "strict", *,

@@ -89,6 +89,10 @@ async def test_a_pool_penalty_easing_off_keeps_what_the_slot_watch_holds() -> No
         async def calibrate(self) -> float | None:
             return None
 
+        async def survey(self) -> Any:
+            from gateway.wire.builds import BuildReport
+            return BuildReport()
+
     clock = ManualClock()
     target = Target(BackendSettings(name="b", pool_tokens=10_000), AdmissionSettings(),
                     httpx.AsyncClient(), clock, dialect=Quiet())  # type: ignore[arg-type]

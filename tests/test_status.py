@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 BACKEND_FIELDS = {
     "name", "model", "kind", "state", "ready", "up", "draining", "retiring", "problem",
-    "down_for_s", "layout", "slots", "busy_slots", "ctx_per_slot", "pool_tokens",
+    "fallbacks", "down_for_s", "layout", "slots", "busy_slots", "ctx_per_slot", "pool_tokens",
     "capacity_tokens", "reserved_tokens", "live_tokens", "inflight", "queued",
     "queue_capacity", "oldest_wait_s", "router", "slo", "rejections",
 }
@@ -101,7 +101,7 @@ async def test_the_json_has_every_field_of_an_idle_backend(harness: Harness) -> 
     assert row | {"rejections": None} == {
         "name": "local", "model": "fake", "kind": "llama.cpp", "state": "up",
         "ready": True, "up": True, "draining": False, "retiring": False, "problem": None,
-        "down_for_s": 0.0, "layout": "unified", "slots": 4, "busy_slots": 0,
+        "fallbacks": [], "down_for_s": 0.0, "layout": "unified", "slots": 4, "busy_slots": 0,
         "ctx_per_slot": 2048, "pool_tokens": 2048, "capacity_tokens": 2048,
         "reserved_tokens": 0, "live_tokens": 0, "inflight": 0, "queued": 0,
         "queue_capacity": 64, "oldest_wait_s": 0.0, "router": None, "rejections": None,

@@ -32,6 +32,7 @@ from gateway.errors import (
     UpstreamRefused,
     describe,
 )
+from gateway.wire.builds import BuildReport
 from gateway.wire.validation import ParsedRequest
 
 __all__ = ["Dialect", "Discovered", "ExactCount", "SideCalls", "WithoutSlots",
@@ -174,6 +175,11 @@ class Dialect(Protocol):
         the gateway's own at the first discovery (``backends[].calibrate``), or
         ``None`` where the kind cannot tell it without loading a model. Never raises."""
 
+    async def survey(self) -> BuildReport:
+        """What this build of the server lacks of what the gateway reads, and what the
+        gateway does instead (:mod:`gateway.wire.builds`), asked at the first discovery
+        of a reachable server. Never raises."""
+
     async def count_prompt(self, route: str, body: dict[str, Any]) -> int | None:
         """Prompt tokens as the server counts them, or ``None`` to estimate."""
         ...
@@ -279,6 +285,10 @@ class WithoutSlots:
         """``None``: a request would load a model the server may have unloaded (Ollama),
         and these servers' answers carry no timings (vLLM)."""
         return None
+
+    async def survey(self) -> BuildReport:
+        """Nothing: these kinds' routes are not surveyed (their builds were not checked)."""
+        return BuildReport()
 
 
 class ExactCount:

@@ -41,6 +41,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamKind,
 )
+from gateway.wire.builds import CHAT_COUNT, SURVEY, BuildReport, read_survey
 from gateway.wire.events import decode_pace
 from gateway.wire.routes import Route
 from gateway.wire.validation import ParsedRequest
@@ -61,6 +62,7 @@ CALIBRATION_TOKENS = 16
 #: The longest a calibration request may stay silent, seconds: on a server whose slots
 #: are all busy with other clients it waits for one, and discovery waits for it.
 CALIBRATION_TIMEOUT_S = 5.0
+SURVEY_TIMEOUT_S = 5.0  # each survey request (gateway.wire.builds): no generation
 # Routes whose body llama-server counts itself, and where (tools/server/server.cpp).
 _COUNT_ROUTES: dict[str, str] = {Route.messages: "/v1/messages/count_tokens",
                  Route.count_tokens: "/v1/messages/count_tokens",
@@ -96,10 +98,13 @@ class RouterMode(Exception):  # noqa: N818 (a signal, not a failure)
 
 
 class Calibrated:
-    """llama-server's calibration (:meth:`~gateway.backends.base.Dialect.calibrate`)."""
+    """llama-server's calibration (:meth:`~gateway.backends.base.Dialect.calibrate`)
+    and build survey (:meth:`~gateway.backends.base.Dialect.survey`)."""
 
     name: str
     side: SideCalls
+    settings: Any
+    input_tokens_route: bool
 
     async def calibrate(self) -> float | None:
         """Two completions of :data:`CALIBRATION_TOKENS` tokens after a few words
@@ -122,6 +127,28 @@ class Calibrated:
             if pace is not None:
                 paces.append(pace)
         return min(paces, default=None)
+
+    async def survey(self) -> BuildReport:
+        """Send :data:`~gateway.wire.builds.SURVEY` (within :data:`SURVEY_TIMEOUT_S`
+        each) and read the statuses; a route the build lacks is not asked again
+        (chat counting goes straight to ``/apply-template``). Nothing is asked with
+        ``backends[].survey`` off."""
+        if not self.settings.survey:
+            return BuildReport()
+        status: dict[str, int | None] = {}
+        for _, path, body in SURVEY:
+            try:
+                with map_upstream_errors(self.name):
+                    resp = await (self.side.get(path, timeout_s=SURVEY_TIMEOUT_S)
+                                  if body is None else
+                                  self.side.post(path, body, timeout_s=SURVEY_TIMEOUT_S))
+                status[path] = resp.status_code
+            except GatewayError:
+                status[path] = None
+        report = read_survey(status)
+        if status.get(CHAT_COUNT) in (404, 405):
+            self.input_tokens_route = False
+        return report
 
 
 class LlamaCpp(Calibrated, ExactCount):
@@ -168,7 +195,7 @@ class LlamaCpp(Calibrated, ExactCount):
         self.side = side
         self.n_vocab: int | None = None  # /v1/models meta.n_vocab, once read
         self.model_id: str | None = None  # /v1/models id, once read
-        self._input_tokens_route = True  # cleared when the build lacks it (404)
+        self.input_tokens_route = True  # cleared when the build lacks it (404)
         self._rng = random.Random()
 
     # -- discovery ---------------------------------------------------------------------
@@ -368,13 +395,13 @@ class LlamaCpp(Calibrated, ExactCount):
         return len(resp.json()["tokens"])
 
     async def _count_chat(self, body: dict[str, Any]) -> int | None:
-        if self._input_tokens_route:
+        if self.input_tokens_route:
             resp = await self.side.post("/v1/chat/completions/input_tokens", body)
             if resp.status_code == 200:
                 return int(resp.json()["input_tokens"])
             if resp.status_code != 404:
                 return self._refused(resp)
-            self._input_tokens_route = False
+            self.input_tokens_route = False
         resp = await self.side.post("/apply-template", body)
         if resp.status_code != 200:
             return self._refused(resp)

@@ -55,6 +55,7 @@ from gateway.errors import (
     UpstreamKind,
     UpstreamUnavailable,
 )
+from gateway.wire.builds import BuildReport
 from gateway.wire.validation import ParsedRequest
 
 if TYPE_CHECKING:
@@ -324,6 +325,10 @@ class RouterModel(LlamaCpp):
         """``None``: a request would make the router load the model (its pace comes
         from its answers instead)."""
         return None
+
+    async def survey(self) -> BuildReport:
+        """Nothing asked, for the same reason: a survey request would load the model."""
+        return BuildReport()
 
     async def discover(self) -> Discovered:
         """The model's layout as the hub last read it (read again first unless the hub

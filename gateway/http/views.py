@@ -26,11 +26,12 @@ READY_FIELDS = ("ready", "kind", "model", "slots", "ctx_per_slot", "capacity_tok
                 "kv_unified")
 #: ``/admin/backends``' row.
 ADMIN_FIELDS = ("name", "model", "model_id", "aliases", "kind", "url", "ready", "up", "draining",
-                "failures", "down_for_s", "problem", "slots", "ctx_per_slot",
+                "failures", "down_for_s", "problem", "fallbacks", "slots", "ctx_per_slot",
                 "capacity_tokens", "reserved_tokens", "inflight", "queued", "router")
 #: ``/status.json``'s row (the caller adds ``rejections``).
 STATUS_FIELDS = ("name", "model", "kind", "state", "ready", "up", "draining", "retiring",
-                 "problem", "down_for_s", "layout", "slots", "busy_slots", "ctx_per_slot",
+                 "problem", "fallbacks", "down_for_s", "layout", "slots", "busy_slots",
+                 "ctx_per_slot",
                  "pool_tokens", "capacity_tokens", "reserved_tokens", "live_tokens",
                  "inflight", "queued", "queue_capacity", "oldest_wait_s", "router", "slo")
 
@@ -73,6 +74,7 @@ def backend_facts(backend: Target, now: float, *, gateway_draining: bool = False
         "kind": backend.kind, "url": backend.settings.url, "state": state,
         "ready": backend.ready, "up": backend.up, "draining": backend.draining,
         "retiring": retiring, "failures": backend.health.failures, "problem": backend.problem,
+        "fallbacks": list(backend.fallbacks),
         "down_for_s": round(backend.health.down_for_s(now), 3),
         "layout": None if layout is None else "unified" if layout.unified else "per_slot",
         "kv_unified": layout.unified if layout else backend.settings.unified,

@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from gateway.wire.builds import SURVEY, BuildReport, read_survey
+
 __all__ = ["probe", "render_probe"]
 
 
@@ -36,6 +38,18 @@ def _json(client: httpx.Client, method: str, url: str, **kw: Any) -> Any:
         return None
 
 
+def _survey(client: httpx.Client, url: str) -> BuildReport:
+    """The build survey (:mod:`gateway.wire.builds`) the gateway runs at discovery."""
+    status: dict[str, int | None] = {}
+    for _, path, body in SURVEY:
+        try:
+            status[path] = (client.get(url + path) if body is None
+                            else client.post(url + path, json=body)).status_code
+        except httpx.HTTPError:
+            status[path] = None
+    return read_survey(status)
+
+
 def _llama(client: httpx.Client, url: str, props: dict[str, Any]) -> dict[str, Any]:
     slots_json = _json(client, "GET", url + "/slots")
     models = _json(client, "GET", url + "/v1/models") or {}
@@ -49,6 +63,8 @@ def _llama(client: httpx.Client, url: str, props: dict[str, Any]) -> dict[str, A
         "busy_slots": sum(bool(s.get("is_processing")) for s in slots_json)
         if isinstance(slots_json, list) else None,
     }
+    report = _survey(client, url)
+    found["fallbacks"], found["problem"] = list(report.fallbacks), report.problem
     found["undiscoverable"] = [
         "kv_unified: whether the slots share one KV pool (llama-server's default without "
         "-np) or each has its own (-np N); /props and /slots look the same either way",
@@ -244,7 +260,8 @@ def render_probe(found: dict[str, Any]) -> str:
         return f"unknown backend: {found['error']}"
     lines = [f"kind           {found['kind']}"]
     for key, value in found.items():
-        if key in ("kind", "undiscoverable", "backend_block", "models") or value is None:
+        if key in ("kind", "undiscoverable", "backend_block", "models", "fallbacks",
+                   "problem") or value is None:
             continue
         lines.append(f"{key:<14} {value}")
     for model in found.get("models") or []:
@@ -253,6 +270,11 @@ def render_probe(found: dict[str, Any]) -> str:
                       f"unified pool {model['pool_tokens']}" if model["kv_unified"]
                       else "per-slot KV") + f" (from {model['from']})")
         lines.append(f"model          {model['id']}: {model['state']}, {layout}")
+    if found.get("problem"):
+        lines += ["", f"the gateway will not use this server: {found['problem']}"]
+    if found.get("fallbacks"):
+        lines += ["", "this build lacks (what the gateway does instead):"]
+        lines += [f"  - {note}" for note in found["fallbacks"]]
     lines.append("")
     lines.append("not discoverable over HTTP (set in config):")
     lines += [f"  - {note}" for note in found["undiscoverable"]]
