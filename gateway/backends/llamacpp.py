@@ -41,7 +41,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamKind,
 )
-from gateway.wire.builds import CHAT_COUNT, SURVEY, BuildReport, read_survey
+from gateway.wire.builds import CHAT_COUNT, SURVEY, BuildReport, lacks, read_survey
 from gateway.wire.events import decode_pace
 from gateway.wire.routes import Route
 from gateway.wire.validation import ParsedRequest
@@ -146,7 +146,7 @@ class Calibrated:
             except GatewayError:
                 status[path] = None
         report = read_survey(status)
-        if status.get(CHAT_COUNT) in (404, 405):
+        if lacks(status, CHAT_COUNT):
             self.input_tokens_route = False
         return report
 

