@@ -648,7 +648,7 @@ async def test_max_inflight_places_survive_disconnects_and_refusals(
     assert (await tenant_keys(view))[1] == []
     for h in (a, b):
         t = h.state.tenants.by_name["web"]
-        assert (t.inflight, t.waiting, t.share.held) == (0, 0, [])
+        assert (t.inflight, t.waiting, t.quota.held) == (0, 0, [])
     await view.settled()
     await until(lambda: idle(a) and idle(b))
     # And the quota still lets two through at once.

@@ -108,8 +108,8 @@ async def test_max_queued_holds_across_processes(pair: Any, fake: FakeLlamaServe
     fake.hold.set()
     assert [r.status_code for r in await asyncio.gather(first, second, third)] == [200] * 3
     # The places are given back: two more may wait again.
-    await until(lambda: not (a.state.tenants.by_name["web"].share.queued
-                             or b.state.tenants.by_name["web"].share.queued))
+    await until(lambda: not (a.state.tenants.by_name["web"].quota.queued
+                             or b.state.tenants.by_name["web"].quota.queued))
 
 
 async def test_a_dead_process_s_queued_places_expire(pair: Any, redis_server: Any

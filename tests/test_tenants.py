@@ -642,3 +642,40 @@ async def test_the_gate_passes_places_on_in_order_and_gives_back_a_cancelled_gra
     assert tenant.waiting == 0 and tenant.inflight == 1
     tenant.leave()
     assert tenant.inflight == 0
+
+
+def test_each_tenant_gets_its_quota_once_and_a_reload_keeps_it() -> None:
+    """The quota is chosen when a tenant is made (issue 39): the factory is asked once
+    per configured tenant, a reload keeps each kept tenant's own, and every step of the
+    tenant goes to it."""
+    from gateway.admission.tenants import LocalQuota, Tenants
+
+    asked: list[str] = []
+    calls: list[str] = []
+
+    class Recording(LocalQuota):
+        def enter_now(self, tenant: Any) -> bool:
+            calls.append("enter_now")
+            return super().enter_now(tenant)
+
+        def leave(self, tenant: Any) -> None:
+            calls.append("leave")
+            super().leave(tenant)
+
+    def quota_for(name: str) -> Recording:
+        asked.append(name)
+        return Recording()
+
+    settings = load_settings(tenants=TENANTS, classes=CLASSES)
+    tenants = Tenants(settings, quota_for=quota_for)
+    assert sorted(asked) == sorted(t["name"] for t in TENANTS)
+    first = {name: t.quota for name, t in tenants.by_name.items()}
+    later = Tenants(settings, previous=tenants, quota_for=tenants.quota_for)
+    assert {name: t.quota for name, t in later.by_name.items()} == first
+    assert len(asked) == len(TENANTS)  # nothing asked again
+    tenant = later.by_name[TENANTS[0]["name"]]
+    assert tenant.enter_now() and tenant.inflight == 1
+    tenant.leave()
+    assert calls == ["enter_now", "leave"] and tenant.inflight == 0
+    anonymous = Tenants(load_settings(), quota_for=quota_for).by_name["anonymous"]
+    assert not isinstance(anonymous.quota, Recording)  # no quotas: nothing to count

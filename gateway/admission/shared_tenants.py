@@ -23,8 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gateway.admission.tenants import TOKENS_WINDOW_S, TokenHold, window_reset_s
+from gateway.clock import Clock, wait
+from gateway.errors import StateUnavailable
+from gateway.tasks import not_cancelled
+
 if TYPE_CHECKING:
     from gateway.admission.shared import SharedStore
+    from gateway.admission.tenants import Tenant
 
 __all__ = ["TenantShare", "WindowReply"]
 
@@ -141,7 +147,8 @@ class WindowReply:
 
 
 class TenantShare:
-    """One tenant's quotas as every gateway process sees them.
+    """One tenant's quotas as every gateway process sees them: its
+    :class:`~gateway.admission.tenants.Quota` with ``[state] backend = "redis"``.
 
     :param store: the process's link to Redis (:class:`~gateway.admission.shared.SharedStore`).
     :param name: the tenant's name.
@@ -171,8 +178,127 @@ class TenantShare:
         self.last: WindowReply | None = None
 
     def stir(self) -> None:
-        """A place was given back somewhere: wake this process's waiters at the gate."""
+        """A place was given back somewhere (or the gateway drains): wake this process's
+        waiters at the gate."""
         self.changed.set()
+
+    # -- the tenant's Quota ----------------------------------------------------------
+
+    async def take_tokens(self, tenant: Tenant, now: float, prompt_tokens: int
+                          ) -> TokenHold | None:
+        """:meth:`~gateway.admission.tenants.Tenant.hold` over every process's window
+        (:meth:`hold`: one atomic check-and-add).
+
+        :raises RateLimited: the window cannot take them.
+        :raises StateUnavailable: Redis could not be reached.
+        """
+        limit = tenant.settings.tokens_per_minute if tenant.settings else None
+        if limit is None:
+            return tenant.hold_tokens(now, prompt_tokens)
+        reply = await self.hold(prompt_tokens, limit, TOKENS_WINDOW_S)
+        if not reply.admitted:
+            tenant.refuse_tokens(now, reply.used, prompt_tokens, limit, window_reset_s(
+                reply.entries, reply.used + prompt_tokens - limit))
+        return tenant.count(TokenHold(now, prompt_tokens, entry=(reply.member, reply.now_ms)))
+
+    def settle_tokens(self, hold: TokenHold, prompt: int, completion: int) -> None:
+        """Set ``hold``'s entry to what the request counted (:meth:`settle`)."""
+        if hold.entry is not None:
+            self.settle(hold.entry[0], hold.entry[1], prompt, completion)
+
+    def window(self, tenant: Tenant, now: float) -> tuple[int, float]:
+        """Tokens in every process's window as the last check saw them (with its own,
+        when it was counted), and seconds until it is empty; this process's before any
+        check."""
+        last = self.last
+        if last is None:
+            return tenant.local_window(now)
+        used = last.used + (int(last.member.rsplit("|", 1)[1]) if last.admitted else 0)
+        ages = [age for age, _ in last.entries]
+        full = TOKENS_WINDOW_S - min(ages) if ages else (
+            TOKENS_WINDOW_S if last.admitted else 0.0)
+        return used, full
+
+    async def begin_waiting(self, tenant: Tenant, now: float) -> None:
+        """Count one more of the tenant's requests as waiting, over every process
+        (:meth:`take_queued`; Redis lost: this process's waiters only).
+
+        :raises RateLimited: one more would pass ``max_queued``; nothing is counted.
+        """
+        cap = tenant.settings.max_queued if tenant.settings else None
+        if cap is None:
+            tenant.start_waiting(now)
+            return
+        try:
+            taken = await self.take_queued(cap)
+        except StateUnavailable:
+            taken = tenant.waiting < cap
+        if not taken:
+            tenant.refuse_queued(cap, now)
+        tenant.waiting += 1
+
+    def stop_waiting(self) -> None:
+        """One of this process's waiting requests waits no more (:meth:`release_queued`)."""
+        self.release_queued()
+
+    def enter_now(self, tenant: Tenant) -> bool:
+        """Pass at once only without ``max_inflight``: with it, a place is taken in
+        Redis (:meth:`enter`)."""
+        cap = tenant.settings.max_inflight if tenant.settings else None
+        return cap is None and tenant.pass_gate_now()
+
+    async def enter(self, tenant: Tenant, timeout_s: float, clock: Clock) -> float:
+        """Pass the gate when ``max_inflight`` counts every process's requests: take a
+        place in Redis, or wait (counted as waiting) for one given back (notified, or
+        polled every ``[state] poll_interval_s``).
+
+        :raises RateLimited: ``max_queued`` already wait, or the wait passed
+            ``timeout_s``.
+        :raises Exception: what the tenant's ``refuse_waiting`` was given.
+        """
+        cap = tenant.settings.max_inflight if tenant.settings else None
+        if cap is None:
+            return await tenant.wait_at_gate(timeout_s, clock)
+        start = clock.now()
+        self.changed.clear()
+        if await self.acquire(cap):
+            tenant.inflight += 1
+            return 0.0
+        poll_s = self.store.settings.poll_interval_s
+        tenant.refused = None
+        await tenant.begin_waiting(clock.now())
+        try:
+            while not_cancelled():
+                left = timeout_s - (clock.now() - start)
+                if tenant.refused is not None:
+                    raise tenant.refused
+                if left <= 0:
+                    raise tenant.refuse_inflight(cap, timeout_s, clock.now(),
+                                                 ", over every gateway process")
+                changed = asyncio.ensure_future(self.changed.wait())
+                try:
+                    await wait(clock, changed, min(poll_s, left))
+                except TimeoutError:
+                    pass
+                finally:
+                    changed.cancel()
+                self.changed.clear()
+                if tenant.refused is None and await self.acquire(cap):
+                    tenant.inflight += 1
+                    return clock.now() - start
+            raise AssertionError("not_cancelled() returns True or raises")
+        finally:
+            tenant.stop_waiting()
+
+    def leave(self, tenant: Tenant) -> None:
+        """A request of the tenant past the gate has ended: its place in Redis is given
+        back (:meth:`release`), or, without one, this process's gate lets the next
+        through."""
+        if self.held:
+            self.release()
+            tenant.inflight -= 1
+            return
+        tenant.leave_gate()
 
     async def hold(self, tokens: int, limit: int, window_s: float) -> WindowReply:
         """Count ``tokens`` in the tenant's window when they fit ``limit`` over the last

@@ -25,33 +25,25 @@ and nothing is checked.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from gateway.admission.shared import SharedStore
-from gateway.admission.shared_tenants import TenantShare
 from gateway.admission.waitroom import Waitroom
-from gateway.clock import Clock, wait
+from gateway.clock import Clock
 from gateway.config import Settings, TenantSettings
 from gateway.core.fairness import ANONYMOUS, Party
-from gateway.errors import (
-    Forbidden,
-    InvalidRequest,
-    RateLimited,
-    StateUnavailable,
-    Unauthorized,
-)
-from gateway.tasks import not_cancelled
+from gateway.errors import Forbidden, InvalidRequest, RateLimited, Unauthorized
 from gateway.wire import routes
 
-__all__ = ["OPEN_PATHS", "PRIORITY_HEADER", "TOKENS_WINDOW_S", "Tenant", "Tenants",
-           "TokenHold", "admin_key_matches", "hash_key", "key_of"]
+__all__ = ["LOCAL", "OPEN_PATHS", "PRIORITY_HEADER", "TOKENS_WINDOW_S", "LocalQuota",
+           "Quota", "Tenant", "Tenants", "TokenHold", "admin_key_matches", "hash_key",
+           "key_of", "local_quota", "window_reset_s"]
 
 TOKENS_WINDOW_S = 60.0  # the tokens_per_minute window, seconds
 PRIORITY_HEADER = "x-priority"  # a request's class, when it asks for a lower one
@@ -108,7 +100,7 @@ def format_reset(seconds: float) -> str:
     return f"{minutes}m{rest}s"
 
 
-def _reset_s(entries: Iterable[tuple[float, int]], excess: int) -> float:
+def window_reset_s(entries: Iterable[tuple[float, int]], excess: int) -> float:
     """Seconds until ``excess`` tokens have left a tokens-per-minute window whose entries
     are ``entries``, (age seconds, tokens), oldest first."""
     if excess <= 0:
@@ -124,14 +116,85 @@ def _reset_s(entries: Iterable[tuple[float, int]], excess: int) -> float:
 class TokenHold:
     """Tokens one request counts in its tenant's window, from ``at`` (clock seconds).
 
-    :param shared: with shared quotas, its entry in Redis and that entry's time (ms on
-        Redis's clock), for :meth:`Tenant.settle`.
+    :param entry: with quotas counted over every process, its entry in Redis and that
+        entry's time (ms on Redis's clock), for :meth:`Tenant.settle`.
     """
 
     at: float
     tokens: int
     settled: bool = False  # its final count is in
-    shared: tuple[str, int] | None = None
+    entry: tuple[str, int] | None = None
+
+
+class Quota(Protocol):
+    """Where a tenant's quotas are counted: over this process's requests
+    (:data:`LOCAL`), or over every gateway process's
+    (:class:`~gateway.admission.shared_tenants.TenantShare`, with ``[state] backend =
+    "redis"``). Chosen once, when the tenant is made (:attr:`Tenants.quota_for`); the
+    tenant hands each step to it and never asks which it has. Each method is the
+    tenant's method of the same name (``take_tokens``: :meth:`Tenant.hold`), given the
+    tenant."""
+
+    async def take_tokens(self, tenant: Tenant, now: float, prompt_tokens: int
+                          ) -> TokenHold | None: ...
+
+    def settle_tokens(self, hold: TokenHold, prompt: int, completion: int) -> None: ...
+
+    def window(self, tenant: Tenant, now: float) -> tuple[int, float]: ...
+
+    async def begin_waiting(self, tenant: Tenant, now: float) -> None: ...
+
+    def stop_waiting(self) -> None: ...
+
+    def enter_now(self, tenant: Tenant) -> bool: ...
+
+    async def enter(self, tenant: Tenant, timeout_s: float, clock: Clock) -> float: ...
+
+    def leave(self, tenant: Tenant) -> None: ...
+
+    def stir(self) -> None: ...
+
+
+class LocalQuota:
+    """A tenant's quotas over this process's requests only: the tenant's own window,
+    counts and gate (:class:`Quota`)."""
+
+    async def take_tokens(self, tenant: Tenant, now: float, prompt_tokens: int
+                          ) -> TokenHold | None:
+        return tenant.hold_tokens(now, prompt_tokens)
+
+    def settle_tokens(self, hold: TokenHold, prompt: int, completion: int) -> None:
+        """Nothing: the tenant's window is all there is."""
+
+    def window(self, tenant: Tenant, now: float) -> tuple[int, float]:
+        return tenant.local_window(now)
+
+    async def begin_waiting(self, tenant: Tenant, now: float) -> None:
+        tenant.start_waiting(now)
+
+    def stop_waiting(self) -> None:
+        """Nothing: the tenant's count is all there is."""
+
+    def enter_now(self, tenant: Tenant) -> bool:
+        return tenant.pass_gate_now()
+
+    async def enter(self, tenant: Tenant, timeout_s: float, clock: Clock) -> float:
+        return await tenant.wait_at_gate(timeout_s, clock)
+
+    def leave(self, tenant: Tenant) -> None:
+        tenant.leave_gate()
+
+    def stir(self) -> None:
+        """Nothing: the gate's waiters are woken by the gate itself."""
+
+
+#: The quotas of every tenant of a gateway whose state is its own.
+LOCAL = LocalQuota()
+
+
+def local_quota(name: str) -> Quota:
+    """:data:`LOCAL`, for any tenant ``name``: :attr:`Tenants.quota_for` by default."""
+    return LOCAL
 
 
 @dataclass(eq=False)
@@ -140,9 +203,8 @@ class Tenant:
 
     :param settings: its ``[[tenants]]`` entry, or ``None`` for the anonymous tenant.
     :param rank: its class's rank (0: the highest); ``priority`` the class's name.
-    :param share: its quotas as every gateway process counts them
-        (:class:`~gateway.admission.shared_tenants.TenantShare`, with ``[state] backend =
-        "redis"``), or ``None``: this process's requests only.
+    :param quota: where its quotas are counted (:class:`Quota`): this process's
+        requests only, by default.
     """
 
     name: str
@@ -157,8 +219,8 @@ class Tenant:
     # request that waits there, on the clock that request's wait is measured on.
     _gate: Waitroom[None, None] | None = None
     _window: deque[TokenHold] = field(default_factory=deque)
-    share: TenantShare | None = None
-    _refused: Exception | None = None  # refuse_waiting's error, for the shared gate
+    quota: Quota = LOCAL
+    refused: Exception | None = None  # refuse_waiting's error, for a gate that polls
 
     @property
     def weight(self) -> float:
@@ -180,18 +242,20 @@ class Tenant:
         limit = self.settings.tokens_per_minute if self.settings else None
         if limit is None:
             return {}
-        used = self.used_tokens(now)
-        full = self._window[-1].at + TOKENS_WINDOW_S - now if self._window else 0.0
-        if self.share is not None and self.share.last is not None:  # every process's
-            last = self.share.last
-            used = last.used + (int(last.member.rsplit("|", 1)[1]) if last.admitted
-                                else 0)
-            ages = [age for age, _ in last.entries]
-            full = TOKENS_WINDOW_S - min(ages) if ages else (
-                TOKENS_WINDOW_S if last.admitted else 0.0)
+        used, full = self.quota.window(self, now)
         return {"x-ratelimit-limit-tokens": str(limit),
                 "x-ratelimit-remaining-tokens": str(max(0, limit - used)),
                 "x-ratelimit-reset-tokens": format_reset(full)}
+
+    def local_window(self, now: float) -> tuple[int, float]:
+        """Tokens in this process's window, and seconds until it is empty."""
+        full = self._window[-1].at + TOKENS_WINDOW_S - now if self._window else 0.0
+        return self.used_tokens(now), full
+
+    def count(self, hold: TokenHold) -> TokenHold:
+        """Keep ``hold`` in this process's window (one its quota took); returns it."""
+        self._window.append(hold)
+        return hold
 
     def hold_tokens(self, now: float, prompt_tokens: int) -> TokenHold | None:
         """Count ``prompt_tokens`` in the window for a request arriving now (all its
@@ -205,31 +269,20 @@ class Tenant:
             return None
         used = self.used_tokens(now)
         if used + prompt_tokens > limit:
-            self._refuse_tokens(now, used, prompt_tokens, limit,
-                                self._reset_s(now, used, prompt_tokens, limit))
-        hold = TokenHold(now, prompt_tokens)
-        self._window.append(hold)
-        return hold
+            self.refuse_tokens(now, used, prompt_tokens, limit,
+                               self._reset_s(now, used, prompt_tokens, limit))
+        return self.count(TokenHold(now, prompt_tokens))
 
     async def hold(self, now: float, prompt_tokens: int) -> TokenHold | None:
-        """:meth:`hold_tokens`, over every gateway process's window when the quota is
-        shared (one atomic check-and-add in Redis).
+        """:meth:`hold_tokens`, over the window of every process its quota counts (one
+        atomic check-and-add in Redis when shared).
 
         :raises RateLimited: as :meth:`hold_tokens`.
         :raises StateUnavailable: the quota is shared and Redis cannot be reached.
         """
-        limit = self.settings.tokens_per_minute if self.settings else None
-        if self.share is None or limit is None:
-            return self.hold_tokens(now, prompt_tokens)
-        reply = await self.share.hold(prompt_tokens, limit, TOKENS_WINDOW_S)
-        if not reply.admitted:
-            self._refuse_tokens(now, reply.used, prompt_tokens, limit, _reset_s(
-                reply.entries, reply.used + prompt_tokens - limit))
-        hold = TokenHold(now, prompt_tokens, shared=(reply.member, reply.now_ms))
-        self._window.append(hold)
-        return hold
+        return await self.quota.take_tokens(self, now, prompt_tokens)
 
-    def _refuse_tokens(self, now: float, used: int, prompt_tokens: int, limit: int,
+    def refuse_tokens(self, now: float, used: int, prompt_tokens: int, limit: int,
                        wait: float) -> None:
         """:raises RateLimited: ``prompt_tokens`` do not fit the window (``used`` of
         ``limit``); they fit in ``wait`` seconds."""
@@ -253,8 +306,7 @@ class Tenant:
         its completion counts from ``now``, when it was generated. Once per hold."""
         if hold is None or hold.settled:
             return
-        if hold.shared is not None and self.share is not None:
-            self.share.settle(hold.shared[0], hold.shared[1], max(0, prompt), completion)
+        self.quota.settle_tokens(hold, max(0, prompt), completion)
         hold.settled = True
         hold.tokens = max(0, prompt)
         if not hold.tokens and hold in self._window:
@@ -274,15 +326,14 @@ class Tenant:
 
     def refuse_waiting(self, exc: Exception) -> None:
         """Fail every request waiting at the gate with ``exc`` (the gateway drains)."""
-        self._refused = exc
-        if self.share is not None:
-            self.share.stir()
+        self.refused = exc
+        self.quota.stir()
         if self._gate is not None:
             self._gate.refuse_waiting(exc)
 
     def _reset_s(self, now: float, used: int, need: int, limit: int) -> float:
         """Seconds until ``need`` more tokens fit this process's window."""
-        return _reset_s(((now - hold.at, hold.tokens) for hold in self._window),
+        return window_reset_s(((now - hold.at, hold.tokens) for hold in self._window),
                         used + need - limit)
 
     # -- the gate (max_inflight, max_queued) ------------------------------------------
@@ -295,9 +346,9 @@ class Tenant:
         """
         cap = self.settings.max_queued if self.settings else None
         if cap is not None and self.waiting >= cap:
-            self._refuse_queued(cap, now)
+            self.refuse_queued(cap, now)
 
-    def _refuse_queued(self, cap: int, now: float) -> None:
+    def refuse_queued(self, cap: int, now: float) -> None:
         """:raises RateLimited: ``cap`` requests of the tenant wait already."""
         raise RateLimited(
             f"Tenant {self.name!r} already has as many requests waiting as its "
@@ -315,31 +366,20 @@ class Tenant:
         self.waiting += 1
 
     async def begin_waiting(self, now: float) -> None:
-        """:meth:`start_waiting`, counted over every gateway process when the quota is
-        shared (an atomic take-if-below-cap in Redis; Redis lost: this process's
+        """:meth:`start_waiting`, counted over every process its quota counts (an
+        atomic take-if-below-cap in Redis when shared; Redis lost: this process's
         waiters only); pair with :meth:`stop_waiting`.
 
         :raises RateLimited: one more waiting would pass ``max_queued``; then nothing
             is counted.
         """
-        cap = self.settings.max_queued if self.settings else None
-        if cap is None or self.share is None:
-            self.start_waiting(now)
-            return
-        try:
-            taken = await self.share.take_queued(cap)
-        except StateUnavailable:
-            taken = self.waiting < cap
-        if not taken:
-            self._refuse_queued(cap, now)
-        self.waiting += 1
+        await self.quota.begin_waiting(self, now)
 
     def stop_waiting(self) -> None:
         """One of its requests counted by :meth:`start_waiting` (or
         :meth:`begin_waiting`) waits no more."""
         self.waiting -= 1
-        if self.share is not None:
-            self.share.release_queued()
+        self.quota.stop_waiting()
 
     @contextmanager
     def counted_waiting(self, now: float) -> Iterator[None]:
@@ -356,81 +396,57 @@ class Tenant:
 
     def enter_now(self) -> bool:
         """Pass the gate if it takes no wait nor Redis call (else await :meth:`enter`)."""
-        cap = self.settings.max_inflight if self.settings else None
-        passed = cap is None or (self.share is None and self.inflight < cap and not self._gate)
-        self.inflight += passed
-        return passed
+        return self.quota.enter_now(self)
 
     async def enter(self, timeout_s: float, clock: Clock) -> float:
         """Pass the tenant's gate: at once while fewer than ``max_inflight`` of its
-        requests are past it, else wait in arrival order (counted as waiting).
+        requests (in every process its quota counts) are past it, else wait in arrival
+        order (counted as waiting).
 
         :param timeout_s: the longest wait at the gate, seconds (on ``clock``).
         :returns: seconds waited at the gate.
         :raises RateLimited: ``max_queued`` already wait, or the wait passed ``timeout_s``.
         :raises Exception: what :meth:`refuse_waiting` was given (a drain's)."""
+        return await self.quota.enter(self, timeout_s, clock)
+
+    def leave(self) -> None:
+        """A request past the gate has ended: let the next waiting one through."""
+        self.quota.leave(self)
+
+    def refuse_inflight(self, cap: int, timeout_s: float, now: float, where: str = ""
+                        ) -> RateLimited:
+        """The 429 of a request that waited ``timeout_s`` at the gate, ``cap`` (its
+        ``max_inflight``) being in hand all that time (``where``: over which processes,
+        words put after the cap's name)."""
+        return RateLimited(
+            f"Tenant {self.name!r} had {cap} requests in hand (its max_inflight{where}) "
+            f"for the {timeout_s:g} s this request may wait; retry later.",
+            reason="max_inflight", retry_after_s=1.0, headers=self.rate_headers(now))
+
+    # -- this process's gate (LocalQuota's; a shared quota's without max_inflight) -----
+
+    def pass_gate_now(self) -> bool:
+        """Pass this process's gate if it takes no wait."""
         cap = self.settings.max_inflight if self.settings else None
-        if cap is not None and self.share is not None:
-            return await self._enter_shared(cap, timeout_s, clock)
-        if self.enter_now():
+        passed = cap is None or (self.inflight < cap and not self._gate)
+        self.inflight += passed
+        return passed
+
+    async def wait_at_gate(self, timeout_s: float, clock: Clock) -> float:
+        """:meth:`enter` by this process's gate alone."""
+        if self.pass_gate_now():
             return 0.0
+        cap = self.settings.max_inflight if self.settings else None
         if self._gate is None:
             self._gate = Waitroom(clock, give_back=lambda _: self.leave())
         with self.counted_waiting(clock.now()):
             turn = self._gate.join(None, Party(self.name))
-            await self._gate.wait(turn, timeout_s, lambda: RateLimited(
-                f"Tenant {self.name!r} had {cap} requests in hand (its max_inflight) for "
-                f"the {timeout_s:g} s this request may wait; retry later.",
-                reason="max_inflight", retry_after_s=1.0,
-                headers=self.rate_headers(clock.now())))
+            await self._gate.wait(turn, timeout_s, lambda: self.refuse_inflight(
+                cap or 0, timeout_s, clock.now()))
         return clock.now() - turn.since
 
-    async def _enter_shared(self, cap: int, timeout_s: float, clock: Clock) -> float:
-        """:meth:`enter` when ``max_inflight`` counts every process's requests: take a place
-        in Redis, or wait (counted as waiting) for one given back (notified, or polled)."""
-        share = self.share
-        assert share is not None
-        start = clock.now()
-        share.changed.clear()
-        if await share.acquire(cap):
-            self.inflight += 1
-            return 0.0
-        poll_s = share.store.settings.poll_interval_s
-        self._refused = None
-        await self.begin_waiting(clock.now())
-        try:
-            while not_cancelled():
-                left = timeout_s - (clock.now() - start)
-                if self._refused is not None:
-                    raise self._refused
-                if left <= 0:
-                    raise RateLimited(
-                        f"Tenant {self.name!r} had {cap} requests in hand (its "
-                        f"max_inflight, over every gateway process) for the "
-                        f"{timeout_s:g} s this request may wait; retry later.",
-                        reason="max_inflight", retry_after_s=1.0,
-                        headers=self.rate_headers(clock.now()))
-                changed = asyncio.ensure_future(share.changed.wait())
-                try:
-                    await wait(clock, changed, min(poll_s, left))
-                except TimeoutError:
-                    pass
-                finally:
-                    changed.cancel()
-                share.changed.clear()
-                if self._refused is None and await share.acquire(cap):
-                    self.inflight += 1
-                    return clock.now() - start
-            raise AssertionError("not_cancelled() returns True or raises")
-        finally:
-            self.stop_waiting()
-
-    def leave(self) -> None:
-        """A request past the gate has ended: let the next waiting one through."""
-        if self.share is not None and self.share.held:
-            self.share.release()
-            self.inflight -= 1
-            return
+    def leave_gate(self) -> None:
+        """:meth:`leave` by this process's gate alone."""
         if self._gate is not None and (turn := self._gate.head()) is not None:
             self._gate.grant(turn, None)  # its place passes on: inflight stays the same
             return
@@ -448,8 +464,10 @@ class Tenants:
 
     settings: Settings
     previous: Tenants | None = None
-    # With [state] backend = "redis": quotas counted over every gateway process.
-    shared: SharedStore | None = None
+    #: The quota of a tenant made now, by its name: counted over every gateway process
+    #: with ``[state] backend = "redis"`` (the store's ``tenant``), else
+    #: :func:`local_quota`. A tenant a reload keeps keeps its own.
+    quota_for: Callable[[str], Quota] = local_quota
     by_name: dict[str, Tenant] = field(init=False)
     # Tenants a reload removed while they held requests: the same objects come back if
     # a later reload adds them again, so their counts stay right.
@@ -469,7 +487,8 @@ class Tenants:
         self.by_name = {}
         for entry in self.settings.tenants or ():
             priority = entry.priority or classes[0].name
-            tenant = old.get(entry.name) or Tenant(entry.name, entry, 0, priority)
+            tenant = old.get(entry.name) or Tenant(entry.name, entry, 0, priority,
+                                                   quota=self.quota_for(entry.name))
             tenant.settings, tenant.priority = entry, priority
             tenant.rank = self.ranks[priority]
             self.by_name[entry.name] = tenant
@@ -480,12 +499,6 @@ class Tenants:
                         if name not in self.by_name and (t.inflight or t.waiting)}
         for tenant in self.by_name.values():
             tenant.reopen()
-        if self.shared is None and self.previous is not None:
-            self.shared = self.previous.shared
-        if self.shared is not None:
-            for tenant in self.by_name.values():
-                if tenant.share is None and tenant.settings is not None:
-                    tenant.share = self.shared.tenant(tenant.name)
         self._hashes = [(bytes.fromhex(h), t) for t in self.by_name.values()
                         if t.settings is not None for h in t.settings.key_hashes]
         self.previous = None  # keep no chain of old registries

@@ -178,7 +178,8 @@ async def apply_reload(state: GatewayState, plan: ReloadPlan, *,
         if step.action is Action.remove:
             fleet.retire(fleet.backends[step.name])
     if plan.tenants:
-        state.tenants = Tenants(plan.settings, previous=state.tenants)
+        state.tenants = Tenants(plan.settings, previous=state.tenants,
+                                quota_for=state.tenants.quota_for)
         if not plan.settings.tenants:
             log.warning("reload: no [[tenants]] left; the gateway is now open to anyone "
                         "who can reach it")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio.to_thread
@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 
 from gateway.admission.shared import SharedStore
-from gateway.admission.tenants import Tenants
+from gateway.admission.tenants import Quota, Tenants, local_quota
 from gateway.backends import SIDE_CONNECTIONS
 from gateway.backends.target import Target
 from gateway.backends.upstream import build_client
@@ -144,12 +144,14 @@ def _build_state(settings: Settings, http_client: httpx.AsyncClient | None,
     """The gateway's state, each part built whole, in order (see :func:`create_app`)."""
     store: SharedStore | None = None
     metrics: GatewayMetrics | None = None
+    quota_for: Callable[[str], Quota] = local_quota
     if settings.state.backend is StateBackend.redis:
         # The store reports to the metrics, built below (its calls start with the app).
         store = SharedStore(settings.state, clock=clock, client=redis_client,
                             on_op=lambda *a: metrics.state_op(*a) if metrics else None,
                             on_expired=lambda n, why: metrics.state_expired(n, why)
                             if metrics else None)
+        quota_for = store.tenant
     make_target = _target_factory(http_client, clock, store)
     backends = {b.name: make_target(b, settings.admission) for b in settings.backends}
     tasks = TaskSet()
@@ -161,7 +163,7 @@ def _build_state(settings: Settings, http_client: httpx.AsyncClient | None,
                              state_up=None if store is None else (lambda: store.up),
                              router_source=lambda: router_rows(fleet.backends.values()))
     client = http_client or next(iter(backends.values())).client
-    state = GatewayState(settings, client, clock, fleet, Tenants(settings, shared=store),
+    state = GatewayState(settings, client, clock, fleet, Tenants(settings, quota_for=quota_for),
                          metrics, tasks, shared=store)
     state.prime_metrics()
     return state
