@@ -1,5 +1,5 @@
-"""Command line: ``gateway serve``, ``check-config``, ``plan``, ``probe`` and
-``hash-key`` (also ``python -m gateway``)."""
+"""Command line: gateway serve, health, check-config, plan, probe and hash-key (also
+python -m gateway). gateway COMMAND --help describes each."""
 
 from __future__ import annotations
 

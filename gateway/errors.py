@@ -209,14 +209,20 @@ class ModelNotFound(ClientError):
 
 
 class RouteNotFound(ClientError):
-    """Raised for an unknown path (404) or a method the path does not take (405)."""
+    """Raised for an unknown path (404) or a method the path does not take (405).
+
+    :param allow: for a 405, the methods the path takes (its ``Allow`` header, which
+        RFC 9110 section 15.5.6 requires of a 405).
+    """
 
     status_code = 404
     code = "not_found"
     rejection_reason = None
 
-    def __init__(self, message: str, *, status_code: int = 404) -> None:
+    def __init__(self, message: str, *, status_code: int = 404,
+                 allow: str | None = None) -> None:
         super().__init__(message)
+        self.allow = allow
         if status_code == 405:
             self.status_code = 405  # type: ignore[misc]
             self.code = "method_not_allowed"  # type: ignore[misc]

@@ -82,6 +82,24 @@ async def test_never_fits_is_400_and_not_forwarded(harness_factory: Any) -> None
                     reason="context_length_exceeded") == 1
 
 
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 60}]},
+     "messages"),
+    ("/v1/completions", {"prompt": "word " * 64}, "prompt"),
+    ("/completion", {"prompt": "word " * 64}, "prompt"),
+])
+async def test_a_prompt_that_fills_the_slot_names_its_own_field(
+        harness_factory: Any, path: str, body: dict[str, Any], param: str) -> None:
+    """The 400 of a prompt that leaves no room for output names the field the prompt
+    came in (found by a new user: completions said ``messages``)."""
+    h = await harness_factory(ctx_per_slot=64)
+    r = await h.client.post(path, json={**body, "max_tokens": 4})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == param
+    assert h.fake.generations == []
+
+
 async def test_overlong_cap_rejected_then_clamped(harness_factory: Any) -> None:
     h = await harness_factory(ctx_per_slot=128)
     r = await h.chat("hi", max_tokens=500)
@@ -315,3 +333,29 @@ async def test_a_whole_stream_whose_upstream_stays_open_counts_as_served(
     assert harness.sample("gateway_requests_total", code="200") == 1
     assert harness.sample("gateway_requests_total", code="499") == 0
     fake.after_done.set()
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/health", "/ready", "/v1/models",
+                                  "/metrics"])
+async def test_probes_answer_head_as_get_without_a_body(harness: Harness, path: str
+                                                        ) -> None:
+    """As llama-server answers ``HEAD /health`` (a load balancer's check may use HEAD;
+    found by a new user: every GET route answered HEAD with 405)."""
+    got = await harness.client.get(path)
+    head = await harness.client.head(path)
+    assert (got.status_code, head.status_code) == (200, 200)
+    assert head.content == b"" and got.content != b""
+    assert head.headers["content-type"] == got.headers["content-type"]
+
+
+async def test_a_wrong_method_is_405_with_allow_and_an_unknown_path_404(
+        harness: Harness) -> None:
+    r = await harness.client.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST"  # RFC 9110: a 405 names what the path takes
+    r = await harness.client.delete("/health")
+    assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "HEAD"}
+    r = await harness.client.get("/nothing/here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert "allow" not in r.headers
+    assert harness.fake.generations == []

@@ -187,8 +187,10 @@ class Budget:
     busy_slots: int = 0
 
 
-def _room_per_slot(layout: Layout, prompt_tokens: int, n: int) -> int:
-    """Output tokens one slot leaves after the prompt (at least 1).
+def _room_per_slot(layout: Layout, prompt_tokens: int, n: int,
+                   prompt_field: str = "messages") -> int:
+    """Output tokens one slot leaves after the prompt (at least 1); ``prompt_field``
+    names the prompt's field in the error.
 
     :raises ContextLengthExceeded: the prompt alone fills the slot.
     :raises InvalidRequest: ``n`` is larger than the backend's slot count.
@@ -199,7 +201,7 @@ def _room_per_slot(layout: Layout, prompt_tokens: int, n: int) -> int:
             f"This request's prompt is {prompt_tokens} tokens, which leaves no room for output "
             f"in a context of {layout.ctx_per_slot} tokens (at most {layout.usable_per_slot} "
             f"usable, prompt + max_tokens). Shorten the prompt.",
-            param="messages", n_prompt_tokens=prompt_tokens, n_ctx=layout.ctx_per_slot,
+            param=prompt_field, n_prompt_tokens=prompt_tokens, n_ctx=layout.ctx_per_slot,
         )
     if n > layout.slots:
         raise InvalidRequest(
@@ -218,6 +220,7 @@ def plan_charge(
     default_max_tokens: int,
     policy: CapPolicy,
     cap_field: str = "max_tokens",
+    prompt_field: str = "messages",
 ) -> Charge:
     """Decide the output cap to charge for a request, or refuse one that can never fit.
 
@@ -228,11 +231,13 @@ def plan_charge(
     :param requested_max_tokens: ``max_tokens``/``max_completion_tokens``, or ``None``.
     :param n: completions requested.
     :param cap_field: the request field the cap came from, named in errors.
+    :param prompt_field: the request field the prompt came from (``messages``,
+        ``prompt``, ``input``), named in the error of a prompt that fills the slot.
     :raises ContextLengthExceeded: the prompt alone fills the slot; or prompt + cap
         exceeds it under the ``reject`` policy; or the n reservations exceed the pool.
     :raises InvalidRequest: ``n`` is larger than the backend's slot count.
     """
-    room = _room_per_slot(layout, prompt_tokens, n)
+    room = _room_per_slot(layout, prompt_tokens, n, prompt_field)
     clamped = defaulted = False
     if requested_max_tokens is None:
         cap, defaulted = min(default_max_tokens, room), True

@@ -261,7 +261,8 @@ async def not_served(request: Request, exc: StarletteHTTPException) -> Response:
     """A path or method the gateway does not serve (404, 405): raised as a
     :class:`~gateway.errors.RouteNotFound` that lists what it serves."""
     raise RouteNotFound(f"{request.method} {request.url.path}: {exc.detail}. The gateway "
-                        f"serves {SERVED}.", status_code=exc.status_code)
+                        f"serves {SERVED}.", status_code=exc.status_code,
+                        allow=(exc.headers or {}).get("Allow"))
 
 
 def register_routes(app: FastAPI) -> dict[str, ASGIApp]:
@@ -277,15 +278,17 @@ def register_routes(app: FastAPI) -> dict[str, ASGIApp]:
     for path in FORWARDED:
         app.add_api_route(path, generate, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/ready", ready, methods=["GET"])
+    # Probes and listings answer HEAD as GET without the body, as llama-server's
+    # /health does (a load balancer's check written for it may use HEAD).
+    app.add_api_route("/v1/models", models, methods=["GET", "HEAD"])
+    app.add_api_route("/health", health, methods=["GET", "HEAD"])
+    app.add_api_route("/ready", ready, methods=["GET", "HEAD"])
     app.add_api_route("/admin/backends", admin_backends, methods=["GET"])
     app.add_api_route("/admin/backends/{name:path}/drain", drain, methods=["POST"])
     app.add_api_route("/admin/backends/{name:path}/undrain", undrain, methods=["POST"])
     app.add_api_route("/admin/reload", reload, methods=["POST"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.add_api_route("/v1/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET", "HEAD"])
+    app.add_api_route("/v1/health", health, methods=["GET", "HEAD"])
     app.add_api_route("/models", router_models, methods=["GET", "HEAD"])  # before SIDE's
     register_side_routes(app)
     app.add_exception_handler(StarletteHTTPException, not_served)  # type: ignore[arg-type]

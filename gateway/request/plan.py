@@ -582,6 +582,7 @@ def _plan(state: Planning, backend: Target, req: ParsedRequest, route: str,
         layout, prompt_tokens, req.max_tokens, n=req.n * batch,
         default_max_tokens=default_cap,
         policy=admission.overlong, cap_field=req.cap_field,
+        prompt_field="prompt" if req.prompts else req.spec.prompt_field,
     ), pinnable=batch == 1 and not req.queued_batch
         and route not in backend.dialect.unpinned_routes,
         to_cap=req.body.get("ignore_eos") is True)

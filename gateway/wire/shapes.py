@@ -23,6 +23,7 @@ from gateway.errors import (
     GatewayError,
     Overloaded,
     RateLimited,
+    RouteNotFound,
     Unauthorized,
     UpstreamRefused,
 )
@@ -65,8 +66,8 @@ def error_body(exc: GatewayError) -> dict[str, Any]:
 def error_headers(exc: GatewayError) -> dict[str, str]:
     """Return the extra headers for an error: ``Retry-After`` (whole seconds, 1–60) and
     ``retry-after-ms`` on 503s, following what the official OpenAI SDKs read
-    (``shared/cases/public.md``, appendix); ``x-should-retry: false`` on 4xx, and an
-    :class:`Unauthorized`'s ``WWW-Authenticate`` challenge.
+    (``shared/cases/public.md``, appendix); ``x-should-retry: false`` on 4xx, an
+    :class:`Unauthorized`'s ``WWW-Authenticate`` challenge, and a 405's ``Allow``.
     """
     if isinstance(exc, Overloaded):
         seconds = min(60.0, max(1.0, exc.retry_after_s))
@@ -84,6 +85,8 @@ def error_headers(exc: GatewayError) -> dict[str, str]:
         return headers
     if isinstance(exc, Unauthorized) and exc.challenge is not None:
         return {"x-should-retry": "false", "WWW-Authenticate": exc.challenge}
+    if isinstance(exc, RouteNotFound) and exc.allow is not None:
+        return {"x-should-retry": "false", "Allow": exc.allow}
     if isinstance(exc, ClientError) and exc.status_code not in (408, 409, 429):
         return {"x-should-retry": "false"}
     return {}
