@@ -8,6 +8,10 @@ Rows (``--rows`` picks some), each over a matrix of workloads (its cells):
   gateway; requests served whole, upstream 500s (a 500 status, or a stream's error
   event), wall time. Cells: whole / streamed answers in a burst, whole answers 0.2 s
   apart (streams 0.2 s apart: the ``refusal`` row).
+* ``router``: the seed through llama-server in router mode (``--models-dir`` holding the
+  model under the name :data:`ROUTER_MODEL`, ``-c 2048`` passed on to its child), the
+  model named only in each request (the gateway's configuration names none): the same
+  figures. Cells: whole / streamed answers in a burst.
 * ``goodput``: 16 short completions (10-20 tokens, ``max_tokens`` 1024) straight and
   through the gateway under ``strict`` and ``predictive``, as plain text, under a GBNF
   grammar and under a JSON schema (structured output); ``goodput_ratio`` is
@@ -84,7 +88,7 @@ import goodput  # noqa: E402  (bench/goodput.py: the short answers' subjects)
 import slo  # noqa: E402  (bench/slo.py: streams' client-side ITL)
 
 import bench as overhead_bench  # noqa: E402  (bench/bench.py)
-from gateway.dev.localbackend import LlamaServer, free_port  # noqa: E402
+from gateway.dev.localbackend import LlamaServer, free_port, model_links  # noqa: E402
 from gateway.dev.scoreboard import (  # noqa: E402
     REFERENCE,
     Cell,
@@ -95,11 +99,15 @@ from gateway.dev.scoreboard import (  # noqa: E402
 )
 
 RESULTS = ROOT / "bench" / "results"
-ROWS = ("overhead", "burst", "seed", "goodput", "refusal", "slo", "shared", "fakes")
+ROWS = ("overhead", "burst", "seed", "router", "goodput", "refusal", "slo", "shared",
+        "fakes")
 
 #: (Streams arriving staggered: the refusal row's seed chats, 0.2 s apart.)
 SEED_CELLS = [{"answer": "whole", "arrivals": "burst"}, {"answer": "stream", "arrivals": "burst"},
               {"answer": "whole", "arrivals": "staggered"}]
+ROUTER_CELLS = [{"answer": "whole", "arrivals": "burst"},
+                {"answer": "stream", "arrivals": "burst"}]
+ROUTER_MODEL = "gemma-3-270m"  # the model's name in the router's --models-dir
 GOODPUT_CELLS = [{"policy": p, "output": o} for p in ("predictive", "strict")
                  for o in ("plain", "grammar", "schema")]
 OVERHEAD_CELLS = [{"body": "sse"}, {"body": "json"}]
@@ -192,9 +200,12 @@ async def _one_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]
     return (text.rstrip().endswith("[DONE]") and not errored), overflow
 
 
-async def seed_once(url: str, stream: bool, stagger_s: float) -> dict[str, float]:
-    body = {"messages": [{"role": "user", "content": demo.prompt()}], "max_tokens": 900,
-            "ignore_eos": True, "stream": stream}
+async def seed_once(url: str, stream: bool, stagger_s: float, model: str | None = None
+                    ) -> dict[str, float]:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": demo.prompt()}],
+                            "max_tokens": 900, "ignore_eos": True, "stream": stream}
+    if model is not None:
+        body["model"] = model
     start = time.monotonic()
 
     async def later(k: int) -> tuple[bool, bool]:
@@ -207,7 +218,11 @@ async def seed_once(url: str, stream: bool, stagger_s: float) -> dict[str, float
             "wall_s": time.monotonic() - start}
 
 
-def row_seed(server: str, cells: list[dict[str, str]], repeats: int) -> list[Cell]:
+def row_seed(server: str, cells: list[dict[str, str]], repeats: int, row: str = "seed",
+             model: str | None = None) -> list[Cell]:
+    """:func:`seed_once` straight to ``server`` and through a gateway in front of it,
+    each cell ``repeats`` times (``model``: named in every request; ``row``: the
+    cells' row)."""
     out = []
     with gateway(server, max_queue_wait_s=600) as gw:
         for axes in cells:
@@ -215,18 +230,30 @@ def row_seed(server: str, cells: list[dict[str, str]], repeats: int) -> list[Cel
             for _ in range(repeats):
                 stream, stagger = axes["answer"] == "stream", (
                     0.2 if axes["arrivals"] == "staggered" else 0.0)
-                direct = asyncio.run(seed_once(server, stream, stagger))
+                direct = asyncio.run(seed_once(server, stream, stagger, model))
                 before = demo.upstream_overflows(gw)
-                through = asyncio.run(seed_once(gw, stream, stagger))
+                through = asyncio.run(seed_once(gw, stream, stagger, model))
                 through["upstream_500"] = max(through["upstream_500"],
                                               demo.upstream_overflows(gw) - before)
                 for side, got in (("direct", direct), ("gateway", through)):
                     for name in ("served", "upstream_500"):
                         metrics.setdefault(f"{name}_{side}", []).append(got[name])
                     metrics.setdefault(f"wall_{side}_s", []).append(round(got["wall_s"], 2))
-            out.append(Cell("seed", axes, metrics))
+            out.append(Cell(row, axes, metrics))
             print(markdown(out[-1:]), flush=True)
     return out
+
+
+def row_router(cells: list[dict[str, str]], repeats: int) -> list[Cell]:
+    """:func:`row_seed` on llama-server in router mode, the model named in each request
+    only; the model is loaded first (one short chat), so that no cell times its load."""
+    with tempfile.TemporaryDirectory() as folder:
+        models = model_links(Path(folder), [ROUTER_MODEL])
+        with LlamaServer(["-c", "2048"], models_dir=models).running() as server:
+            httpx.post(server.url + "/v1/chat/completions", timeout=300, json={
+                "model": ROUTER_MODEL, "max_tokens": 1,
+                "messages": [{"role": "user", "content": "Hi"}]}).raise_for_status()
+            return row_seed(server.url, cells, repeats, row="router", model=ROUTER_MODEL)
 
 
 # -- goodput --------------------------------------------------------------------------------
@@ -595,6 +622,7 @@ def run(rows: list[str], quick: bool, repeats: int, seconds: float,
         "overhead": lambda: row_overhead(pick(OVERHEAD_CELLS), repeats, seconds, other_tree),
         "burst": lambda: row_burst(pick(BURST_CELLS), repeats, other_tree),
         "seed": on_llama(["-c", "2048"], lambda u: row_seed(u, pick(SEED_CELLS), repeats)),
+        "router": lambda: row_router(pick(ROUTER_CELLS), repeats),
         "goodput": on_llama(["-c", "2048"],
                             lambda u: row_goodput(u, pick(GOODPUT_CELLS), repeats)),
         "refusal": on_llama(["-c", "2048"],
