@@ -121,3 +121,28 @@ def test_count_tokens_needs_no_cap_but_messages_does() -> None:
 def test_a_route_without_a_parser_reads_no_body() -> None:
     with pytest.raises(TypeError):
         BY_PATH["/health"].parse(b"{}")
+
+
+def test_the_app_registers_every_route_of_the_table_and_no_other() -> None:
+    """The routes are registered from the table (issue 39): every path of it is on the
+    app with its method, and every path the app serves but the admin routes is in it."""
+    from prometheus_client import CollectorRegistry
+
+    from gateway.config import load_settings
+    from gateway.http.app import create_app
+
+    app = create_app(load_settings(backends=[{"name": "a", "url": "http://127.0.0.1:9"}]),
+                     registry=CollectorRegistry(), discover=False)
+    served: dict[str, set[str]] = {}
+    for route in app.routes:
+        path, methods = getattr(route, "path", None), getattr(route, "methods", None)
+        if path is not None and methods:
+            served.setdefault(path, set()).update(methods)
+    for spec in ROUTES:
+        for path in spec.paths:
+            assert spec.method in served.get(path, set()), (path, spec.method)
+    extra = {p for p in served if p not in BY_PATH and not p.startswith(routes.ADMIN_PREFIX)}
+    # a backend's own /metrics, and llama-server's routes refused on purpose
+    # (gateway.http.side: slot actions, the router's loads, /cors-proxy, the web UI)
+    assert extra == {"/backends/{name}/metrics", "/slots/{id_slot}", "/models/load",
+                     "/models/unload", "/cors-proxy", "/predict", "/"}

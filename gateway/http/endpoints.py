@@ -33,7 +33,7 @@ from gateway.observe.record import record_of
 from gateway.relay.response import ProxyResponse
 from gateway.request.plan import count_prompt, prepare_exchange, read_body, require_ready
 from gateway.wire.naming import served_name
-from gateway.wire.routes import BY_NAME, DIRECT, FORWARDED, SERVED, Route
+from gateway.wire.routes import BY_NAME, DIRECT, ROUTES, SERVED, Route
 from gateway.wire.validation import check_content_type
 
 __all__ = ["GENERATION_ROUTES", "MODELS_TIMEOUT_S", "register_routes", "serve_direct"]
@@ -42,9 +42,6 @@ MODELS_TIMEOUT_S = 5.0  # GET /v1/models waits this long for each backend's list
 
 #: ``POST`` path -> route name of every generation route (forwarded under admission).
 GENERATION_ROUTES = DIRECT
-#: Ollama's listing routes, relayed unchanged (:func:`passthrough`): path -> method.
-PASSTHROUGH = {"/api/tags": "GET", "/api/version": "GET", "/api/ps": "GET",
-               "/api/show": "POST"}
 
 
 def _state(request: Request) -> GatewayState:
@@ -265,30 +262,36 @@ async def not_served(request: Request, exc: StarletteHTTPException) -> Response:
                         allow=(exc.headers or {}).get("Allow"))
 
 
+#: The handler of each route of the table (gateway.wire.routes.ROUTES) the gateway
+#: answers itself, by the route's name; forwarded routes are :func:`generate`'s, an
+#: Ollama backend's listings :func:`passthrough`'s, side routes gateway.http.side's and
+#: the status page gateway.http.status's.
+_OWN = {Route.count_tokens: count_tokens, Route.models: models, Route.health: health,
+        Route.ready: ready, Route.metrics: metrics}
+_HEAD = (models, health, ready, metrics)
+
+
 def register_routes(app: FastAPI) -> dict[str, ASGIApp]:
     """Attach every route of the gateway to ``app``, and return the generation routes
     as plain ASGI callables (``POST`` path → callable), for
     :class:`~gateway.http.middleware.RequestAccounting` to serve without the framework's
     routing layers. The same routes stay registered on ``app``, which answers their
     other methods (405)."""
-    app.add_api_route("/api/chat", generate, methods=["POST"])
-    app.add_api_route("/api/generate", generate, methods=["POST"])
-    for path, method in PASSTHROUGH.items():
-        app.add_api_route(path, passthrough, methods=[method])
-    for path in FORWARDED:
-        app.add_api_route(path, generate, methods=["POST"])
-    app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
-    # Probes and listings answer HEAD as GET without the body, as llama-server's
-    # /health does (a load balancer's check written for it may use HEAD).
-    app.add_api_route("/v1/models", models, methods=["GET", "HEAD"])
-    app.add_api_route("/health", health, methods=["GET", "HEAD"])
-    app.add_api_route("/ready", ready, methods=["GET", "HEAD"])
+    for spec in ROUTES:  # the table's routes but the side ones and the status page's
+        handler = (generate if spec.forwarded else passthrough if spec.backend_kind
+                   else None if spec.side else _OWN.get(spec.name))
+        if handler is None:
+            continue
+        # The gateway's own GET routes (probes, listings, the scrape) answer HEAD as GET
+        # without the body, as llama-server's /health does (a load balancer's check
+        # written for it may use HEAD).
+        methods = [spec.method, "HEAD"] if handler in _HEAD else [spec.method]
+        for path in spec.paths:
+            app.add_api_route(path, handler, methods=methods)
     app.add_api_route("/admin/backends", admin_backends, methods=["GET"])
     app.add_api_route("/admin/backends/{name:path}/drain", drain, methods=["POST"])
     app.add_api_route("/admin/backends/{name:path}/undrain", undrain, methods=["POST"])
     app.add_api_route("/admin/reload", reload, methods=["POST"])
-    app.add_api_route("/metrics", metrics, methods=["GET", "HEAD"])
-    app.add_api_route("/v1/health", health, methods=["GET", "HEAD"])
     app.add_api_route("/models", router_models, methods=["GET", "HEAD"])  # before SIDE's
     register_side_routes(app)
     app.add_exception_handler(StarletteHTTPException, not_served)  # type: ignore[arg-type]
