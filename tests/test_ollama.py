@@ -468,3 +468,23 @@ async def test_images_and_a_cap_past_the_context_follow_the_overlong_policy(
     assert r.status_code == 200
     sent = ollama.generations[-1]["max_tokens"]
     assert 0 < sent < 600 and int(r.headers["x-gateway-prompt-tokens"]) + sent <= 3599
+
+
+async def test_a_request_naming_no_model_gets_the_configured_one_or_a_400(
+        make: Any, ollama: FakeOllama) -> None:
+    """Found by the adversarial pass: a chat without "model" was reserved, forwarded, and
+    answered Ollama's 404 (model "None" not found)."""
+    h = await make(model=MODEL)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = await h.client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert ollama.generations[-1]["model"] == MODEL
+    sent = len(ollama.generations)
+    r = await h.client.post("/api/chat", json={  # Ollama's own API requires it, as Ollama
+        "messages": body["messages"], "stream": False, "options": {"num_predict": 2}})
+    assert r.status_code == 400 and r.json() == {"error": "model is required."}
+    unnamed = await make()  # serves whichever model each request names
+    r = await unnamed.client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "model" and len(ollama.generations) == sent
+    assert sample(unnamed, "gateway_kv_reserved_tokens") == 0

@@ -17,6 +17,7 @@ from gateway.admission.slotwatch import (
     Seen,
     SlotView,
     Ticket,
+    idle_for,
     parse_slots,
     where_is,
 )
@@ -210,14 +211,51 @@ async def test_answer_arriving_before_it_is_seen_releases_at_once(
     assert reserved(h) == 0
 
 
-async def test_connection_broken_before_it_was_seen_waits_for_the_confirm_timeout(
+async def test_connection_broken_before_it_was_seen_is_released_once_its_slot_stays_idle(
     harness_factory: Any, fake: Any
 ) -> None:
+    """Found by the adversarial pass: four connections broken in a row (a reset before
+    the answer) kept the whole idle pool reserved for the confirm timeout, and every
+    request meanwhile waited out its queue wait. Now each is released from the first
+    reading begun BROKEN_IDLE_S after the break that shows its slot idle."""
+    clock = ManualClock()
+    h = await harness_factory({"abandon_confirm_timeout_s": 120.0}, clock=clock)
+    fake.mode = "drop"  # the connection breaks; whether the task started is unknown
+    for _ in range(4):
+        r = await h.chat("x", max_tokens=100)
+        assert r.status_code == 502
+    assert h.backend.slot_watch.waiting == 4
+    await tick(clock, times=6)  # 9 s: a grammar may still be in the making
+    assert reserved(h) > 0 and h.backend.slot_watch.waiting == 4
+    await tick(clock, times=2)  # the reading begun past 10 s shows the slots idle
+    assert reserved(h) == 0 and h.backend.slot_watch.waiting == 0
+    fake.mode = "ok"
+    assert (await h.chat("y", max_tokens=5)).status_code == 200
+
+
+def test_an_unseen_request_is_idle_only_where_it_would_run() -> None:
+    idle, busy = SlotView(0, False), SlotView(1, True)
+    pinned = Ticket(slot=0, tasks=1, tag=("n_discard", 7), n_predict=10, since=0.0)
+    assert idle_for(pinned, [idle, busy])  # its own slot idle: nothing of it can wait
+    assert not idle_for(Ticket(1, 1, None, 10, 0.0), [idle, busy])  # its slot is busy
+    assert not idle_for(Ticket(5, 1, None, 10, 0.0), [idle, busy])  # no such slot
+    batch = Ticket(slot=None, tasks=2, tag=("n_discard", 7), n_predict=10, since=0.0)
+    assert not idle_for(batch, [idle, busy])  # a batch may wait for any slot
+    assert idle_for(batch, [idle, SlotView(1, False)])
+
+
+async def test_connection_broken_before_it_was_seen_waits_while_its_slot_is_busy(
+    harness_factory: Any, fake: Any
+) -> None:
+    """Its slot busy with another task (the one the request would wait behind), the
+    request may still start: held to the confirm timeout."""
     clock = ManualClock()
     h = await harness_factory({"abandon_confirm_timeout_s": 30.0}, clock=clock)
-    fake.mode = "drop"  # the connection breaks; whether the task started is unknown
+    fake.mode = "drop"
     r = await h.chat("x", max_tokens=100)
     assert r.status_code == 502
+    fake.slot_state = {i: {"processing": True, "seed": 1, "n_predict": 5, "n_discard": 0}
+                       for i in range(4)}  # every slot processes others' work
     await tick(clock, times=19)  # 28.5 s
     assert reserved(h) > 0
     await tick(clock, times=2)

@@ -607,3 +607,16 @@ async def test_a_chat_by_the_gateways_name_is_counted_under_the_served_id(
     assert tokenize and tokenize[-1]["model"] == vllm.model
     assert vllm.generations[-1]["model"] == vllm.model
     assert r.json()["model"] == name  # the answer names what the client asked for
+
+
+async def test_a_request_naming_no_model_gets_the_served_one(make: Any, vllm: FakeVllm
+                                                             ) -> None:
+    """Found by the adversarial pass: vLLM answered 404 "The model `None` does not
+    exist" to a chat without "model"; the gateway names the one vLLM serves."""
+    h = await make()
+    body = {k: v for k, v in chat(max_tokens=3).items() if k != "model"}
+    r = await h.client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert vllm.generations[-1]["model"] == MODEL
+    tokenize = [json.loads(q.content) for q in vllm.requests if q.url.path == "/tokenize"]
+    assert tokenize[-1]["model"] == MODEL

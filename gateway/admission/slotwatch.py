@@ -31,8 +31,14 @@ unseen, and the gateway closes it once ``/slots`` shows it running, or releases 
 if its whole answer arrives first. A stream whose headers came has started (llama-server
 sends them with its first result). A request the gateway could not tag is finished only
 once it was seen running on its slot and then not. Only a request whose connection broke
-before it was seen (an upstream timeout or error) can stay unseen; it is released after
-the confirm timeout.
+before it was seen (an upstream timeout or error) can stay unseen. It is released once a
+reading begun :data:`BROKEN_IDLE_S` after the break shows where it would run idle (its
+pinned slot; every slot, for a batch): llama-server starts a task at once on an idle
+slot, so by then it is over, or never came, or is still being prepared for longer than
+any grammar seen here (:func:`idle_for`). Else (its slot stays busy with others' work)
+it is released after the confirm timeout. Before this, four upstream connections
+broken in a row kept a whole idle pool reserved for the confirm timeout, two minutes
+(found by the adversarial pass).
 
 Polls are :data:`POLL_INTERVAL_S` apart, more than llama-server's one-second wait: every
 ``/slots`` answer wakes every waiting HTTP thread, and polling faster would stop a lone
@@ -59,11 +65,13 @@ from gateway.errors import GatewayError, UpstreamUnavailable
 from gateway.tasks import cancel_bounded, not_cancelled
 
 __all__ = [
+    "BROKEN_IDLE_S",
     "Seen",
     "SlotView",
     "SlotWatch",
     "SlotsUnsupported",
     "Ticket",
+    "idle_for",
     "parse_slots",
     "where_is",
 ]
@@ -71,6 +79,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 1.5  # how often /slots is read while a reservation waits on it
+#: Seconds after a connection broke unseen from which an idle slot where its request
+#: would run means it is not coming (:func:`idle_for`): more than llama-server takes to
+#: turn a large ``json_schema`` into a grammar in its HTTP thread before the task exists.
+BROKEN_IDLE_S = 10.0
 # The first read after the gateway cancelled a running stream to make room (preemption):
 # llama-server ends it at its next write, and its continuation waits for this release.
 QUICK_POLL_S = 0.2
@@ -185,6 +197,17 @@ def where_is(ticket: Ticket, slots: list[SlotView], *, seen_running: bool = Fals
         # A request that started on its slot and is no longer its last task has ended.
         return Seen.finished if pinned in mine or seen_running else Seen.unseen
     return Seen.finished if len(mine) >= ticket.tasks else Seen.unseen
+
+
+def idle_for(ticket: Ticket, slots: list[SlotView]) -> bool:
+    """Whether nothing of ``ticket``'s could be running or waiting to run: its pinned
+    slot is idle, or, for a batch (on slots llama-server picks), every slot is. A task
+    for an idle slot starts at once (llama-server defers a task only while its slot, or
+    every slot, is busy: ``server_context::process_single_task``), so after a break
+    (:data:`BROKEN_IDLE_S`) this means the request is over or never came."""
+    if ticket.slot is None:
+        return all(not view.processing for view in slots)
+    return any(view.id == ticket.slot and not view.processing for view in slots)
 
 
 @dataclass
@@ -340,6 +363,7 @@ class SlotWatch:
             self._quick_next = False
 
     async def _poll(self) -> None:
+        asked = self._clock.now()  # (the reading shows the backend from this time on)
         try:
             slots = await self._fetch()
         except SlotsUnsupported:
@@ -377,6 +401,15 @@ class SlotWatch:
             # A pinned request seen running is followed on its slot; anything else that
             # stays unseen (never seen, or a batch on slots llama-server chose) times out.
             followed = held.seen_running and held.ticket.slot is not None
+            if (seen is Seen.unseen and not open_upstream and not followed and not late
+                    and slots is not None and asked - held.ticket.since >= BROKEN_IDLE_S
+                    and idle_for(held.ticket, slots)):
+                log.info("backend %s: an abandoned request (slot %s) was not seen in "
+                         "/slots and its slot has been idle %g s after its connection "
+                         "broke; releasing its reservation", self.name,
+                         held.ticket.slot, BROKEN_IDLE_S)
+                self._release(held)
+                continue
             if seen is Seen.unseen and not open_upstream and not followed and late:
                 log.warning(
                     "backend %s: an abandoned request (slot %s) was not seen in /slots "

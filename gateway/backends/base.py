@@ -160,6 +160,9 @@ class Dialect(Protocol):
     # (llama-server does): the gateway asks for the close, so that the connection is
     # never pooled for a next request that would then fail.
     closes_streams: ClassVar[bool]
+    # The server picks the model by the body's "model", and refuses a body without one
+    # (Ollama, vLLM): the gateway names the backend's own when the client named none.
+    needs_model: ClassVar[bool]
     unpinned_routes: ClassVar[frozenset[str]]  # routes whose requests cannot be pinned
     default_caps: ClassVar[Mapping[str, int]]  # the server's own cap for an uncapped route
     # Routes whose streams the gateway can cancel and continue where they stopped (the

@@ -186,6 +186,7 @@ class LlamaCpp(Calibrated, ExactCount):
     # cpp-httplib ends the connection after a chunked answer while announcing keep-alive
     # (measured: the next request on it gets no answer).
     closes_streams: ClassVar[bool] = True
+    needs_model: ClassVar[bool] = False  # one model (a router's member names its own)
     stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
     default_caps: ClassVar[Mapping[str, int]] = {}  # no cap of its own: the gateway's default
 

@@ -201,6 +201,7 @@ class Ollama(WithoutSlots):
     resumable_routes: ClassVar[frozenset[str]] = frozenset()
     usage_covers_one_choice: ClassVar[bool] = False
     closes_streams: ClassVar[bool] = False  # Go's net/http keeps the connection open
+    needs_model: ClassVar[bool] = True  # 404 model "" not found (server/routes.go)
     stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
     default_caps: ClassVar[Mapping[str, int]] = {}  # no cap of its own: the gateway's default
 

@@ -57,7 +57,7 @@ from gateway.core.pool_model import (
 from gateway.core.predict import CompletionLengths
 from gateway.core.prefix import Prefix
 from gateway.core.slots import PromptIndex
-from gateway.errors import GatewayError, UpstreamError, UpstreamUnavailable
+from gateway.errors import GatewayError, InvalidRequest, UpstreamError, UpstreamUnavailable
 from gateway.wire.naming import served_name
 from gateway.wire.validation import ParsedRequest
 
@@ -460,10 +460,22 @@ def _marks(target: Target, shared: SharedAccount | None) -> BackendMarks | None:
 def upstream_body(target: Target, body: dict[str, Any]) -> dict[str, Any]:
     """``body`` with ``model`` set to the id ``target`` serves, when the client named the
     model by the gateway's name or an alias of it: vLLM answers 404 to a name it does not
-    serve (its ``/tokenize`` too). Other names (a LoRA adapter's, say) pass unchanged;
-    the body is not copied when nothing changes."""
+    serve (its ``/tokenize`` too); or named none, where the server needs one
+    (``dialect.needs_model``: Ollama and vLLM answer 404). Other names (a LoRA
+    adapter's, say) pass unchanged; the body is not copied when nothing changes.
+
+    :raises InvalidRequest: no model is named, the server needs one, and the backend's
+        is not known (an Ollama backend serving whichever model each request names).
+    """
     served = target.discovered.model_id if target.discovered is not None else None
     asked = body.get("model")
+    if asked is None and target.dialect.needs_model:
+        if not target.model_known:
+            raise InvalidRequest(
+                f"Backend {target.name!r} serves each request the model it names, and "
+                "this request names none: set \"model\" (GET /v1/models lists them).",
+                param="model")
+        return {**body, "model": served or target.model}
     if served and isinstance(asked, str) and asked != served and asked in target.model_names:
         return {**body, "model": served}
     return body

@@ -142,6 +142,7 @@ class Vllm(WithoutSlots, ExactCount):
     resumable_routes: ClassVar[frozenset[str]] = frozenset()
     usage_covers_one_choice: ClassVar[bool] = False  # completion_tokens sums every choice
     closes_streams: ClassVar[bool] = False  # uvicorn keeps the connection open
+    needs_model: ClassVar[bool] = True  # 404 "The model `None` does not exist."
     stop_margin: ClassVar[int] = 0  # prompt + max_tokens <= max_model_len, strictly
     # vLLM's own cap when a request sets none, per route (None: the room left).
     default_caps: ClassVar[Mapping[str, int]] = {Route.completions: 16}
