@@ -183,9 +183,8 @@ class LlamaCpp(Calibrated, ExactCount):
     unpinned_routes: ClassVar[frozenset[str]] = frozenset({Route.messages})
     resumable_routes: ClassVar[frozenset[str]] = frozenset({Route.chat, Route.completions})
     usage_covers_one_choice: ClassVar[bool] = True  # a whole n > 1 answer reports one choice
-    # cpp-httplib ends the connection after a chunked answer while announcing keep-alive
-    # (measured: the next request on it gets no answer).
-    closes_streams: ClassVar[bool] = True
+    # cpp-httplib ends a chunked answer's connection while announcing keep-alive: measured
+    closes_streams: ClassVar[bool] = True  # (the next request on it gets no answer)
     needs_model: ClassVar[bool] = False  # one model (a router's member names its own)
     stop_margin: ClassVar[int] = 1  # generation stops at n_ctx - 1
     default_caps: ClassVar[Mapping[str, int]] = {}  # no cap of its own: the gateway's default
