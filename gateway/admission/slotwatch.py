@@ -401,19 +401,19 @@ class SlotWatch:
             # A pinned request seen running is followed on its slot; anything else that
             # stays unseen (never seen, or a batch on slots llama-server chose) times out.
             followed = held.seen_running and held.ticket.slot is not None
-            if (seen is Seen.unseen and not open_upstream and not followed and not late
-                    and slots is not None and asked - held.ticket.since >= BROKEN_IDLE_S
-                    and idle_for(held.ticket, slots)):
-                log.info("backend %s: an abandoned request (slot %s) was not seen in "
-                         "/slots and its slot has been idle %g s after its connection "
-                         "broke; releasing its reservation", self.name,
-                         held.ticket.slot, BROKEN_IDLE_S)
-                self._release(held)
+            if seen is not Seen.unseen or open_upstream or followed:
                 continue
-            if seen is Seen.unseen and not open_upstream and not followed and late:
+            if late:
                 log.warning(
                     "backend %s: an abandoned request (slot %s) was not seen in /slots "
                     "within %g s of its connection breaking; releasing its reservation",
                     self.name, held.ticket.slot, self._unseen_timeout_s,
                 )
+                self._release(held)
+            elif (slots is not None and asked - held.ticket.since >= BROKEN_IDLE_S
+                    and idle_for(held.ticket, slots)):
+                log.info("backend %s: an abandoned request (slot %s) was not seen in "
+                         "/slots and its slot has been idle %g s after its connection "
+                         "broke; releasing its reservation", self.name,
+                         held.ticket.slot, BROKEN_IDLE_S)
                 self._release(held)

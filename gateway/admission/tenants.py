@@ -283,7 +283,7 @@ class Tenant:
         return await self.quota.take_tokens(self, now, prompt_tokens)
 
     def refuse_tokens(self, now: float, used: int, prompt_tokens: int, limit: int,
-                       wait: float) -> None:
+                      wait: float) -> None:
         """:raises RateLimited: ``prompt_tokens`` do not fit the window (``used`` of
         ``limit``); they fit in ``wait`` seconds."""
         headers = self.rate_headers(now)
@@ -334,7 +334,7 @@ class Tenant:
     def _reset_s(self, now: float, used: int, need: int, limit: int) -> float:
         """Seconds until ``need`` more tokens fit this process's window."""
         return window_reset_s(((now - hold.at, hold.tokens) for hold in self._window),
-                        used + need - limit)
+                              used + need - limit)
 
     # -- the gate (max_inflight, max_queued) ------------------------------------------
 

@@ -268,7 +268,6 @@ async def not_served(request: Request, exc: StarletteHTTPException) -> Response:
 #: the status page gateway.http.status's.
 _OWN = {Route.count_tokens: count_tokens, Route.models: models, Route.health: health,
         Route.ready: ready, Route.metrics: metrics}
-_HEAD = (models, health, ready, metrics)
 
 
 def register_routes(app: FastAPI) -> dict[str, ASGIApp]:
@@ -285,7 +284,8 @@ def register_routes(app: FastAPI) -> dict[str, ASGIApp]:
         # The gateway's own GET routes (probes, listings, the scrape) answer HEAD as GET
         # without the body, as llama-server's /health does (a load balancer's check
         # written for it may use HEAD).
-        methods = [spec.method, "HEAD"] if handler in _HEAD else [spec.method]
+        own_get = spec.method == "GET" and spec.name in _OWN
+        methods = [spec.method, "HEAD"] if own_get else [spec.method]
         for path in spec.paths:
             app.add_api_route(path, handler, methods=methods)
     app.add_api_route("/admin/backends", admin_backends, methods=["GET"])
