@@ -64,7 +64,7 @@ get its first token in time. :class:`SloGuard`, one per
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TypeVar, overload
 
@@ -229,7 +229,16 @@ class SloGuard:
         the clock's time if the caller has it, else it is read)."""
         if not itl_s >= 0 or not math.isfinite(itl_s):
             return
-        self.model.observe_itl(itl_s, self.busy())
+        self.observe_itls((itl_s,), layout, now)
+
+    def observe_itls(self, itls_s: Sequence[float], layout: Layout | None,
+                     now: float | None = None) -> None:
+        """Inter-token latencies of streams on this backend, seconds, in the order seen
+        (a negative or non-finite one is ignored), as :meth:`observe_itl` one by one but
+        filed under the slots busy now: a stream hands in its gaps in batches of at most
+        :data:`gateway.relay.usage.GAPS_BATCH` or :data:`gateway.relay.usage.GAPS_AGE_S`
+        (issue 37)."""
+        self.model.observe_itls(itls_s, self.busy())
         if now is None:
             now = self._clock.now()
         if layout is not None and now >= self._next_step:

@@ -127,18 +127,29 @@ class DecayedHistogram:
 
     def add(self, value: float) -> None:
         """Add one sample (seconds; a negative or non-finite value is ignored)."""
-        if not math.isfinite(value) or value < 0:
-            return
-        self._scale *= self._growth
-        if self._scale > _RENORMALISE_AT:
-            self.weights = [w / self._scale for w in self.weights]
-            self.total /= self._scale
-            self.weighted_sum /= self._scale
-            self._scale = 1.0
-        self.weights[_bucket(value)] += self._scale
-        self.total += self._scale
-        self.weighted_sum += self._scale * value
-        self.samples += 1
+        self.add_many((value,))
+
+    def add_many(self, values: Iterable[float]) -> None:
+        """Add samples in order, as :meth:`add` would one by one (seconds; a negative or
+        non-finite value is ignored), in one call: a stream's inter-token gaps come in
+        batches (:class:`gateway.relay.usage.UsageBook`, issue 37)."""
+        weights, growth, scale = self.weights, self._growth, self._scale
+        total, weighted, samples = self.total, self.weighted_sum, self.samples
+        for value in values:
+            if not math.isfinite(value) or value < 0:
+                continue
+            scale *= growth
+            if scale > _RENORMALISE_AT:
+                weights[:] = [w / scale for w in weights]
+                total /= scale
+                weighted /= scale
+                scale = 1.0
+            weights[_bucket(value)] += scale
+            total += scale
+            weighted += scale * value
+            samples += 1
+        self._scale, self.total, self.weighted_sum, self.samples = (
+            scale, total, weighted, samples)
 
     def clear(self) -> None:
         """Forget every sample."""
@@ -231,11 +242,16 @@ class LatencyModel:
 
     def observe_itl(self, itl_s: float, decoding: int) -> None:
         """One inter-token latency (seconds) seen while ``decoding`` sequences decoded."""
+        self.observe_itls((itl_s,), decoding)
+
+    def observe_itls(self, itls_s: Iterable[float], decoding: int) -> None:
+        """Inter-token latencies (seconds, in the order seen) while ``decoding`` sequences
+        decoded, as :meth:`observe_itl` one by one."""
         level = decoding if 1 <= decoding <= self.params.max_level else self.level_of(decoding)
         hist = self.levels.get(level)
         if hist is None:
             hist = self.levels[level] = DecayedHistogram(self.params.half_life_samples)
-        hist.add(itl_s)
+        hist.add_many(itls_s)
 
     def itl_p95(self, level: int) -> float | None:
         """The learned ITL quantile (``params.quantile``) at ``level``, seconds, or

@@ -7,7 +7,8 @@ admission stats at scrape time by a collector, so they can never drift from the 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -18,7 +19,7 @@ from prometheus_client.registry import Collector
 from gateway.admission.lease import AdmissionStats
 from gateway.errors import RejectionReason, UpstreamKind
 
-__all__ = ["GatewayMetrics", "PreemptionReason", "ResumeOutcome"]
+__all__ = ["GatewayMetrics", "PreemptionReason", "ResumeOutcome", "observe_all"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
@@ -249,6 +250,30 @@ class ResumeOutcome(StrEnum):
 #: which primes every member of UpstreamKind, PreemptionReason and ResumeOutcome too).
 QUEUE_REJECTIONS = (RejectionReason.queue_full, RejectionReason.queue_timeout,
                     RejectionReason.queue_wait_predicted)
+
+
+def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
+    """Observe each of ``amounts`` in ``histogram`` (one labelled child), as its
+    ``observe`` would one by one, in one pass: each bucket touched and the sum are
+    incremented once, where ``observe`` takes two locks a sample (about 1.5 us; the SSE
+    relay observes every token's gap, issue 37). Works on the child's values, which are
+    prometheus_client's multiprocess-aware ones under ``gateway serve --workers N`` too;
+    a histogram without them (another version's layout) is observed one by one.
+    """
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for amount in amounts:
+            histogram.observe(amount)
+        return
+    counts = [0] * len(bounds)
+    for amount in amounts:  # the first bucket whose bound is at least the amount
+        counts[bisect_left(bounds, amount)] += 1
+    for bucket, count in zip(buckets, counts, strict=True):
+        if count:
+            bucket.inc(count)
+    total.inc(sum(amounts))
 
 
 class GatewayMetrics:

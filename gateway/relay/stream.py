@@ -8,7 +8,9 @@ out with the first event, so that a backend dying before it can still be failed 
 line), and no ``[DONE]`` is invented. A stream that ended whole has its unread tail
 drained in the background (:func:`close_after_drain`), so that its connection is reused.
 The ``model`` of the events relayed is the served model's name
-(:class:`gateway.wire.naming.EventRenamer`), set in the bytes of each event.
+(:class:`gateway.wire.naming.EventRenamer`), set in the bytes of each event. An OpenAI
+stream's token chunks alike but for their text are read and renamed by a splice of the
+last one (:class:`gateway.wire.splice.TokenSplice`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from gateway.relay.retry import keep_for_failover
 from gateway.relay.send import SSE_HEADERS, body_message, send_error
 from gateway.wire.naming import EventRenamer
 from gateway.wire.shapes import ndjson_error_line, sse_error_event
+from gateway.wire.splice import TokenSplice
 from gateway.wire.sse import EventSplitter, EventTooLarge
 
 __all__ = ["STREAM_DRAIN_S", "StreamRelay", "close_after_drain"]
@@ -113,7 +116,9 @@ class StreamRelay:
         # Each event's "model" set to the served name (gateway.wire.naming), or kept.
         named = x.answer_model
         relayed = partial(self._relayed, state.reader(), TokenTimes(),
-                          _kept if named is None else EventRenamer(named))
+                          _kept if named is None else EventRenamer(named),
+                          TokenSplice() if x.spec.openai_chunks and not self.ndjson
+                          else None)
         try:
             with map_upstream_errors(name):
                 async for chunk in chunks:
@@ -176,28 +181,41 @@ class StreamRelay:
         return True
 
     def _relayed(self, read: Callable[[bytes], Inspected], times: TokenTimes,
-                 rename: Callable[[bytes], bytes], events: list[bytes]) -> list[bytes]:
+                 rename: Callable[[bytes], bytes], splice: TokenSplice | None,
+                 events: list[bytes]) -> list[bytes]:
         """What to relay of ``events`` (each read by the stream's inspector, ``read``),
         each renamed on its own (one that is not JSON, a comment with a stray bracket or
         quote, cannot hide the next one's model); acting on what they showed: TTFT and
-        ITL for output (``times``), the upstream error's count. One call per upstream
+        ITL for output (``times``), the upstream error's count. A token chunk alike
+        but for its text to the last one ``splice`` learnt is read and renamed by it
+        (the inspector would find output and nothing else in it). One call per upstream
         read, with no call per event but the reading, the token's timing and the
         renaming (the SSE relay's every event: issue 37)."""
         out = []
         parts = self.parts
+        usage = parts.usage
         lease = parts.tries.now.lease
         now = None  # read once for the tokens of this read, which arrived together
         for raw in events:
+            spliced = None if splice is None else splice(raw)
+            if spliced is not None:
+                if now is None:
+                    now = usage.clock.now()
+                usage.token_seen(times, lease, first=times.last_token is None, now=now)
+                out.append(spliced)
+                continue
             relayed, token, error = read(raw)
             if token:
                 if now is None:
-                    now = parts.usage.clock.now()
-                parts.usage.token_seen(times, lease, first=times.last_token is None,
-                                       now=now)
+                    now = usage.clock.now()
+                usage.token_seen(times, lease, first=times.last_token is None, now=now)
             if error is not None:
                 parts.tries.upstream_error(error)
                 if error == "context_overflow":
                     parts.x.backend.upstream_failed(error)
             if relayed is not None:
-                out.append(rename(relayed))
+                renamed = rename(relayed)
+                out.append(renamed)
+                if token and splice is not None and relayed is raw:
+                    splice.learn(raw, renamed)
         return out

@@ -30,8 +30,8 @@ from typing import Any, TypeGuard
 
 from gateway.wire.routes import Route
 
-__all__ = ["Seen", "decode_pace", "finish_of", "has_token", "quick_token", "read_event",
-           "usage_of_whole"]
+__all__ = ["OUTPUT_NAMES", "Seen", "decode_pace", "finish_of", "has_token", "quick_token",
+           "read_event", "usage_of_whole"]
 
 _DELTA_TOKENS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
 _NATIVE = (Route.completion, Route.infill)  # llama-server's native stream and answer
@@ -73,10 +73,10 @@ def has_token(choices: Any) -> bool:
     return False
 
 
-# Each name has_token reads, quotes included: the value after it (past a ``:`` with no
+#: Each name has_token reads, quotes included: the value after it (past a ``:`` with no
 # space around it) settles the question when it is null or "" (no output) or a
 # non-empty string (output).
-_OUTPUT_NAMES = (b'"content"', b'"reasoning_content"', b'"reasoning"', b'"text"',
+OUTPUT_NAMES = (b'"content"', b'"reasoning_content"', b'"reasoning"', b'"text"',
                  b'"tool_calls"', b'"function_call"')
 _NO_OUTPUT = (b"null", b'""')
 
@@ -108,7 +108,7 @@ def quick_token(raw: bytes) -> bool | None:
             return None
         at = raw.find(b'"finish_reason"', at + 20)
     token = False
-    for name in _OUTPUT_NAMES:
+    for name in OUTPUT_NAMES:
         at = raw.find(name)
         while at >= 0:
             end = at + len(name)
