@@ -54,7 +54,7 @@ def relay(splice: TokenSplice, events: list[bytes]) -> list[tuple[bytes, bool]]:
 @pytest.mark.parametrize("chunk", [llama_chunk, vllm_chunk])
 def test_a_streams_later_tokens_are_spliced_and_renamed(chunk: Any) -> None:
     splice = TokenSplice()
-    texts = ["Hel", "lo", " wor{l}d", "[", "é😀", "model", "a: b,"]
+    texts = ["Hel", "lo", " wor{l}d", "[", "é😀", "models", "a: b,"]
     out = relay(splice, [chunk(t) for t in texts])
     assert [spliced for _, spliced in out] == [False] + [True] * (len(texts) - 1)
     for (data, _), text in zip(out, texts, strict=True):
@@ -64,7 +64,7 @@ def test_a_streams_later_tokens_are_spliced_and_renamed(chunk: Any) -> None:
 
 
 @pytest.mark.parametrize("text", [
-    'say "hi"', "back\\slash", "line\nbreak", "", "usage", "error", "finish_reason",
+    'say "hi"', "back\\slash", "line\nbreak", "", "usage", "error", "finish_reason", "model",
     "content", "text", "tool_calls"])
 def test_what_the_splice_leaves_to_the_full_reading(text: str) -> None:
     # A quote, an escape or a line break in the text, no text at all, or a text that
@@ -154,3 +154,22 @@ def test_malformed_chunks_are_spliced_only_as_read_in_full(
         assert data == rename_model(raw, NAME), stream
         if spliced:
             assert quick_token(raw) is True, stream
+
+
+# -- found by the adversarial pass: a malformed learnt chunk leaked the model's path -----
+
+def test_a_text_followed_by_a_colon_never_hides_a_model_member() -> None:
+    # Not JSON: the text "model" with a colon after it is a member's name.
+    def event(text: bytes) -> bytes:
+        return b'data: {"content":"' + text + b'":"/home/u/m.gguf"}\n\n'
+    out = relay(TokenSplice(), [event(b"hi"), event(b"model")])
+    assert out[1][0] == rename_model(event(b"model"), NAME)
+
+
+def test_a_stray_quote_never_changes_a_later_chunks_depth() -> None:
+    # Not JSON: with a stray quote before it, the text is outside a string and its
+    # brackets count.
+    def event(text: bytes) -> bytes:
+        return b'data: {"a"b","content":"' + text + b'","model":"/p.gguf"}\n\n'
+    out = relay(TokenSplice(), [event(b"{{{"), event(b"hi")])
+    assert out[1][0] == rename_model(event(b"hi"), NAME)

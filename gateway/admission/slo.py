@@ -232,13 +232,14 @@ class SloGuard:
         self.observe_itls((itl_s,), layout, now)
 
     def observe_itls(self, itls_s: Sequence[float], layout: Layout | None,
-                     now: float | None = None) -> None:
+                     now: float | None = None, *, level: int | None = None) -> None:
         """Inter-token latencies of streams on this backend, seconds, in the order seen
-        (a negative or non-finite one is ignored), as :meth:`observe_itl` one by one but
-        filed under the slots busy now: a stream hands in its gaps in batches of at most
-        :data:`gateway.relay.usage.GAPS_BATCH` or :data:`gateway.relay.usage.GAPS_AGE_S`
-        (issue 37)."""
-        self.model.observe_itls(itls_s, self.busy())
+        (a negative or non-finite one is ignored), as :meth:`observe_itl` one by one:
+        filed under ``level``, the slots that were busy when they came (default: those
+        busy now). A stream hands in its gaps in batches of at most
+        :data:`gateway.relay.usage.GAPS_BATCH`, :data:`gateway.relay.usage.GAPS_AGE_S`
+        and one level (issue 37)."""
+        self.model.observe_itls(itls_s, self.busy() if level is None else level)
         if now is None:
             now = self._clock.now()
         if layout is not None and now >= self._next_step:

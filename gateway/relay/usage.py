@@ -61,6 +61,7 @@ class UsageBook:
         self._gaps: list[float] = []  # gaps not yet observed, seconds
         self._learnt: list[float] = []  # of them, those its latency model learns from
         self._gaps_since = 0.0  # when the first of them came, clock seconds
+        self._level = 0  # the slots busy on the backend when the gaps learnt from came
         self.gaps = 0  # gaps between the stream's tokens, as its client saw them
         self.late_gaps = 0  # of them, over its class's itl_p95_s
 
@@ -103,15 +104,25 @@ class UsageBook:
                     self.x.trace.first_token(ttft)
             self.metrics.ttft.labels(backend.name).observe(ttft)
             return
+        self._gap(now - last, now, first)
+
+    def _gap(self, itl: float, now: float, first: bool) -> None:
+        """One gap of the stream, ``itl`` seconds, kept for :meth:`flush_gaps`."""
+        backend = self.x.backend
         if self._itl_of is not backend:  # a failover's gaps are the new backend's
             self.flush_gaps()
             self._itl, self._itl_of = self.metrics.itl.labels(backend.name), backend
-        itl = now - last
+        learns = not first and self.x.charge.n == 1  # (n > 1: its choices come in pairs)
+        if learns:
+            level = backend.admission.slo.busy()
+            if level != self._level:  # gaps are learnt under the level they came at
+                self.flush_gaps(now)
+                self._level = level
         gaps = self._gaps
         if not gaps:
             self._gaps_since = now
         gaps.append(itl)
-        if not first and self.x.charge.n == 1:  # (n > 1: its choices come in pairs)
+        if learns:
             self._learnt.append(itl)
         self.gaps += 1
         target = self.x.party.itl_target_s
@@ -123,9 +134,10 @@ class UsageBook:
     def flush_gaps(self, now: float | None = None) -> None:
         """Observe the gaps kept since the last flush: ``gateway_itl_seconds`` and the
         latency model of the backend they came from (:meth:`gateway.admission.slo.
-        SloGuard.observe_itls`, which files them under the slots busy now). Called by
-        :meth:`token_seen` at :data:`GAPS_BATCH` gaps or :data:`GAPS_AGE_S`, and at the
-        stream's end; nothing when none are kept.
+        SloGuard.observe_itls`, under the slots busy when they came: a batch ends when
+        that changes). Called by :meth:`token_seen` at :data:`GAPS_BATCH` gaps, at
+        :data:`GAPS_AGE_S` or at a new level, and at the attempt's end; nothing when none
+        are kept.
 
         :param now: the clock's time, seconds, if the caller has it.
         """
@@ -136,7 +148,7 @@ class UsageBook:
         observe_all(self._itl, gaps)
         if learnt:
             admission = backend.admission
-            admission.slo.observe_itls(learnt, admission.layout, now)
+            admission.slo.observe_itls(learnt, admission.layout, now, level=self._level)
 
     def paced(self, attempt: Attempt | None, usage: Any, reported: float | None) -> None:
         """A whole answer's decode pace, for the wait prediction of a gateway whose

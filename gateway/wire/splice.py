@@ -15,12 +15,16 @@ quote or backslash in it the quotes pair up as before and every bracket in it is
 a string. The JSON members, their depth and every ``model`` value are then those of the
 learnt chunk, which is all :func:`~gateway.wire.naming.rename_model` decides on, and
 ``quick_token`` finds the same names with the same values, the text's being a non-empty
-string. A text that is itself one of the names ``quick_token`` looks for (``usage``,
-``error``, ``finish_reason``, an output name), which the chunk's quotes around it would
-turn into that name, is not settled here.
+string. That holds when the learnt chunk is JSON: only JSON is learnt (in a malformed one
+a stray quote pairs the text's quotes otherwise, or a colon after the text makes it a
+member's name). A text that is itself one of the names ``quick_token`` or the renamer
+looks for (``usage``, ``error``, ``finish_reason``, ``model``, an output name), which the
+chunk's quotes around it would turn into that name, is not settled here.
 """
 
 from __future__ import annotations
+
+import orjson
 
 from gateway.wire.events import OUTPUT_NAMES, quick_token
 
@@ -35,7 +39,8 @@ _KEY = b'"model"'
 # Every byte but those that end or escape a JSON string, or break an SSE line.
 _PLAIN = bytes(b for b in range(256) if b not in b'"\\\n\r')
 # What a text between two quotes would turn into a name quick_token reads.
-_NAMES = frozenset({b"usage", b"error", b"finish_reason"} | {n[1:-1] for n in OUTPUT_NAMES})
+_NAMES = frozenset({b"usage", b"error", b"finish_reason", b"model"}
+                   | {n[1:-1] for n in OUTPUT_NAMES})
 
 
 class TokenSplice:
@@ -69,13 +74,18 @@ class TokenSplice:
 
     def learn(self, raw: bytes, renamed: bytes) -> None:
         """Keep the shape of ``raw``, an event read in full whose renamed bytes are
-        ``renamed``, when it is a plain token chunk (``quick_token`` settles it as output)
-        with exactly one non-empty string among its output members, plain text, and every
-        ``model`` member before that text or every one after it."""
+        ``renamed``, when it is a plain token chunk (``quick_token`` settles it as output,
+        its ``data:`` is one JSON text) with exactly one non-empty string among its
+        output members, plain text, and every ``model`` member before that text or every
+        one after it."""
         if self._head and not self._hits:
             self._strikes += 1
         self._head, self._hits = b"", 0
         if self._strikes >= MAX_STRIKES or quick_token(raw) is not True:
+            return
+        try:  # (its bytes decide how the next ones read: JSON only, found by the
+            orjson.loads(raw[6:])  # adversarial pass, where a stray quote or a text
+        except orjson.JSONDecodeError:  # followed by a colon moved a model member)
             return
         start = -1
         for name in OUTPUT_NAMES:  # (quick_token: each is a key followed by a colon)
