@@ -74,7 +74,6 @@ class PlainRelay:
         except ShuttingDown as cut:
             await self._cut_off(send, cut)
         finally:
-            self.parts.usage.flush_gaps()  # filed at the slots busy with it
             tries.give_back(lease, held_since, served=200 <= x.status < 400,
                             stream=x.stream)
 

@@ -94,7 +94,7 @@ class ProxyResponse(Response):
         finally:
             await watcher.stop()
             self.parts.admitter.leave()
-            self.parts.usage.flush_gaps()
+            self.parts.usage.flush_gaps()  # the stream's last gaps
             self.parts.usage.settle(self.parts.tries.charged)
             self.parts.usage.attained()
             self._record(scope, failed)

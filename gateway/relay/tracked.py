@@ -96,7 +96,6 @@ class TrackedRelay:
                          x.backend.name)
         finally:
             lease.on_preempt = None
-            self.parts.usage.flush_gaps()  # filed at the slots busy with it
             tries.give_back(lease, held_since,
                             served=reason is None and 200 <= x.status < 400,
                             stream=True, quick=reason is not None)

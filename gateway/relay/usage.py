@@ -136,8 +136,8 @@ class UsageBook:
         latency model of the backend they came from (:meth:`gateway.admission.slo.
         SloGuard.observe_itls`, under the slots busy when they came: a batch ends when
         that changes). Called by :meth:`token_seen` at :data:`GAPS_BATCH` gaps, at
-        :data:`GAPS_AGE_S` or at a new level, and at the attempt's end; nothing when none
-        are kept.
+        :data:`GAPS_AGE_S` or at a new level, and at the response's end
+        (:class:`gateway.relay.response.ProxyResponse`); nothing when none are kept.
 
         :param now: the clock's time, seconds, if the caller has it.
         """

@@ -74,10 +74,10 @@ def has_token(choices: Any) -> bool:
 
 
 #: Each name has_token reads, quotes included: the value after it (past a ``:`` with no
-# space around it) settles the question when it is null or "" (no output) or a
-# non-empty string (output).
+#: space around it) settles the question when it is null or "" (no output) or a
+#: non-empty string (output).
 OUTPUT_NAMES = (b'"content"', b'"reasoning_content"', b'"reasoning"', b'"text"',
-                 b'"tool_calls"', b'"function_call"')
+                b'"tool_calls"', b'"function_call"')
 _NO_OUTPUT = (b"null", b'""')
 
 

@@ -92,7 +92,7 @@ class TokenSplice:
             at = raw.find(name)
             while at >= 0:
                 value = at + len(name) + 1
-                if raw[value:value + 2] not in (b'""', b"nu") and raw[value:value + 1] == b'"':
+                if raw[value:value + 1] == b'"' and raw[value + 1:value + 2] != b'"':
                     if start >= 0:
                         return  # two texts
                     start = value + 1
