@@ -47,12 +47,13 @@ class Fleet:
             return await fakes[host].handle(request)
 
         entries = [{"url": f"http://{b['name']}:8080", **b} for b in backends]
+        clock = sections.pop("clock", None)
         self.settings = load_settings(admission={"disconnect_grace_s": 0.0,
                                                  **sections.pop("admission", {})},
                                       backends=entries, **sections)
         self.app = create_app(self.settings, http_client=httpx.AsyncClient(
             transport=httpx.MockTransport(route)), registry=CollectorRegistry(),
-            discover=False)
+            discover=False, clock=clock)
         self.state = self.app.state.gateway
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app),
                                         base_url="http://gateway")
@@ -386,12 +387,13 @@ async def test_when_every_backend_fails_the_client_gets_the_failure(make_fleet: 
 async def test_a_down_backend_is_probed_once_its_backoff_has_passed(make_fleet: Any) -> None:
     clock = ManualClock()
     fakes = {"a": FakeLlamaServer(), "b": FakeLlamaServer()}
+    # Every part on the clock the test moves (the pool's queue judges health on its own:
+    # a backend with the manual clock alone was still down by the monotonic one on a
+    # machine up for less than the manual clock's start).
     fleet = await make_fleet(fakes, [{"name": "a", "model": "m"}, {"name": "b", "model": "m"}],
-                             routing={"down_initial_s": 5.0})
+                             routing={"down_initial_s": 5.0}, clock=clock)
     fleet.refused.add("a")
     a = fleet.state.fleet.backends["a"]
-    a.clock = clock  # the backend's health runs on a clock the test moves
-    fleet.state.clock = clock
     assert (await fleet.chat(model="m", max_tokens=3)).status_code == 200
     assert a.health.failures == 1 and a.health.down_until == clock.now() + 5.0
     clock.advance(5.0)

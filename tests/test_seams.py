@@ -1,9 +1,11 @@
 """Modes are chosen once (issue 39): outside the shared state's own modules, a line that
 asks "is state shared?" (a condition on a name ``shared`` or ``store``: ``if shared``,
 ``store is None``, ``x if self.shared is not None else y``) is counted here, by file,
-and may only get rarer. The admission asks its grantor
-(:mod:`gateway.admission.grantor`) and its live accounting its peers
-(:class:`gateway.admission.live.Peers`) instead.
+and may only get rarer (none is left). The admission asks its grantor
+(:mod:`gateway.admission.grantor`), its live accounting its peers
+(:class:`gateway.admission.live.Peers`), a pool's queue its
+:class:`~gateway.fleet.pool.PoolGrantor`, and the rest the app's
+:class:`~gateway.admission.state.StateStore`, chosen once in ``http/app.py``.
 """
 
 from __future__ import annotations
@@ -19,18 +21,15 @@ SEAM = re.compile(r"^admission/(shared[^/]*|pump)\.py$")
 NAMES = re.compile(r"^_?(shared|store)$")
 
 #: The most questions each file may still ask. Before the grantor (2026-12-07):
-#: admission/admission.py 11, admission/live.py 6, and the rest as below but
-#: backends/target.py 1. target.py's second is the choice itself (which grantor a
-#: backend's admission gets); app.py's are the store's start and close. The tenant
-#: gate's 3 went with its Quota (admission/tenants.py).
-CEILING = {
-    "backends/target.py": 2,
-    "fleet/fleet.py": 2,
-    "fleet/routers.py": 1,
-    "http/app.py": 4,
-    "http/endpoints.py": 1,
-    "http/status.py": 1,
-}
+#: admission/admission.py 11, admission/live.py 6, backends/target.py 1, fleet/fleet.py
+#: 2, fleet/routers.py 1, http/app.py 4, http/endpoints.py 1, http/status.py 1. The
+#: tenant gate's 3 went with its Quota (admission/tenants.py); the last 11 with the
+#: StateStore and the pool's grantor.
+CEILING: dict[str, int] = {}
+
+#: Where ``[state] backend`` is read: the one choice (``http/app.py``), and the command
+#: line's refusal of ``--workers`` over memory state (``__main__.py``).
+CHOOSERS = {"http/app.py": 1, "__main__.py": 1}
 
 
 def _asks(test: ast.expr) -> bool:
@@ -82,3 +81,15 @@ def test_no_file_asks_more_often_whether_state_is_shared() -> None:
             found[where] = lines
     assert found == {}, ("these files ask whether state is shared more often than "
                          f"CEILING allows (give the choice to a grantor or peers): {found}")
+
+
+def test_the_state_store_is_chosen_in_one_place() -> None:
+    found = {}
+    for path in sorted(GATEWAY.rglob("*.py")):
+        where = path.relative_to(GATEWAY).as_posix()
+        if where == "config.py":
+            continue
+        reads = len(re.findall(r"StateBackend\.\w+", path.read_text()))
+        if reads > CHOOSERS.get(where, 0):
+            found[where] = reads
+    assert found == {}, f"[state] backend is read outside the one choice: {found}"

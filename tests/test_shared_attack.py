@@ -122,7 +122,7 @@ async def apps(fake: FakeLlamaServer, redis_server: Any
             app = create_app(settings, http_client=fake.client(),
                              registry=CollectorRegistry(), discover=False, clock=clock)
             h = Harness(app, fake)
-            await h.state.shared.start()
+            await h.state.store.start()
             await h.backend.discover()
             made.append(h)
             out.append(h)
@@ -463,7 +463,7 @@ async def build_one(fake: FakeLlamaServer, url: str, **state: Any) -> Harness:
         backends=[{"name": "local", "url": "http://upstream:8080"}])
     h = Harness(create_app(settings, http_client=fake.client(),
                            registry=CollectorRegistry(), discover=False), fake)
-    await h.state.shared.start()
+    await h.state.store.start()
     await h.backend.discover()
     return h
 
@@ -490,7 +490,7 @@ async def test_a_wrong_redis_url_refuses_requests_and_ready_says_why(
         assert caplog.text.count("cannot be reached") == 1
     finally:
         await h.client.aclose()
-        await h.state.shared.close()
+        await h.state.store.close()
 
 
 @pytest.fixture
@@ -523,7 +523,7 @@ async def test_a_password_protected_redis(locked_redis: Any, fake: FakeLlamaServ
     finally:
         for h in (without, wrong, right):
             await h.client.aclose()
-            await h.state.shared.close()
+            await h.state.store.close()
 
 
 async def test_a_stalled_redis_refuses_cleanly_and_leaves_nothing(

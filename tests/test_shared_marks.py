@@ -43,7 +43,7 @@ async def pair(fake: FakeLlamaServer, redis_server: Any
             app = create_app(settings, http_client=fake.client(),
                              registry=CollectorRegistry(), discover=False)
             h = Harness(app, fake)
-            await h.state.shared.start()
+            await h.state.store.start()
             await h.backend.discover()
             made.append(h)
         return made[0], made[1]
@@ -52,7 +52,7 @@ async def pair(fake: FakeLlamaServer, redis_server: Any
     for h in made:
         await h.client.aclose()
         await h.backend.close()
-        await h.state.shared.close()
+        await h.state.store.close()
 
 
 def usable(t: Target) -> bool:
@@ -195,7 +195,7 @@ async def test_redis_lost_keeps_local_marks_and_marks_nothing(
     ta, tb = a.backend, b.backend
     redis_server.stop()
     try:
-        await until(lambda: not (a.state.shared.up or b.state.shared.up))
+        await until(lambda: not (a.state.store.shared.up or b.state.store.shared.up))
         # No false mark: Redis's loss marks nothing down.
         assert usable(ta) and usable(tb)
         # A failure is this process's own meanwhile, with its own half-open probe.
@@ -207,7 +207,7 @@ async def test_redis_lost_keeps_local_marks_and_marks_nothing(
     finally:
         redis_server.start()  # the same port, every key lost
     # Back: A's mark of the outage is published at its next heartbeat.
-    await until(lambda: a.state.shared.up and tb.health.failures == 1)
+    await until(lambda: a.state.store.shared.up and tb.health.failures == 1)
 
 
 async def test_health_calls_are_counted(pair: Any) -> None:
@@ -229,7 +229,7 @@ async def test_the_marks_loop_ends_when_a_redis_call_swallows_its_cancellation(
     from gateway.admission.shared_marks import MarksHub
 
     a, _ = await pair()
-    hub = MarksHub.of(a.state.shared)
+    hub = MarksHub.of(a.state.store.shared)
     in_sync = asyncio.Event()
 
     async def swallowing_sync() -> None:
@@ -242,9 +242,9 @@ async def test_the_marks_loop_ends_when_a_redis_call_swallows_its_cancellation(
     monkeypatch.setattr(hub, "sync", swallowing_sync)
     in_sync.clear()
     await asyncio.wait_for(in_sync.wait(), 5)  # the loop is inside a "Redis call"
-    running = [t for t in a.state.shared._tasks if "MarksHub._run" in repr(t.get_coro())]
+    running = [t for t in a.state.store.shared._tasks if "MarksHub._run" in repr(t.get_coro())]
     assert len(running) == 1
     with caplog.at_level("ERROR"):
-        await a.state.shared.close()
+        await a.state.store.close()
     assert running[0].done()
     assert "did not end" not in caplog.text

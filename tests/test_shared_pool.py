@@ -22,8 +22,8 @@ from gateway.backends.target import Target
 from gateway.config import load_settings
 from gateway.core.capacity import Charge
 from gateway.errors import QueueFull, QueueTimeout
-from gateway.fleet.pool import Candidate
-from gateway.fleet.shared_pool import SharedModelQueue
+from gateway.fleet.pool import Candidate, ModelQueue
+from gateway.fleet.shared_pool import SharedPoolGrantor
 from gateway.http.app import create_app
 from tests.fakes import FakeLlamaServer
 
@@ -87,9 +87,9 @@ class Proc:
         return list(self.state.fleet.backends.values())
 
     @property
-    def queue(self) -> SharedModelQueue:
+    def queue(self) -> ModelQueue:
         queue = self.state.fleet.queue_for(self.backends)
-        assert isinstance(queue, SharedModelQueue)
+        assert queue is not None and isinstance(queue.grantor, SharedPoolGrantor)
         return queue
 
     def plan(self, tokens: int) -> list[Candidate]:
@@ -177,7 +177,7 @@ async def procs(fakes: dict[str, FakeLlamaServer], redis_server: Any
         for _ in range(n):
             p = Proc(fakes, redis_server.url, refused if refused is not None else set(),
                      **sections)
-            await p.state.shared.start()
+            await p.state.store.start()
             for backend in p.backends:
                 await backend.discover()
             made.append(p)
@@ -188,7 +188,7 @@ async def procs(fakes: dict[str, FakeLlamaServer], redis_server: Any
     yield build
     for p in made:
         await p.client.aclose()
-        await p.state.shared.close()
+        await p.state.store.close()
 
 
 def test_a_pool_with_redis_state_loads() -> None:
@@ -401,8 +401,8 @@ async def test_a_dead_process_s_pool_leases_expire(procs: Any, view: Redis) -> N
     fills = [await asyncio.wait_for(p1.queue.admit(p1.plan(1600)), 2) for _ in NAMES]
     assert {c.backend.name for c, _ in fills} == set(NAMES)
     # p1 dies: no renewal, nothing released (kill -9).
-    p1.state.shared._running = False
-    for task in list(p1.state.shared._tasks):
+    p1.state.store.shared._running = False
+    for task in list(p1.state.store.shared._tasks):
         task.cancel()
     loop = asyncio.get_running_loop()
     started = loop.time()

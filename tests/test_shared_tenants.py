@@ -39,7 +39,7 @@ async def pair(fake: FakeLlamaServer, redis_server: Any
             app = create_app(settings, http_client=fake.client(),
                              registry=CollectorRegistry(), discover=False)
             h = Harness(app, fake)
-            await h.state.shared.start()
+            await h.state.store.start()
             await h.backend.discover()
             made.append(h)
             out.append(h)
@@ -48,7 +48,7 @@ async def pair(fake: FakeLlamaServer, redis_server: Any
     yield build
     for h in made:
         await h.client.aclose()
-        await h.state.shared.close()
+        await h.state.store.close()
 
 
 async def test_tokens_per_minute_holds_across_processes(pair: Any) -> None:

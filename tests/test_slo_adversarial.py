@@ -204,7 +204,7 @@ async def _shared_harness(fake: FakeLlamaServer, redis_url: str, prefix: str, *,
     app = create_app(settings, http_client=fake.client(), registry=CollectorRegistry(),
                      discover=False)
     h = Harness(app, fake)
-    await h.state.shared.start()
+    await h.state.store.start()
     return h
 
 
@@ -240,7 +240,7 @@ async def test_under_redis_the_limit_is_applied_to_the_shared_grant(redis_server
         assert h.backend.admission.stats().inflight == 0
     finally:
         await h.client.aclose()
-        await h.state.shared.close()
+        await h.state.store.close()
 
 
 async def test_under_redis_a_fresh_burst_starts_slow(redis_server: Any) -> None:
@@ -261,7 +261,7 @@ async def test_under_redis_a_fresh_burst_starts_slow(redis_server: Any) -> None:
         assert h.backend.admission.slo.model.itl_p95(4) is None  # never ran
     finally:
         await h.client.aclose()
-        await h.state.shared.close()
+        await h.state.store.close()
 
 
 # -- pools ---------------------------------------------------------------------------

@@ -34,11 +34,11 @@ from typing import Any
 import httpx
 
 from gateway.admission.admission import Admission
+from gateway.admission.grantor import Grantor
 from gateway.admission.lease import AdmissionStats, Lease
-from gateway.admission.shared import SharedAccount
-from gateway.admission.shared_grant import SharedGrantor
 from gateway.admission.shared_marks import BackendMarks, Values, with_values
 from gateway.admission.slotwatch import SlotWatch
+from gateway.admission.state import LOCAL_STATE, StateStore
 from gateway.backends import Dialect, Discovered, SideCalls, kind_class
 from gateway.backends.countcache import CountCache
 from gateway.backends.discovery import RETRY_DISCOVERY_S, DiscoveryLoop
@@ -76,7 +76,7 @@ PREEMPTION_WATCH_S = 5.0  # discovery interval at most, where the server counts 
 
 
 def _admission(settings: AdmissionSettings, layout: Layout | None, clock: Clock, *,
-               predictive: bool, shared: SharedAccount | None) -> Admission:
+               predictive: bool, grantor: Grantor) -> Admission:
     """A backend's admission with the queue bounds and policy of ``[admission]``."""
     admission = Admission(
         layout,
@@ -87,7 +87,7 @@ def _admission(settings: AdmissionSettings, layout: Layout | None, clock: Clock,
         predictive=predictive,
         preempt_margin_tokens=settings.preempt_margin_tokens,
         age_s=settings.priority_age_s,
-        grantor=None if shared is None else SharedGrantor(shared, clock),
+        grantor=grantor,
     )
     admission.slo.defer.defer_s = settings.prefill_defer_s
     return admission
@@ -102,6 +102,8 @@ class Target:
     :param clock: time source for admission, discovery and the slot watch.
     :param dialect: the kind's dialect; built from ``settings.kind`` when omitted.
     :param client: client for the forwarded requests (``side_client`` when omitted).
+    :param store: where admission state lives (its grantor and marks come from there):
+        a :class:`~gateway.admission.state.StateStore`, this process's memory by default.
 
     Its public parts, which callers use directly:
 
@@ -134,7 +136,7 @@ class Target:
         clock: Clock | None = None,
         dialect: Dialect | None = None,
         client: httpx.AsyncClient | None = None,
-        shared: SharedAccount | None = None,
+        store: StateStore = LOCAL_STATE,
     ) -> None:
         self.settings = settings
         self.client = client or side_client
@@ -155,7 +157,7 @@ class Target:
         # backend is skipped until ``health.down_until``; the next request after that is
         # the half-open probe, and a success brings it back. Shared, as the layout
         # discovered, by every gateway process with [state] backend = "redis".
-        self.marks = _marks(self, shared)
+        self.marks = _marks(self, store)
         self.health: Health = Health() if self.marks is None else self.marks.health
         # The prompt each slot last held, for slot affinity (gateway.core.slots).
         self._prompts = PromptIndex()
@@ -174,7 +176,8 @@ class Target:
                                          admission_settings.predict_min_history)
         self.admission = _admission(admission_settings,
                                     self.pool.layout(limits(settings, self.dialect), None),
-                                    self.clock, predictive=self._predictive, shared=shared)
+                                    self.clock, predictive=self._predictive,
+                                    grantor=store.grantor(self.name, settings.url, self.clock))
         self.slot_watch = SlotWatch(
             self.name, self.dialect.read_slots, self.admission, self.clock,
             unseen_timeout_s=admission_settings.abandon_confirm_timeout_s,
@@ -444,17 +447,16 @@ async def _take_calibrated(target: Target, found: Discovered, *, fresh: bool
     return target.take(found, fresh=fresh)
 
 
-def _marks(target: Target, shared: SharedAccount | None) -> BackendMarks | None:
+def _marks(target: Target, store: StateStore) -> BackendMarks | None:
     """``target``'s health marks and layout as every gateway process shares them
-    (:mod:`gateway.admission.shared_marks`), or ``None`` without shared state."""
-    if shared is None:
-        return None
-
+    (:mod:`gateway.admission.shared_marks`), or ``None`` where this process alone keeps
+    them (:meth:`gateway.admission.state.StateStore.marks`)."""
     def adopt(values: Values) -> None:  # another process published a newer layout
         if target.discovered is not None:
             target.take(with_values(target.discovered, values))
-    return BackendMarks(shared, lambda: target.settings.connect_timeout_s + 1.0,
-                        lambda: target.admission.notify(), adopt)
+    return store.marks(target.name, target.settings.url,
+                       lambda: target.settings.connect_timeout_s + 1.0,
+                       lambda: target.admission.notify(), adopt)
 
 
 def upstream_body(target: Target, body: dict[str, Any]) -> dict[str, Any]:

@@ -19,14 +19,13 @@ from typing import Any
 
 from gateway.admission.admission import Admission
 from gateway.admission.lease import AdmissionStats
-from gateway.admission.shared import SharedAccount, SharedStore
+from gateway.admission.state import LOCAL_STATE, StateStore
 from gateway.backends.target import Target
 from gateway.clock import Clock
 from gateway.config import AdmissionSettings, BackendSettings, RoutingSettings
 from gateway.errors import BackendNotReady, ModelNotFound, RouteNotFound
-from gateway.fleet.pool import ModelQueue
+from gateway.fleet.pool import LocalPoolGrantor, ModelQueue, PoolGrantor
 from gateway.fleet.routers import refuse_for_routers, sync_members, with_members
-from gateway.fleet.shared_pool import SharedModelQueue
 from gateway.fleet.tasks import TaskSet
 from gateway.tasks import not_cancelled
 from gateway.wire.naming import served_name
@@ -52,15 +51,18 @@ class Fleet:
     :param make_target: builds the backend of a ``[[backends]]`` entry (reloads).
     :param tasks: the app's background tasks; discovery loops and retirements run there.
     :param discover: run each backend's discovery loop once :meth:`start` is called.
-    :param shared: the link to the budgets shared with other gateway processes
-        (``[state] backend = "redis"``), or ``None``: each pool then queues in its
-        backends' shared queues (:class:`~gateway.fleet.shared_pool.SharedModelQueue`).
+    :param store: where admission state lives
+        (:class:`~gateway.admission.state.StateStore`): the members of a router's
+        models are built over it.
+    :param pool_grantor: makes the :class:`~gateway.fleet.pool.PoolGrantor` of each
+        pool's queue (this process alone, or the queues every process shares).
     """
 
     def __init__(self, backends: dict[str, Target], *, clock: Clock,
                  admission: AdmissionSettings, routing: RoutingSettings,
                  make_target: MakeTarget, tasks: TaskSet, discover: bool = True,
-                 shared: SharedStore | None = None) -> None:
+                 store: StateStore = LOCAL_STATE,
+                 pool_grantor: Callable[[], PoolGrantor] = LocalPoolGrantor) -> None:
         self.backends = backends
         self.clock = clock
         self.admission = admission
@@ -68,7 +70,8 @@ class Fleet:
         self.make_target = make_target
         self.tasks = tasks
         self.discover = discover
-        self.shared = shared
+        self.store = store
+        self.pool_grantor = pool_grantor
         self.retiring: list[Target] = []  # removed by a reload, finishing requests
         self._started = False  # the app's lifespan runs
         self._queues: dict[tuple[str, ...], ModelQueue] = {}
@@ -303,16 +306,9 @@ class Fleet:
                 down_initial_s=routing.down_initial_s, down_max_s=routing.down_max_s,
                 age_s=admission.priority_age_s, on_route=None if on_route is None else (
                     lambda backend, reason: on_route(model, backend, reason)))
-            queue = self._queues[key] = (
-                ModelQueue(members, **options) if self.shared is None else
-                SharedModelQueue(members, account=self._account,
-                                 poll_s=self.shared.settings.poll_interval_s, **options))
+            queue = self._queues[key] = ModelQueue(members, grantor=self.pool_grantor(),
+                                                   **options)
         return queue
-
-    def _account(self, backend: Target) -> SharedAccount:
-        """``backend``'s shared budget (the one its admission was given)."""
-        assert self.shared is not None
-        return self.shared.account(backend.name, backend.settings.url)
 
     def mark_failed(self, backend: Target, queue: ModelQueue | None = None) -> float:
         """A request failed on ``backend`` before any byte reached its client: mark it

@@ -43,8 +43,8 @@ from gateway.core.fairness import Party
 from gateway.core.prefix import AFFINITY_PROMPT_CHARS, Prefix, digest
 from gateway.errors import QueueFull, QueueTimeout
 
-__all__ = ["AFFINITY_BONUS", "AdmitPath", "Candidate", "LoneBackend", "ModelQueue",
-           "affinity_key", "score"]
+__all__ = ["AFFINITY_BONUS", "AdmitPath", "Candidate", "LocalPoolGrantor", "LoneBackend",
+           "ModelQueue", "PoolGrantor", "affinity_key", "score"]
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +231,52 @@ class PoolAsk:
 _Grant = tuple[Candidate, Lease]
 
 
+class PoolGrantor(Protocol):
+    """Who grants the requests of a pool's queue: this process alone
+    (:class:`LocalPoolGrantor`, judging each member's budget synchronously), or the
+    queues every gateway process shares
+    (:class:`~gateway.fleet.shared_pool.SharedPoolGrantor`). Chosen once, where the app
+    is built (:func:`gateway.http.app.create_app`); the :class:`ModelQueue` keeps what
+    is the pool's (its waiting room, affinity, bounds, timers) and hands each step of a
+    request to its grantor, never asking which it has. A third state store is a third
+    implementation of this protocol.
+    """
+
+    def bind(self, queue: ModelQueue) -> None:
+        """Attach to ``queue`` (once, when it is built)."""
+        ...
+
+    def check_room(self, queue: ModelQueue, party: Party | None) -> None:
+        """As :meth:`ModelQueue.check_room`.
+
+        :raises QueueFull: no backend of the pool would let the request wait.
+        """
+        ...
+
+    def try_admit(self, queue: ModelQueue, candidates: Sequence[Candidate],
+                  affinity: str | None, party: Party | None, prefix: Prefix | None
+                  ) -> tuple[Candidate, Lease] | None:
+        """As :meth:`ModelQueue.try_admit`."""
+        ...
+
+    async def admit(self, queue: ModelQueue, candidates: Sequence[Candidate],
+                    affinity: str | None, *, front: bool, party: Party | None,
+                    prefix: Prefix | None) -> tuple[Candidate, Lease]:
+        """As :meth:`ModelQueue.admit`.
+
+        :raises GatewayError: as :meth:`ModelQueue.admit`.
+        """
+        ...
+
+    def wake(self, queue: ModelQueue) -> None:
+        """Something may have made room on a member: start who can start."""
+        ...
+
+    def failed(self, queue: ModelQueue, backend: Target) -> None:
+        """``backend`` was just marked down after a failed request."""
+        ...
+
+
 @dataclass(eq=False)
 class ModelQueue:
     """One queue for the backends of one model (ordered by :class:`FairQueue`).
@@ -244,6 +290,8 @@ class ModelQueue:
     :param max_wait_s: longest wait, seconds.
     :param clock: injected time source.
     :param age_s: priority ageing, seconds per class (:class:`FairQueue`).
+    :param grantor: who grants its requests (:class:`PoolGrantor`): by default this
+        process alone (:class:`LocalPoolGrantor`).
     """
 
     members: Sequence[Target]
@@ -258,7 +306,8 @@ class ModelQueue:
     on_route: Callable[[str, str], None] | None = None
     retired: bool = False  # replaced by a reload; serves only those waiting here
     age_s: float = 30.0
-    _room: Waitroom[PoolAsk, _Grant] = field(init=False)
+    grantor: PoolGrantor = field(default_factory=lambda: LocalPoolGrantor())
+    room: Waitroom[PoolAsk, _Grant] = field(init=False)
     _timers: set[asyncio.TimerHandle] = field(default_factory=set)
     # Conversation prefix key -> the backend that served it last, least recent first.
     _affinity: OrderedDict[str, str] = field(default_factory=OrderedDict)
@@ -278,20 +327,21 @@ class ModelQueue:
             self._affinity.popitem(last=False)
 
     def __post_init__(self) -> None:
-        self._room = Waitroom(self.clock, age_s=self.age_s, max_queue=self.max_queue,
-                              full=self._full, give_back=self._give_back, on_leave=self.wake)
+        self.room = Waitroom(self.clock, age_s=self.age_s, max_queue=self.max_queue,
+                             full=self.full, give_back=self._give_back, on_leave=self.wake)
+        self.grantor.bind(self)
         for backend in self.members:
             backend.admission.add_listener(self.wake)
 
     @property
     def waiting(self) -> int:
         """Requests waiting in this queue."""
-        return len(self._room)
+        return len(self.room)
 
     def oldest_wait_s(self) -> float:
         """How long the request waiting longest here has waited so far, seconds (0.0
         when none waits)."""
-        return self._room.oldest_wait_s()
+        return self.room.oldest_wait_s()
 
     def retire(self) -> None:
         """A reload replaced this queue: new requests go to another. The requests
@@ -302,19 +352,20 @@ class ModelQueue:
 
     def refuse_waiting(self, exc: Exception) -> None:
         """Fail every request waiting here with ``exc`` (the gateway is stopping)."""
-        self._room.refuse_waiting(exc)
+        self.room.refuse_waiting(exc)
 
     def check_room(self, party: Party | None = None) -> None:
         """Raise at once when a new request could only queue and the queue is full.
 
         :raises QueueFull: ``max_queue`` requests wait already (and at least one does),
-            none of a class lower than ``party``'s (which it would shed).
+            none of a class lower than ``party``'s (which it would shed); with shared
+            state, every usable member's own queue is full.
         """
-        self._room.check_room(party)
+        self.grantor.check_room(self, party)
 
     def position(self, candidates: Sequence[Candidate]) -> int | None:
         """1-based place in the queue of the request planned as ``candidates``."""
-        return self._room.position(lambda ask: ask.candidates is candidates)
+        return self.room.position(lambda ask: ask.candidates is candidates)
 
     def progress(self, candidates: Sequence[Candidate]) -> tuple[int, float | None] | None:
         """Its place in the queue while it waits; a pool predicts no wait (``None``)."""
@@ -324,22 +375,13 @@ class ModelQueue:
     def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
                   party: Party | None = None, prefix: Prefix | None = None
                   ) -> tuple[Candidate, Lease] | None:
-        """A lease now on the best backend where the request fits, or ``None``. A
-        backend that a request waiting ahead of it could use is not given to it, nor one
-        where it would start after its TTFT deadline even now (:func:`late_backends`).
-        ``prefix`` picks the slot there whose cached prompt the request continues.
+        """A lease now on the best backend where the request fits, or ``None`` (always,
+        with shared state: the shared queues decide). ``prefix`` picks the slot there
+        whose cached prompt the request continues.
 
         :raises SloUnattainable: it would start late on every usable backend.
         """
-        party = party or Party()
-        cost = candidates[0].charge.tokens if candidates else 0
-        ahead = self._room.ahead_of(party, cost) if self._room else []
-        blocked = self._blocked(ahead) | self._late(candidates, party)
-        got = self._grant([c for c in candidates if id(c.backend) not in blocked], affinity,
-                          prefix=prefix, hold=(party, 0.0))
-        if got is not None:
-            self._room.charge(party, got[0].charge.tokens)
-        return got
+        return self.grantor.try_admit(self, candidates, affinity, party, prefix)
 
     async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
                     *, front: bool = False, party: Party | None = None,
@@ -353,72 +395,20 @@ class ModelQueue:
         :raises QueueFull: ``max_queue`` requests already wait (at once).
         :raises QueueTimeout: the wait passed ``max_wait_s`` (or the class's).
         :raises SloUnattainable: as :meth:`try_admit` (at once).
+        :raises GatewayError: with shared state, as
+            :meth:`gateway.admission.admission.Admission.admit` from every backend.
         """
-        party = party or Party()
-        late: frozenset[int] = frozenset()
-        if front:
-            got = self._grant(candidates, affinity, "failover", prefix)
-            if got is not None:
-                self._room.charge(party, got[0].charge.tokens)
-        else:
-            got = self.try_admit(candidates, affinity, party, prefix)
-            late = self._late(candidates, party)
-        if got is not None:
-            return got
-        victim = None if front else self._room.victim_for(party)
-        if victim is not None:
-            self._room.fail(victim, shed_error(
-                f"The queue for this model is full ({self.max_queue} waiting).",
-                self.retry_after_s()))
-        max_wait = self.max_wait_s if party.max_wait_s is None else party.max_wait_s
-        cost = candidates[0].charge.tokens if candidates else 0
-        waiter = self._room.join(
-            PoolAsk(candidates, affinity, "failover" if front else "queued", prefix, late),
-            party, cost, front=front)
-        self.wake()  # it may go before waiters that wait for room it does not need
-        candidate, lease = await self._room.wait(waiter, max_wait,
-                                                 lambda: self.timed_out(max_wait))
-        lease.waited_s = self.clock.now() - waiter.since
-        return candidate, lease
+        return await self.grantor.admit(self, candidates, affinity, front=front,
+                                        party=party, prefix=prefix)
 
     def wake(self) -> None:
-        """Start waiters in the queue's order. A waiter that fits nowhere yet keeps
-        every backend it could use from the waiters behind it, which may still start on
-        backends it cannot use: nothing starves, and no backend idles behind a head that
-        waits for another one."""
-        if self.retired and not self._room:
+        """Start the waiters that can start now (:meth:`PoolGrantor.wake`); once a
+        retired queue is empty, stop listening to its backends."""
+        if self.retired and not self.room:
             for backend in self.members:
                 backend.admission.remove_listener(self.wake)
             return
-        blocked: set[int] = set()
-        for waiter in self._room.order():
-            ask = waiter.request
-            allowed = [c for c in ask.usable() if id(c.backend) not in blocked]
-            hold = None if ask.reason == "failover" else (
-                waiter.party, self.clock.now() - waiter.since)
-            got = (self._grant(allowed, ask.affinity, ask.reason, ask.prefix, hold)
-                   if allowed else None)
-            if got is None:
-                blocked.update(id(c.backend) for c in ask.usable())
-                if len(blocked) >= len(self.members):
-                    return
-                continue
-            self._room.grant(waiter, got)
-
-    @staticmethod
-    def _blocked(ahead: Iterable[Waiter[PoolAsk, _Grant]]) -> set[int]:
-        """The backends (ids) the waiters ``ahead`` could use."""
-        return {id(c.backend) for waiter in ahead for c in waiter.request.usable()}
-
-    def _late(self, candidates: Sequence[Candidate], party: Party) -> frozenset[int]:
-        """The backends (ids) where the request would start late even now
-        (:func:`gateway.admission.slo.late_backends`, over the usable ones).
-
-        :raises SloUnattainable: that is every usable one.
-        """
-        now = self.clock.now()
-        return late_backends({id(c.backend): (c.backend.admission.slo, c.charge)
-                              for c in candidates if c.backend.usable(now)}, party)
+        self.grantor.wake(self)
 
     def backend_failed(self, backend: Target) -> float:
         """Mark ``backend`` down for the pool's backoff
@@ -429,6 +419,7 @@ class ModelQueue:
         """
         down = backend.request_failed(self.down_initial_s, self.down_max_s)
         self.wake_later(down)
+        self.grantor.failed(self, backend)
         return down
 
     def wake_later(self, delay_s: float) -> None:
@@ -447,34 +438,11 @@ class ModelQueue:
         """The soonest any member expects room, seconds (1-60)."""
         return min((b.admission.retry_after_s() for b in self.members), default=1.0)
 
-    def _grant(self, candidates: Iterable[Candidate], affinity: str | None,
-               reason: str | None = None, prefix: Prefix | None = None,
-               hold: tuple[Party, float] | None = None) -> tuple[Candidate, Lease] | None:
-        """A lease on the best backend of ``candidates`` where the request fits now, or
-        ``None``. With ``hold`` (its party and the seconds it has waited), a backend
-        where its prefill is held back (:meth:`SloGuard.hold_s
-        <gateway.admission.slo.SloGuard.hold_s>`: targeted streams decode there) offers
-        no room, so it goes where none would stall; without, nothing holds it (a request
-        coming back after a failure)."""
-        now = self.clock.now()
-        fitting = [c for c in candidates if c.backend.usable(now) and (
-            c.backend.admission.fits_now(c.charge) if hold is None
-            else c.backend.admission.fits_now(c.charge, hold[0], hold[1],
-                                              cached=c.backend.slot_for(prefix) is not None))]
-        if not fitting:
-            return None
-        best = max(fitting, key=lambda c: score(c, affinity))  # first of equals wins
-        # front: fits_now judged its room and its hold already (the pool's own queue
-        # is what it waited in; none waits in the backend's).
-        lease = best.backend.admission.try_admit(best.charge, front=True,
-                                                 prefer=best.backend.slot_for(prefix))
-        if lease is None:  # fits_now said yes; a race is impossible on one loop
-            return None
-        best.backend.probe_started(now)
+    def routed(self, backend: Target, reason: str) -> None:
+        """A request of this queue was granted on ``backend`` for ``reason``
+        (``gateway_route_decisions_total``)."""
         if self.on_route is not None:
-            self.on_route(best.backend.name, reason or (
-                "affinity" if best.backend.name == affinity else "fit"))
-        return best, lease
+            self.on_route(backend.name, reason)
 
     @staticmethod
     def _give_back(got: _Grant) -> None:
@@ -489,10 +457,152 @@ class ModelQueue:
             "any backend of its model; retry after the Retry-After delay.",
             retry_after_s=self.retry_after_s())
 
-    def _full(self) -> QueueFull:
+    def full(self) -> QueueFull:
+        """The 503 of a request refused at a full queue."""
         return QueueFull(
             f"The queue for this model is full ({self.max_queue} waiting); retry after "
             "the Retry-After delay.", retry_after_s=self.retry_after_s())
+
+    def shed(self) -> QueueFull:
+        """The 503 of a waiter shed for a request of a higher class."""
+        return shed_error(f"The queue for this model is full ({self.max_queue} waiting).",
+                          self.retry_after_s())
+
+
+class LocalPoolGrantor:
+    """This process alone reserves on the pool's backends: a request is granted
+    synchronously on the best member where it fits now, else waits in the pool's one
+    queue, served in order whenever a member frees room (see the module's docstring)."""
+
+    def bind(self, queue: ModelQueue) -> None:
+        """Nothing to attach: the pool's room keeps its ``max_queue``."""
+
+    def check_room(self, queue: ModelQueue, party: Party | None) -> None:
+        """The pool's room is full (:meth:`Waitroom.check_room`).
+
+        :raises QueueFull: as :meth:`ModelQueue.check_room`.
+        """
+        queue.room.check_room(party)
+
+    def try_admit(self, queue: ModelQueue, candidates: Sequence[Candidate],
+                  affinity: str | None, party: Party | None, prefix: Prefix | None
+                  ) -> tuple[Candidate, Lease] | None:
+        """A lease now on the best backend where the request fits, or ``None``. A
+        backend that a request waiting ahead of it could use is not given to it, nor one
+        where it would start after its TTFT deadline even now (:func:`late_backends`).
+
+        :raises SloUnattainable: it would start late on every usable backend.
+        """
+        party = party or Party()
+        cost = candidates[0].charge.tokens if candidates else 0
+        ahead = queue.room.ahead_of(party, cost) if queue.room else []
+        blocked = self._blocked(ahead) | self._late(queue, candidates, party)
+        got = self._grant(queue, [c for c in candidates if id(c.backend) not in blocked],
+                          affinity, prefix=prefix, hold=(party, 0.0))
+        if got is not None:
+            queue.room.charge(party, got[0].charge.tokens)
+        return got
+
+    async def admit(self, queue: ModelQueue, candidates: Sequence[Candidate],
+                    affinity: str | None, *, front: bool, party: Party | None,
+                    prefix: Prefix | None) -> tuple[Candidate, Lease]:
+        """As :meth:`ModelQueue.admit`: granted at once, else joins the pool's room.
+
+        :raises GatewayError: as :meth:`ModelQueue.admit`.
+        """
+        party = party or Party()
+        late: frozenset[int] = frozenset()
+        if front:
+            got = self._grant(queue, candidates, affinity, "failover", prefix)
+            if got is not None:
+                queue.room.charge(party, got[0].charge.tokens)
+        else:
+            got = self.try_admit(queue, candidates, affinity, party, prefix)
+            late = self._late(queue, candidates, party)
+        if got is not None:
+            return got
+        victim = None if front else queue.room.victim_for(party)
+        if victim is not None:
+            queue.room.fail(victim, queue.shed())
+        max_wait = queue.max_wait_s if party.max_wait_s is None else party.max_wait_s
+        cost = candidates[0].charge.tokens if candidates else 0
+        waiter = queue.room.join(
+            PoolAsk(candidates, affinity, "failover" if front else "queued", prefix, late),
+            party, cost, front=front)
+        queue.wake()  # it may go before waiters that wait for room it does not need
+        candidate, lease = await queue.room.wait(waiter, max_wait,
+                                                 lambda: queue.timed_out(max_wait))
+        lease.waited_s = queue.clock.now() - waiter.since
+        return candidate, lease
+
+    def wake(self, queue: ModelQueue) -> None:
+        """Start waiters in the queue's order. A waiter that fits nowhere yet keeps
+        every backend it could use from the waiters behind it, which may still start on
+        backends it cannot use: nothing starves, and no backend idles behind a head that
+        waits for another one."""
+        blocked: set[int] = set()
+        for waiter in queue.room.order():
+            ask = waiter.request
+            allowed = [c for c in ask.usable() if id(c.backend) not in blocked]
+            hold = None if ask.reason == "failover" else (
+                waiter.party, queue.clock.now() - waiter.since)
+            got = (self._grant(queue, allowed, ask.affinity, ask.reason, ask.prefix, hold)
+                   if allowed else None)
+            if got is None:
+                blocked.update(id(c.backend) for c in ask.usable())
+                if len(blocked) >= len(queue.members):
+                    return
+                continue
+            queue.room.grant(waiter, got)
+
+    def failed(self, queue: ModelQueue, backend: Target) -> None:
+        """Nothing more: the queue looks again once the backoff has passed."""
+
+    @staticmethod
+    def _blocked(ahead: Iterable[Waiter[PoolAsk, _Grant]]) -> set[int]:
+        """The backends (ids) the waiters ``ahead`` could use."""
+        return {id(c.backend) for waiter in ahead for c in waiter.request.usable()}
+
+    @staticmethod
+    def _late(queue: ModelQueue, candidates: Sequence[Candidate], party: Party
+              ) -> frozenset[int]:
+        """The backends (ids) where the request would start late even now
+        (:func:`gateway.admission.slo.late_backends`, over the usable ones).
+
+        :raises SloUnattainable: that is every usable one.
+        """
+        now = queue.clock.now()
+        return late_backends({id(c.backend): (c.backend.admission.slo, c.charge)
+                              for c in candidates if c.backend.usable(now)}, party)
+
+    @staticmethod
+    def _grant(queue: ModelQueue, candidates: Iterable[Candidate], affinity: str | None,
+               reason: str | None = None, prefix: Prefix | None = None,
+               hold: tuple[Party, float] | None = None) -> tuple[Candidate, Lease] | None:
+        """A lease on the best backend of ``candidates`` where the request fits now, or
+        ``None``. With ``hold`` (its party and the seconds it has waited), a backend
+        where its prefill is held back (:meth:`SloGuard.hold_s
+        <gateway.admission.slo.SloGuard.hold_s>`: targeted streams decode there) offers
+        no room, so it goes where none would stall; without, nothing holds it (a request
+        coming back after a failure)."""
+        now = queue.clock.now()
+        fitting = [c for c in candidates if c.backend.usable(now) and (
+            c.backend.admission.fits_now(c.charge) if hold is None
+            else c.backend.admission.fits_now(c.charge, hold[0], hold[1],
+                                              cached=c.backend.slot_for(prefix) is not None))]
+        if not fitting:
+            return None
+        best = max(fitting, key=lambda c: score(c, affinity))  # first of equals wins
+        # front: fits_now judged its room and its hold already (the pool's own queue
+        # is what it waited in; none waits in the backend's).
+        lease = best.backend.admission.try_admit(best.charge, front=True,
+                                                 prefer=best.backend.slot_for(prefix))
+        if lease is None:  # fits_now said yes; a race is impossible on one loop
+            return None
+        best.backend.probe_started(now)
+        queue.routed(best.backend, reason or (
+            "affinity" if best.backend.name == affinity else "fit"))
+        return best, lease
 
 
 def affinity_key(body: dict[str, Any]) -> str | None:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Protocol
 
-from gateway.admission.shared import SharedStore
+from gateway.admission.state import StateStore
 from gateway.backends.router import RouterModel, RouterSideCalls, member_settings
 from gateway.backends.target import Target
 from gateway.clock import Clock
@@ -33,7 +33,7 @@ class Members(Protocol):
     backends: dict[str, Target]
     admission: AdmissionSettings
     clock: Clock
-    shared: SharedStore | None
+    store: StateStore
 
     def retire(self, backend: Target) -> None:
         """Take ``backend`` out of service once its requests finish."""
@@ -86,8 +86,7 @@ def member_target(fleet: Members, hub: Target, settings: BackendSettings,
     side = RouterSideCalls(settings, hub.side_client, model_id)
     member = Target(settings, fleet.admission, hub.side_client, fleet.clock,
                     dialect=RouterModel(settings, side, router, model_id), client=hub.client,
-                    shared=None if fleet.shared is None
-                    else fleet.shared.account(settings.name, settings.url))
+                    store=fleet.store)
     member.router.parent, member.router.model_id = hub, model_id
     # Nothing of its queue starts before its model has loaded: every forecast waits for it.
     member.admission.forecast.startup_s = partial(router.gate.load_wait_s, model_id)

@@ -1,5 +1,5 @@
-"""A pool's queue when gateway processes share their backends' budgets (``[state] backend
-= "redis"``): :class:`SharedModelQueue`.
+"""Who grants a pool's requests when gateway processes share their backends' budgets
+(``[state] backend = "redis"``): :class:`SharedPoolGrantor`.
 
 With shared state, a backend grants a lease only through its shared queue
 (:mod:`gateway.admission.shared`, :class:`~gateway.admission.pump.SharedPump`): an async
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from gateway.admission.lease import Lease
 from gateway.admission.shared import SharedAccount
-from gateway.admission.waitroom import Waiter, shed_error
+from gateway.admission.waitroom import Waiter
 from gateway.backends.target import Target
 from gateway.core import capacity
 from gateway.core.capacity import Budget
@@ -48,7 +48,7 @@ from gateway.core.prefix import Prefix
 from gateway.errors import QueueFull, QueueTimeout, Shed
 from gateway.fleet.pool import AFFINITY_BONUS, Candidate, ModelQueue, PoolAsk
 
-__all__ = ["SharedAsk", "SharedModelQueue", "fits_shared", "shared_score"]
+__all__ = ["SharedAsk", "SharedPoolGrantor", "fits_shared", "shared_score"]
 
 _Grant = tuple[Candidate, Lease]
 
@@ -106,12 +106,11 @@ class SharedAsk(PoolAsk):
 
 
 @dataclass(eq=False)
-class SharedModelQueue(ModelQueue):
-    """The queue of one model's backends when their budgets are shared with other
-    gateway processes (see the module's docstring). The same parameters and
-    :class:`~gateway.fleet.pool.AdmitPath` as :class:`~gateway.fleet.pool.ModelQueue`;
-    a request always waits here (there is no synchronous grant), and each backend it
-    waits on keeps its own ``max_queue``.
+class SharedPoolGrantor:
+    """The :class:`~gateway.fleet.pool.PoolGrantor` of a pool whose backends' budgets
+    are shared with other gateway processes (see the module's docstring): a request
+    always waits (there is no synchronous grant), and each backend it waits on keeps
+    its own ``max_queue``.
 
     :param account: the shared budget of a member
         (:meth:`gateway.admission.shared.SharedStore.account`), whose figures are read
@@ -124,18 +123,18 @@ class SharedModelQueue(ModelQueue):
     account: Callable[[Target], SharedAccount] | None = None
     poll_s: float = 0.5
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._room.max_queue = None  # each backend's queue keeps the bound
+    def bind(self, queue: ModelQueue) -> None:
+        """Each backend's queue keeps the bound, not the pool's room."""
+        queue.room.max_queue = None
 
-    def check_room(self, party: Party | None = None) -> None:
+    def check_room(self, queue: ModelQueue, party: Party | None) -> None:
         """Raise at once when every usable backend's queue is full
         (:meth:`gateway.admission.admission.Admission.check_queue_room`).
 
         :raises QueueFull: no backend of the pool would let it wait.
         """
-        now = self.clock.now()
-        usable = [b for b in self.members if b.usable(now)]
+        now = queue.clock.now()
+        usable = [b for b in queue.members if b.usable(now)]
         for backend in usable:
             try:
                 backend.admission.check_queue_room(party)
@@ -143,17 +142,17 @@ class SharedModelQueue(ModelQueue):
                 continue
             return
         if usable:
-            raise self._full()
+            raise queue.full()
 
-    def try_admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
-                  party: Party | None = None, prefix: Prefix | None = None
+    def try_admit(self, queue: ModelQueue, candidates: Sequence[Candidate],
+                  affinity: str | None, party: Party | None, prefix: Prefix | None
                   ) -> _Grant | None:
         """Always ``None``: the shared queues decide (:meth:`admit`)."""
         return None
 
-    async def admit(self, candidates: Sequence[Candidate], affinity: str | None = None,
-                    *, front: bool = False, party: Party | None = None,
-                    prefix: Prefix | None = None) -> _Grant:
+    async def admit(self, queue: ModelQueue, candidates: Sequence[Candidate],
+                    affinity: str | None, *, front: bool, party: Party | None,
+                    prefix: Prefix | None) -> _Grant:
         """Wait in the queue of every usable backend of ``candidates`` for the first
         lease any grants; with ``front`` (a request coming back after a backend failed
         it), at the head of each.
@@ -165,60 +164,54 @@ class SharedModelQueue(ModelQueue):
             (``StateUnavailable`` when Redis cannot be reached), from every backend.
         """
         party = party or Party()
-        max_wait = self.max_wait_s if party.max_wait_s is None else party.max_wait_s
+        max_wait = queue.max_wait_s if party.max_wait_s is None else party.max_wait_s
         if not front:  # (one coming back goes to the head of every queue at once)
-            await self._refresh(candidates)
+            await self._refresh(queue, candidates)
         ask = SharedAsk(candidates, affinity, "failover" if front else "queued", prefix,
                         party=party, front=front, max_wait_s=max_wait)
         cost = candidates[0].charge.tokens if candidates else 0
-        waiter = self._room.join(ask, party, cost, front=front)
+        waiter = queue.room.join(ask, party, cost, front=front)
         try:
-            self._place(waiter)
-            candidate, lease = await self._room.wait(waiter, max_wait,
-                                                     lambda: self.timed_out(max_wait))
+            self._place(queue, waiter)
+            candidate, lease = await queue.room.wait(waiter, max_wait,
+                                                     lambda: queue.timed_out(max_wait))
         finally:
             self._withdraw(ask)
-        lease.waited_s = self.clock.now() - waiter.since
+        lease.waited_s = queue.clock.now() - waiter.since
         return candidate, lease
 
-    async def _refresh(self, candidates: Sequence[Candidate]) -> None:
+    async def _refresh(self, queue: ModelQueue, candidates: Sequence[Candidate]) -> None:
         """Read anew the shared figures of the usable backends of ``candidates`` (one
         call each, together), so that the request is scored and placed on what every
         process holds now. A failure is left to the admissions (they refuse, or grant
         alone under ``on_unavailable = "local"``)."""
         if self.account is None:
             return
-        now, account = self.clock.now(), self.account
+        now, account = queue.clock.now(), self.account
         calls = [account(c.backend).refresh(c.backend.admission.layout)
                  for c in candidates
                  if c.backend.usable(now) and c.backend.admission.layout is not None]
         await asyncio.gather(*calls, return_exceptions=True)
 
-    def wake(self) -> None:
+    def wake(self, queue: ModelQueue) -> None:
         """Place every waiter on the backends of its that became usable, and withdraw
         it from those no longer usable (down, draining)."""
-        if self.retired and not self._room:
-            for backend in self.members:
-                backend.admission.remove_listener(self.wake)
-            return
-        for waiter in list(self._room):
-            self._place(waiter)
+        for waiter in list(queue.room):
+            self._place(queue, waiter)
 
-    def backend_failed(self, backend: Target) -> float:
-        """As :meth:`ModelQueue.backend_failed`, and withdraw the waiters from
-        ``backend`` at once (its tickets would hold its shared queue for nothing)."""
-        down = super().backend_failed(backend)
-        self.wake()
-        return down
+    def failed(self, queue: ModelQueue, backend: Target) -> None:
+        """Withdraw the waiters from ``backend`` at once (its tickets would hold its
+        shared queue for nothing)."""
+        self.wake(queue)
 
-    def _place(self, waiter: Waiter[PoolAsk, _Grant]) -> None:
+    def _place(self, queue: ModelQueue, waiter: Waiter[PoolAsk, _Grant]) -> None:
         """Withdraw ``waiter`` from its backends no longer usable; place it on its
         usable ones it is not waiting on and that did not refuse it, best score first:
         on its best alone while that one fits it by the shared figures (its grant
         should come at once), else on every one."""
         ask = waiter.request
         assert isinstance(ask, SharedAsk)
-        now = self.clock.now()
+        now = queue.clock.now()
         for key, (candidate, task) in list(ask.places.items()):
             if not candidate.backend.usable(now):
                 del ask.places[key]
@@ -236,14 +229,15 @@ class SharedModelQueue(ModelQueue):
         if not ask.places and not ask.spread:
             ask.fitted = fits_shared(new[0])
             if ask.fitted:
-                self._start(waiter, new[0])
-                ask.timer = asyncio.ensure_future(self._spread_later(waiter))
+                self._start(queue, waiter, new[0])
+                ask.timer = asyncio.ensure_future(self._spread_later(queue, waiter))
                 return
             ask.spread = True
         for candidate in new:
-            self._start(waiter, candidate)
+            self._start(queue, waiter, candidate)
 
-    def _start(self, waiter: Waiter[PoolAsk, _Grant], candidate: Candidate) -> None:
+    def _start(self, queue: ModelQueue, waiter: Waiter[PoolAsk, _Grant],
+               candidate: Candidate) -> None:
         """Queue ``waiter`` in ``candidate``'s backend's admission (its shared queue)."""
         ask = waiter.request
         assert isinstance(ask, SharedAsk)
@@ -252,20 +246,21 @@ class SharedModelQueue(ModelQueue):
             candidate.charge, front=ask.front, party=ask.party,
             prefer=backend.slot_for(ask.prefix)))
         ask.places[id(backend)] = (candidate, task)
-        task.add_done_callback(lambda t: self._settled(waiter, candidate, t))
+        task.add_done_callback(lambda t: self._settled(queue, waiter, candidate, t))
 
-    async def _spread_later(self, waiter: Waiter[PoolAsk, _Grant]) -> None:
+    async def _spread_later(self, queue: ModelQueue, waiter: Waiter[PoolAsk, _Grant]
+                            ) -> None:
         """After :attr:`poll_s`, place a waiter still waiting on its best backend alone
         on every usable one (another process took that room first)."""
-        await self.clock.sleep(self.poll_s)
+        await queue.clock.sleep(self.poll_s)
         ask = waiter.request
         assert isinstance(ask, SharedAsk)
         if not waiter.future.done() and not ask.spread:
             ask.spread = True
-            self._place(waiter)
+            self._place(queue, waiter)
 
-    def _settled(self, waiter: Waiter[PoolAsk, _Grant], candidate: Candidate,
-                 task: asyncio.Task[Lease]) -> None:
+    def _settled(self, queue: ModelQueue, waiter: Waiter[PoolAsk, _Grant],
+                 candidate: Candidate, task: asyncio.Task[Lease]) -> None:
         """One of ``waiter``'s places ended: take its lease (and withdraw the others),
         give it back (the waiter is served or gone, or the backend no longer usable),
         or note its refusal (and fail the waiter once no place is left)."""
@@ -282,19 +277,18 @@ class SharedModelQueue(ModelQueue):
             ask.errors.append(exc)
             if not ask.places and not waiter.future.done():
                 ask.spread = True  # refused by its best: the others may take it
-                self._place(waiter)
+                self._place(queue, waiter)
             if not ask.places and not waiter.future.done():
-                self._room.fail(waiter, self._refusal(ask))
+                queue.room.fail(waiter, self._refusal(queue, ask))
             return
-        lease, now = task.result(), self.clock.now()
+        lease, now = task.result(), queue.clock.now()
         if waiter.future.done() or not backend.usable(now):
             backend.admission.release(lease, served=False)
             return
         backend.probe_started(now)
-        if self.on_route is not None:
-            self.on_route(backend.name, self._reason(ask, backend))
+        queue.routed(backend, self._reason(ask, backend))
         self._withdraw(ask)
-        self._room.grant(waiter, (candidate, lease))
+        queue.room.grant(waiter, (candidate, lease))
 
     @staticmethod
     def _reason(ask: SharedAsk, backend: Target) -> str:
@@ -315,7 +309,8 @@ class SharedModelQueue(ModelQueue):
         for _, task in places:
             task.cancel()
 
-    def _refusal(self, ask: SharedAsk) -> Exception:
+    @staticmethod
+    def _refusal(queue: ModelQueue, ask: SharedAsk) -> Exception:
         """The error of a waiter every place refused: a backend's own error, or the
         pool's words for a full queue, a shed place or a wait that ran out."""
         errors = ask.errors
@@ -323,8 +318,7 @@ class SharedModelQueue(ModelQueue):
         if other:
             return other[0]
         if any(isinstance(e, QueueTimeout) for e in errors):
-            return self.timed_out(ask.max_wait_s)
+            return queue.timed_out(ask.max_wait_s)
         if any(isinstance(e, Shed) for e in errors):
-            return shed_error(f"The queue for this model is full ({self.max_queue} "
-                              "waiting).", self.retry_after_s())
-        return self._full()
+            return queue.shed()
+        return queue.full()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from gateway.admission.shared import SharedStore
+from gateway.admission.state import LOCAL_STATE, StateStore
 from gateway.admission.tenants import Tenants
 from gateway.clock import Clock
 from gateway.config import Settings
@@ -41,8 +41,9 @@ class GatewayState:
     :param tasks: the app's background tasks (discovery loops, retirements, and the
         relay's reading of finished streams' tails); the lifespan cancels them.
     :param config_path: the TOML file a reload reads (``None``: started without one).
-    :param shared: the link to admission state shared with other gateway processes
-        (``[state] backend = "redis"``), or ``None``.
+    :param store: where admission state lives
+        (:class:`~gateway.admission.state.StateStore`: memory, or Redis shared with
+        other gateway processes); the lifespan starts and closes it.
     """
 
     settings: Settings
@@ -52,7 +53,7 @@ class GatewayState:
     tenants: Tenants
     metrics: GatewayMetrics
     tasks: TaskSet
-    shared: SharedStore | None = None
+    store: StateStore = LOCAL_STATE
     config_path: str | None = None
     draining: bool = False  # stopping: /ready is 503 and new requests are refused
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)

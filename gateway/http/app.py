@@ -18,15 +18,25 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 
 from gateway.admission.shared import SharedStore
-from gateway.admission.tenants import Quota, Tenants, local_quota
+from gateway.admission.shared_state import RedisState
+from gateway.admission.state import LOCAL_STATE, StateStore
+from gateway.admission.tenants import Tenants
 from gateway.backends import SIDE_CONNECTIONS
 from gateway.backends.target import Target
 from gateway.backends.upstream import build_client
 from gateway.clock import Clock, MonotonicClock
-from gateway.config import AdmissionSettings, BackendSettings, Settings, StateBackend
+from gateway.config import (
+    AdmissionSettings,
+    BackendSettings,
+    Settings,
+    StateBackend,
+    StateSettings,
+)
 from gateway.errors import GatewayError
 from gateway.fleet.fleet import Fleet, MakeTarget
+from gateway.fleet.pool import LocalPoolGrantor, PoolGrantor
 from gateway.fleet.routers import router_rows
+from gateway.fleet.shared_pool import SharedPoolGrantor
 from gateway.fleet.state import GatewayState
 from gateway.fleet.tasks import TaskSet
 from gateway.http.auth import authenticate
@@ -142,35 +152,56 @@ def _build_state(settings: Settings, http_client: httpx.AsyncClient | None,
                  registry: CollectorRegistry, clock: Clock, discover: bool,
                  redis_client: Any) -> GatewayState:
     """The gateway's state, each part built whole, in order (see :func:`create_app`)."""
-    store: SharedStore | None = None
     metrics: GatewayMetrics | None = None
-    quota_for: Callable[[str], Quota] = local_quota
-    if settings.state.backend is StateBackend.redis:
-        # The store reports to the metrics, built below (its calls start with the app).
-        store = SharedStore(settings.state, clock=clock, client=redis_client,
-                            on_op=lambda *a: metrics.state_op(*a) if metrics else None,
-                            on_expired=lambda n, why: metrics.state_expired(n, why)
-                            if metrics else None)
-        quota_for = store.tenant
+    store, pool_grantor, state_up = _state_store(
+        settings.state, clock, redis_client, lambda: metrics)
     make_target = _target_factory(http_client, clock, store)
     backends = {b.name: make_target(b, settings.admission) for b in settings.backends}
     tasks = TaskSet()
     fleet = Fleet(backends, clock=clock, admission=settings.admission,
                   routing=settings.routing, make_target=make_target, tasks=tasks,
-                  discover=discover, shared=store)
+                  discover=discover, store=store, pool_grantor=pool_grantor)
     metrics = GatewayMetrics(registry, fleet.stats,
                              lambda: pool_gauge_rows(fleet.pool_queues()),
-                             state_up=None if store is None else (lambda: store.up),
+                             state_up=state_up,
                              router_source=lambda: router_rows(fleet.backends.values()))
     client = http_client or next(iter(backends.values())).client
-    state = GatewayState(settings, client, clock, fleet, Tenants(settings, quota_for=quota_for),
-                         metrics, tasks, shared=store)
+    state = GatewayState(settings, client, clock, fleet,
+                         Tenants(settings, quota_for=store.tenant), metrics, tasks,
+                         store=store)
     state.prime_metrics()
     return state
 
 
+def _state_store(settings: StateSettings, clock: Clock, redis_client: Any,
+                 metrics: Callable[[], GatewayMetrics | None]
+                 ) -> tuple[StateStore, Callable[[], PoolGrantor], Callable[[], bool] | None]:
+    """The one choice of where admission state lives (``[state] backend``): the
+    :class:`~gateway.admission.state.StateStore`, what grants a pool's queue, and the
+    ``gateway_state_up`` reading (``None``: memory state has none). ``metrics`` returns
+    the app's metrics once built (the store reports its calls to them)."""
+    if settings.backend is not StateBackend.redis:
+        return LOCAL_STATE, LocalPoolGrantor, None
+
+    def on_op(*args: Any) -> None:
+        if (m := metrics()) is not None:
+            m.state_op(*args)
+
+    def on_expired(count: int, why: str) -> None:
+        if (m := metrics()) is not None:
+            m.state_expired(count, why)
+
+    shared = SharedStore(settings, clock=clock, client=redis_client, on_op=on_op,
+                         on_expired=on_expired)
+    store = RedisState(shared)
+    def pool_grantor() -> PoolGrantor:  # over the members' budgets, as their admissions
+        return SharedPoolGrantor(lambda b: store.account(b.name, b.settings.url),
+                                 settings.poll_interval_s)
+    return store, pool_grantor, lambda: shared.up
+
+
 def _target_factory(http_client: httpx.AsyncClient | None, clock: Clock,
-                    store: SharedStore | None = None) -> MakeTarget:
+                    store: StateStore) -> MakeTarget:
     """How the app builds a backend from its settings (at start and on reloads): on
     ``http_client`` when one is given, else on clients of its own, closed when it is
     retired or at shutdown."""
@@ -179,8 +210,7 @@ def _target_factory(http_client: httpx.AsyncClient | None, clock: Clock,
         gen = http_client or build_client(keepalive_expiry_s=entry.keepalive_expiry_s)
         side = http_client or build_client(max_connections=SIDE_CONNECTIONS,
                                            keepalive_expiry_s=entry.keepalive_expiry_s)
-        target = Target(entry, admission, side, clock, client=gen,
-                        shared=None if store is None else store.account(entry.name, entry.url))
+        target = Target(entry, admission, side, clock, client=gen, store=store)
         if http_client is None:
             target.owned_clients = [gen, side]
         return target
@@ -193,8 +223,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     tasks and the streams' tails still being read, then close every backend and the
     side routes' client."""
     state: GatewayState = app.state.gateway
-    if state.shared is not None:
-        await state.shared.start()
+    await state.store.start()
     state.fleet.start()
     try:
         yield
@@ -214,8 +243,7 @@ async def shutdown(app: FastAPI) -> None:
         await state.fleet.close()
         await app.state.side_routes.aclose()
     finally:  # this process's leases in Redis are given back whatever failed above
-        if state.shared is not None:
-            await state.shared.close()
+        await state.store.close()
         tracing: Tracing = app.state.tracing
         if tracing.on:  # the spans still buffered go out, from a thread (the wire waits)
             await anyio.to_thread.run_sync(tracing.shutdown)

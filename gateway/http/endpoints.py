@@ -199,8 +199,7 @@ async def ready(request: Request) -> Response:
         body["models"] = serving
     if state.draining:
         body["draining"] = True
-    if state.shared is not None:  # shown, not judged: see the docstring
-        body["state"] = {"backend": "redis", "up": state.shared.up}
+    body.update(state.store.ready_fields())  # shown, not judged: see the docstring
     return JSONResponse(body, 200 if ok else 503)
 
 

@@ -217,12 +217,9 @@ async def status_html(request: Request) -> Response:
 
 
 def _state_row(state: GatewayState) -> dict[str, object]:
-    """Where admission state lives, and with Redis, who shares it."""
-    shared = state.shared
-    if shared is None:
-        return {"backend": "memory"}
-    return {"backend": "redis", "up": shared.up, "process": shared.owner,
-            "processes": shared.processes or [shared.owner]}
+    """Where admission state lives, and with Redis, who shares it
+    (:meth:`gateway.admission.state.StateStore.status_row`)."""
+    return state.store.status_row()
 
 
 async def status_json(request: Request) -> Response:
