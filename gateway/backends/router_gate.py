@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.admission.lease import Lease
 from gateway.clock import Clock, wait
 from gateway.core.capacity import Charge
+from gateway.core.models_max import UNLISTED, Resident, Turn, released, turn, victims, wanting
 from gateway.errors import GatewayError, QueueTimeout
 from gateway.tasks import not_cancelled
 
@@ -68,6 +69,7 @@ MIN_RESIDENCY_S = 5.0  # a model loaded this recently is not held (least: its lo
 #: between the project's small model from the page cache (under 2 s measured here) and
 #: a 7-8B Q4 GGUF read from disk (tens of seconds).
 FIRST_LOAD_S = 5.0
+_GONE = Resident(UNLISTED, running=False)  # a model neither listed nor a member
 
 
 @dataclass
@@ -192,20 +194,26 @@ class ModelsMaxGate:
                 self._waiting[model_id] -= 1
 
     def _may_send(self, model_id: str) -> bool:
-        """``model_id`` runs, or has its turn now (which takes a place until it runs)."""
-        hub, now = self.hub, self.clock.now()
-        entry = hub.entries.get(model_id)
-        if (entry is None or entry.running or hub.max_instances <= 0
-                or model_id in self._sent):
-            return True
-        running = {i for i, e in hub.entries.items() if e.running}
-        pending = [i for i in self._sent if i not in running]
-        idle = [i for i in running if i not in pending and hub.entries[i].status != "loading"
-                and (self._granted(i) or not self._busy(i, now))]
-        if hub.max_instances - len(running) - len(pending) > 0 or idle:
+        """``model_id`` runs, or has its turn now (which takes a place until it runs):
+        :func:`gateway.core.models_max.turn`."""
+        now = self.clock.now()
+        decided = turn(model_id, self._snapshot(now), self.hub.max_instances, self._sent)
+        if decided is Turn.TURN:
             self._sent[model_id] = now
-            return True
-        return False
+        return decided is not Turn.WAIT
+
+    def _snapshot(self, now: float) -> dict[str, Resident]:
+        """Every model of the router as the gate sees it now: the members first (in
+        their order), then the other models ``/models`` lists."""
+        hub, out = self.hub, {}
+        for model_id in [*hub.members, *(i for i in hub.entries if i not in hub.members)]:
+            entry = hub.entries.get(model_id)
+            out[model_id] = Resident(
+                UNLISTED if entry is None else entry.status,
+                entry is not None and entry.running, busy=self._busy(model_id, now),
+                member=model_id in hub.members, granted=self._granted(model_id),
+                settled=self._settled(model_id, now), used_at=self._used.get(model_id, 0.0))
+        return out
 
     def _granted(self, model_id: str) -> bool:
         """A hold on ``model_id`` has all its slots: it takes no request, runs none."""
@@ -293,22 +301,23 @@ class ModelsMaxGate:
         """After a ``/models`` read: let go of holds no longer needed (the held model was
         unloaded, or nothing waits to load), and hold the least recently used loaded
         models while the models waiting to load outnumber the places that are free or
-        will free (idle loaded models the router unloads itself, and held ones)."""
-        hub, now = self.hub, self.clock.now()
-        running = {i for i, e in hub.entries.items() if e.running}
-        wanting = [i for i in hub.members if i not in running and self._busy(i, now)]
+        will free (idle loaded models the router unloads itself, and held ones): the
+        decisions of :mod:`gateway.core.models_max`."""
+        now = self.clock.now()
+        models = self._snapshot(now)
+        waiting = wanting(models)
         for model_id in list(self._want_since):
-            if model_id not in wanting and model_id not in running and (
+            if model_id not in waiting and not models.get(model_id, _GONE).running and (
                     now - self._want_since[model_id] > WANT_S):
                 del self._want_since[model_id]  # its requests went away
         for model_id in list(self._sent):  # a turn given and never used
-            if model_id not in running and not self._busy(model_id, now):
+            if not models.get(model_id, _GONE).running and not self._busy(model_id, now):
                 del self._sent[model_id]
-        for victim in list(self.holds):
-            if victim not in running or not wanting:
-                self._release(victim)
+        for victim in released(list(self.holds), models, waiting):
+            self._release(victim)
         try:
-            self._hold_for(wanting, running, now)
+            for victim in victims(models, waiting, self.hub.max_instances, set(self.holds)):
+                self._hold(victim, waiting[0])
         finally:
             self._poke()
 
@@ -316,22 +325,6 @@ class ModelsMaxGate:
         """Have the requests waiting for a turn look again (after a read, a hold)."""
         if self._changed is not None and not self._changed.done():
             self._changed.set_result(None)
-
-    def _hold_for(self, wanting: list[str], running: set[str], now: float) -> None:
-        """Hold loaded models while ``wanting`` outnumber the places free or freeing."""
-        hub = self.hub
-        if hub.max_instances <= 0 or not wanting:
-            return
-        # Only a loaded (or sleeping) model can make way: the router never unloads one
-        # that is still loading (pick_victim, is_ready_or_sleep).
-        up = [i for i in running if hub.entries[i].status != "loading"]
-        idle = [i for i in up if i not in self.holds and not self._busy(i, now)]
-        deficit = (len(wanting) - (hub.max_instances - len(running)) - len(idle)
-                   - len(self.holds))
-        victims = sorted((i for i in up if i not in self.holds and i in hub.members
-                          and self._settled(i, now)), key=lambda i: self._used.get(i, 0.0))
-        for victim in victims[:max(0, deficit)]:
-            self._hold(victim, wanting[0])
 
     def _hold(self, victim: str, wanted: str) -> None:
         member = self.hub.members[victim]
