@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import httpx
 
@@ -35,9 +35,13 @@ from gateway.errors import (
 from gateway.wire.builds import BuildReport
 from gateway.wire.validation import ParsedRequest
 
-__all__ = ["Dialect", "Discovered", "ExactCount", "SideCalls", "WithoutSlots",
-           "auth_problem", "count_or_none", "error_message", "is_error_object",
-           "openai_body", "other_error", "seconds", "upstream_5xx"]
+if TYPE_CHECKING:  # (types only: the router's code is the fleet's, gateway.fleet.routers)
+    from gateway.backends.router import RouterHub
+    from gateway.backends.target import Target
+
+__all__ = ["Dialect", "Discovered", "ExactCount", "ManyModels", "RouterRole", "SideCalls",
+           "WithoutSlots", "auth_problem", "count_or_none", "error_message",
+           "is_error_object", "openai_body", "other_error", "seconds", "upstream_5xx"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,55 @@ class Discovered:
     preemptions: int | None = None
     model_id: str | None = None
     fingerprint: str | None = None
+
+
+@dataclass(frozen=True)
+class ManyModels:
+    """A discovery's answer when the server runs many models, each its own backend and
+    loaded on demand: llama-server in router mode (``/props`` with ``role: router``,
+    ``get_router_props`` in ``tools/server/server-models.cpp``). The target becomes the
+    hub of those models; the fleet makes one member backend per model
+    (:mod:`gateway.fleet.routers`).
+
+    :param props: the server's ``/props`` answer.
+    """
+
+    props: dict[str, Any]
+
+
+async def _one_model(target: Target, found: Discovered | ManyModels) -> Discovered | None:
+    """:attr:`RouterRole.settle` outside a fleet: a server of one model is itself.
+
+    :raises UpstreamError: the server runs many models (only a fleet keeps their
+        members).
+    """
+    if isinstance(found, ManyModels):
+        raise UpstreamError(f"Backend {target.name!r} runs many models (a llama-server "
+                            "router): only the gateway's fleet serves one.")
+    return found
+
+
+@dataclass
+class RouterRole:
+    """A target's part in a server of many models (``target.router``): llama-server's
+    router mode.
+
+    :ivar hub: the target is a router's hub: its
+        :class:`~gateway.backends.router.RouterHub` (it serves nothing itself; ``None``
+        otherwise).
+    :ivar parent: the target is a member, serving one model of a router: its hub target.
+    :ivar model_id: a member's model id at the router.
+    :ivar settle: what becomes of each discovery's answer: the layout in force, or
+        ``None`` for a hub. The fleet sets it (:func:`gateway.fleet.routers.settle`:
+        many models make the target a hub and keep its members); alone, a target serves
+        one model.
+    """
+
+    hub: RouterHub | None = None
+    parent: Target | None = None
+    model_id: str | None = None
+    settle: Callable[[Target, Discovered | ManyModels], Awaitable[Discovered | None]] = (
+        _one_model)
 
 
 class SideCalls:
@@ -170,8 +223,9 @@ class Dialect(Protocol):
     # itself (vLLM) or has no shared pool (Ollama).
     resumable_routes: ClassVar[frozenset[str]]
 
-    async def discover(self) -> Discovered:
-        """Read the server's capacity. Raises :class:`GatewayError` when it cannot."""
+    async def discover(self) -> Discovered | ManyModels:
+        """Read the server's capacity, or find that it runs many models (each loaded on
+        demand: :class:`ManyModels`). Raises :class:`GatewayError` when it cannot."""
 
     async def calibrate(self) -> float | None:
         """The server's decode pace, seconds per output token, from a short request of

@@ -20,6 +20,7 @@ from gateway.admission.slotwatch import SlotsUnsupported, SlotView, parse_slots
 from gateway.backends.base import (
     Discovered,
     ExactCount,
+    ManyModels,
     SideCalls,
     auth_problem,
     count_or_none,
@@ -46,7 +47,7 @@ from gateway.wire.events import decode_pace
 from gateway.wire.routes import Route
 from gateway.wire.validation import ParsedRequest
 
-__all__ = ["CONTEXT_OVERFLOW_TEXT", "ROUTER_OWN_PATHS", "SIDE_PATHS", "LlamaCpp", "RouterMode"]
+__all__ = ["CONTEXT_OVERFLOW_TEXT", "ROUTER_OWN_PATHS", "SIDE_PATHS", "LlamaCpp"]
 
 log = logging.getLogger(__name__)
 
@@ -82,19 +83,6 @@ SIDE_PATHS = frozenset({
 #: (tools/server/server.cpp registers them on the router's own server): relayed to the
 #: router as they came. (Its ``GET /models`` the gateway answers: gateway.http.endpoints.)
 ROUTER_OWN_PATHS = frozenset({"/tools"})
-
-
-class RouterMode(Exception):  # noqa: N818 (a signal, not a failure)
-    """Raised by :meth:`LlamaCpp.discover` when ``/props`` is a router's
-    (``role: router``, ``get_router_props`` in ``tools/server/server-models.cpp``): the
-    target becomes the router's hub (:mod:`gateway.backends.router`).
-
-    :param props: the router's ``/props`` answer.
-    """
-
-    def __init__(self, props: dict[str, Any]) -> None:
-        super().__init__("llama-server runs as a router")
-        self.props = props
 
 
 class Calibrated:
@@ -200,14 +188,14 @@ class LlamaCpp(Calibrated, ExactCount):
 
     # -- discovery ---------------------------------------------------------------------
 
-    async def discover(self) -> Discovered:
-        """Read ``/props`` (and ``/v1/models`` once, for ``n_vocab``).
+    async def discover(self) -> Discovered | ManyModels:
+        """Read ``/props`` (and ``/v1/models`` once, for ``n_vocab``); a router's
+        ``/props`` (``role: router``) is :class:`~gateway.backends.base.ManyModels`.
 
         :raises BackendNotReady: 503, the model is loading.
         :raises UpstreamAuthFailed: 401/403, the gateway's ``api_key`` is missing or wrong.
         :raises UpstreamUnavailable: the server cannot be reached.
         :raises UpstreamError: an answer that is not llama-server's ``/props``.
-        :raises RouterMode: the server is a router (many models, one per child).
         """
         with map_upstream_errors(self.name):
             resp = await self.side.get("/props")
@@ -218,7 +206,7 @@ class LlamaCpp(Calibrated, ExactCount):
         try:
             props = resp.json()
             if isinstance(props, dict) and props.get("role") == "router":
-                raise RouterMode(props)
+                return ManyModels(props)
             slots = int(props["total_slots"])
             ctx = int(props["default_generation_settings"]["n_ctx"])
         except (ValueError, KeyError, TypeError) as exc:

@@ -14,9 +14,11 @@ slots and KV pool; the router forwards a POST by its body's ``model`` and a GET 
 (``is_autoload``, ``router_validate_model``). See ``docs/router.md``.
 
 The configured ``[[backends]]`` entry stays the router's *hub* (its ``target.router``, a
-:class:`RouterRole`, holds the :class:`RouterHub`; :func:`discover_or_hub`); the fleet
-gives each listed model a *member* target named ``<hub>/<model id>`` that serves that
-model (:mod:`gateway.fleet.fleet`), whose dialect is :class:`RouterModel`: llama-server's
+:class:`~gateway.backends.base.RouterRole`, holds the :class:`RouterHub`); the fleet
+(:mod:`gateway.fleet.routers`) makes it one when its discovery answers
+:class:`~gateway.backends.base.ManyModels`, and gives each listed model a *member*
+target named ``<hub>/<model id>`` that serves that model, whose dialect is
+:class:`RouterModel`: llama-server's
 dialect with the model in every side call and forwarded body. The hub reads ``/models``
 and, for models that run, ``/props?model=ID&autoload=false``; a model that is not
 loaded keeps a layout (from its child's arguments, or the last one seen), so its requests
@@ -40,7 +42,7 @@ import httpx
 
 from gateway.admission.slotwatch import SlotView, parse_slots
 from gateway.backends.base import Discovered, SideCalls, auth_problem, error_message
-from gateway.backends.llamacpp import SLOTS_TIMEOUT_S, LlamaCpp, RouterMode
+from gateway.backends.llamacpp import SLOTS_TIMEOUT_S, LlamaCpp
 from gateway.backends.router_gate import ModelsMaxGate
 from gateway.backends.upstream import map_upstream_errors
 from gateway.clock import Clock
@@ -61,9 +63,9 @@ from gateway.wire.validation import ParsedRequest
 if TYPE_CHECKING:
     from gateway.backends.target import Target
 
-__all__ = ["RUNNING", "LayoutUnknown", "ModelEntry", "RouterHub", "RouterModel", "RouterRole",
-           "RouterSideCalls", "child_layout", "child_options", "discover_or_hub", "for_model",
-           "member_settings", "parse_models"]
+__all__ = ["RUNNING", "LayoutUnknown", "ModelEntry", "RouterHub", "RouterModel",
+           "RouterSideCalls", "child_layout", "child_options", "for_model", "member_settings",
+           "parse_models"]
 
 log = logging.getLogger(__name__)
 
@@ -660,68 +662,3 @@ class RouterHub:
             task.cancel()
         await asyncio.gather(*self._loads, return_exceptions=True)
         await self.gate.close()
-
-
-
-@dataclass
-class RouterRole:
-    """A target's part in llama-server's router mode (``target.router``).
-
-    :ivar hub: the target is a router's hub: the router's :class:`RouterHub` (it serves
-        nothing itself; ``None`` otherwise).
-    :ivar parent: the target is a member, serving one model of a router: its hub target.
-    :ivar model_id: a member's model id at the router.
-    :ivar on_sync: called with the hub target after each of its discoveries, for the
-        fleet to keep one member per model (:meth:`gateway.fleet.fleet.Fleet.sync_router`).
-    """
-
-    hub: RouterHub | None = None
-    parent: Target | None = None
-    model_id: str | None = None
-    on_sync: Callable[[Target], None] | None = None
-
-
-async def discover_or_hub(target: Target) -> Discovered | None:
-    """``target``'s discovery read (its dialect's ``discover``), or, when the server is
-    a llama-server router (:class:`~gateway.backends.llamacpp.RouterMode`), a discovery
-    of it as a hub: ``/models`` read, the members kept (:attr:`RouterRole.on_sync`) and
-    given their layouts, then the ``--models-max`` gate
-    (:meth:`~gateway.backends.router_gate.ModelsMaxGate.rebalance`).
-
-    :returns: what the dialect found; ``None`` for a router's hub.
-    :raises GatewayError: as the dialect's ``discover`` or :meth:`RouterHub.read`.
-    """
-    role = target.router
-    try:
-        found = await target.dialect.discover()
-    except RouterMode as mode:
-        if role.hub is None:
-            log.info("backend %s is a llama-server router; each of its models is a backend "
-                     "of its own, named %s/<model>", target.name, target.name)
-            role.hub = RouterHub(target.name, target.dialect.side,  # type: ignore[attr-defined]
-                                 target.clock, target.discover)
-            target.admission.set_layout(None)
-        hub = role.hub
-        hub.take_props(mode.props)
-        await hub.read()
-        target.reachable, target.problem = True, None
-        if role.on_sync is not None:
-            role.on_sync(target)
-        hub.passing = True
-        try:
-            for member in list(hub.members.values()):
-                try:
-                    await member.discover()
-                except GatewayError as exc:
-                    log.debug("router %s: %s not ready: %s", target.name, member.name,
-                              exc.message)
-        finally:
-            hub.passing = False
-        hub.gate.rebalance()
-        return None
-    if role.hub is not None:  # a router restarted as a single-model server: members go
-        hub, role.hub = role.hub, None
-        if role.on_sync is not None:
-            role.on_sync(target)
-        await hub.close()
-    return found

@@ -13,9 +13,10 @@ A :class:`Target` holds, as documented public parts:
 * ``target.sizing``: its :class:`~gateway.backends.sizing.Sizing` (the layout kept from
   settings, discovery and the pool penalty);
 * ``target.slot_watch``, ``target.counts`` and ``target.lengths``;
-* ``target.router``: its :class:`~gateway.backends.router.RouterRole` in llama-server's
-  router mode: ``router.hub`` when the target is a router's hub (serving nothing
-  itself), ``router.parent`` when it is the member target of one of its models.
+* ``target.router``: its :class:`~gateway.backends.base.RouterRole` in a server of many
+  models (llama-server's router mode): ``router.hub`` when the target is a router's hub
+  (serving nothing itself), ``router.parent`` when it is the member target of one of its
+  models; what its discoveries become is the fleet's (:mod:`gateway.fleet.routers`).
 
 Callers use those parts directly (``target.admission.admit(...)``,
 ``target.dialect.pin(...)``, ``target.health.request_served()``,
@@ -40,10 +41,10 @@ from gateway.admission.shared_marks import BackendMarks, Values, with_values
 from gateway.admission.slotwatch import SlotWatch
 from gateway.admission.state import LOCAL_STATE, StateStore
 from gateway.backends import Dialect, Discovered, SideCalls, kind_class
+from gateway.backends.base import RouterRole
 from gateway.backends.countcache import CountCache
 from gateway.backends.discovery import RETRY_DISCOVERY_S, DiscoveryLoop
 from gateway.backends.once import OnceAtATime
-from gateway.backends.router import RouterRole, discover_or_hub
 from gateway.backends.sizing import Sizing, limits
 from gateway.clock import Clock, MonotonicClock
 from gateway.config import AdmissionPolicy, AdmissionSettings, BackendSettings
@@ -352,8 +353,8 @@ class Target:
         :returns: the layout in force afterwards (``None`` while unknown).
         :raises GatewayError: as the dialect's ``discover``.
         """
-        try:  # a llama-server router is read as a hub (gateway.backends.router): None
-            found = await discover_or_hub(self)
+        try:  # many models (a llama-server router): the fleet's hub, None here
+            found = await self.router.settle(self, await self.dialect.discover())
             if found is not None and not self.reachable:
                 await _survey(self)
         except GatewayError as failed:

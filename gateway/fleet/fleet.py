@@ -25,7 +25,7 @@ from gateway.clock import Clock
 from gateway.config import AdmissionSettings, BackendSettings, RoutingSettings
 from gateway.errors import BackendNotReady, ModelNotFound, RouteNotFound
 from gateway.fleet.pool import LocalPoolGrantor, ModelQueue, PoolGrantor
-from gateway.fleet.routers import refuse_for_routers, sync_members, with_members
+from gateway.fleet.routers import adopt, refuse_for_routers, with_members
 from gateway.fleet.tasks import TaskSet
 from gateway.tasks import not_cancelled
 from gateway.wire.naming import served_name
@@ -78,7 +78,7 @@ class Fleet:
         self._old_queues: list[ModelQueue] = []  # retired by a reload, still serving
         self._discovery: dict[int, asyncio.Task[Any]] = {}
         for backend in backends.values():
-            backend.router.on_sync = self.sync_router
+            adopt(self, backend)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -100,12 +100,7 @@ class Fleet:
 
     def build(self, entry: BackendSettings) -> Target:
         """A new backend for ``entry`` (not yet part of the fleet)."""
-        (target := self.make_target(entry, self.admission)).router.on_sync = self.sync_router
-        return target
-
-    def sync_router(self, hub: Target) -> None:
-        """Keep one member per model of router ``hub`` (:mod:`gateway.fleet.routers`)."""
-        sync_members(self, hub)
+        return adopt(self, self.make_target(entry, self.admission))
 
     def retire(self, backend: Target) -> None:
         """Take ``backend`` out of service: it takes no new requests, finishes those it

@@ -1,8 +1,10 @@
 """A llama-server router's models as backends of the fleet: one *member* target per
 model, kept in step with the router's ``GET /models`` (:mod:`gateway.backends.router`).
 
-The configured entry is the router's *hub* (``target.router.hub``); after each of its
-discoveries the fleet calls :func:`sync_members`, which gives each model listed a member
+The configured entry is the router's *hub* (``target.router.hub``): a target whose
+discovery answers :class:`~gateway.backends.base.ManyModels` becomes one (:func:`settle`,
+which the fleet sets as each configured target's ``router.settle``). After each of its
+discoveries :func:`sync_members` gives each model listed a member
 named ``<hub>/<model id>`` serving that model, placed right after the hub, and retires
 the members of models no longer listed (or of a hub that is no longer a router). Members
 share the hub's clients and URL, and run no discovery loop of their own: the hub's reads
@@ -11,19 +13,23 @@ them all. A reload keeps the members of a hub it keeps (:func:`with_members`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from functools import partial
 from typing import Protocol
 
 from gateway.admission.state import StateStore
-from gateway.backends.router import RouterModel, RouterSideCalls, member_settings
+from gateway.backends.base import Discovered, ManyModels
+from gateway.backends.router import RouterHub, RouterModel, RouterSideCalls, member_settings
 from gateway.backends.target import Target
 from gateway.clock import Clock
 from gateway.config import AdmissionSettings, BackendSettings
-from gateway.errors import BackendNotReady, ModelNotFound
+from gateway.errors import BackendNotReady, GatewayError, ModelNotFound
 
-__all__ = ["Members", "member_target", "refuse_for_routers", "router_rows", "sync_members",
-           "with_members"]
+__all__ = ["Members", "adopt", "member_target", "refuse_for_routers", "router_rows", "settle",
+           "sync_members", "with_members"]
+
+log = logging.getLogger(__name__)
 
 
 class Members(Protocol):
@@ -38,6 +44,57 @@ class Members(Protocol):
     def retire(self, backend: Target) -> None:
         """Take ``backend`` out of service once its requests finish."""
         ...
+
+
+def adopt(fleet: Members, target: Target) -> Target:
+    """Have ``target`` (a configured backend) become a router's hub when its discovery
+    finds many models (:func:`settle`); returns it."""
+    target.router.settle = partial(settle, fleet)
+    return target
+
+
+async def settle(fleet: Members, target: Target, found: Discovered | ManyModels
+                 ) -> Discovered | None:
+    """What ``target``'s discovery answer becomes (its
+    :attr:`~gateway.backends.base.RouterRole.settle` in a fleet). Many models: the
+    target is (or stays) the router's hub: ``/models`` read, the members kept
+    (:func:`sync_members`) and given their layouts, then the ``--models-max`` gate
+    (:meth:`~gateway.backends.router_gate.ModelsMaxGate.rebalance`); ``None``. One
+    model: what was found, after the members of a hub that restarted as a single-model
+    server are retired.
+
+    :raises GatewayError: as :meth:`~gateway.backends.router.RouterHub.read`.
+    """
+    role = target.router
+    if not isinstance(found, ManyModels):
+        if role.hub is not None:  # a router restarted as a single-model server
+            hub, role.hub = role.hub, None
+            sync_members(fleet, target)
+            await hub.close()
+        return found
+    if role.hub is None:
+        log.info("backend %s is a llama-server router; each of its models is a backend "
+                 "of its own, named %s/<model>", target.name, target.name)
+        role.hub = RouterHub(target.name, target.dialect.side,  # type: ignore[attr-defined]
+                             target.clock, target.discover)
+        target.admission.set_layout(None)
+    hub = role.hub
+    hub.take_props(found.props)
+    await hub.read()
+    target.reachable, target.problem = True, None
+    sync_members(fleet, target)
+    hub.passing = True
+    try:
+        for member in list(hub.members.values()):
+            try:
+                await member.discover()
+            except GatewayError as exc:
+                log.debug("router %s: %s not ready: %s", target.name, member.name,
+                          exc.message)
+    finally:
+        hub.passing = False
+    hub.gate.rebalance()
+    return None
 
 
 def sync_members(fleet: Members, hub: Target) -> None:
