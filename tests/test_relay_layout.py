@@ -1,5 +1,6 @@
 """The relay's shape (gateway/relay): its modules share no private names, and no class
-or function in it grows past the sizes the layering issue set."""
+or function in it grows past the sizes the layering issue set. Across the whole runtime
+package (issue 39): no module takes another's private names, and the same size bounds."""
 
 from __future__ import annotations
 
@@ -135,3 +136,49 @@ def test_every_allowed_exception_exists_and_is_still_oversized() -> None:
         where, what = name.split(": ")
         lines, statements = _sizes((GATEWAY / where).read_text())[what]
         assert lines > MAX_CLASS_LINES or statements > MAX_CLASS_STATEMENTS, name
+
+
+#: Private names of other code the gateway uses, each for a reason its caller documents:
+#: a namedtuple's ``_replace`` (public API despite its name) and httpx's
+#: ``_transport_for_url`` (``gateway.backends.upstream.send_upstream``: the client's
+#: layers around the transport took a fifth of the CPU time per request).
+FOREIGN_PRIVATE = {"_replace", "_transport_for_url"}
+
+
+def own_private_names(source: str) -> set[str]:
+    """Private names ``source`` defines itself: functions, classes, module names and
+    attributes it assigns (``self._x = ...``, ``obj._x = ...``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {n for n in names if _private(n)}
+
+
+def crossing(source: str) -> list[str]:
+    """Private names ``source`` takes from another module (a parent class's through
+    ``super()`` aside)."""
+    tree, own = ast.parse(source), own_private_names(source)
+    supers = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)
+              and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Call)
+              and isinstance(n.func.value.func, ast.Name) and n.func.value.func.id == "super"}
+    used = set(private_uses(source)) - {
+        n.attr for n in ast.walk(tree) if id(n) in supers and isinstance(n, ast.Attribute)}
+    return sorted(used - own - FOREIGN_PRIVATE)
+
+
+def test_the_crossing_check_sees_a_foreign_private_name() -> None:
+    source = ("class A:\n    def f(self, b):\n        self._x = 1\n        return b._x, b._y,"
+              " super()._z()\n")
+    assert crossing(source) == ["_y"]
+
+
+@pytest.mark.parametrize("module", RUNTIME, ids=[str(m.relative_to(GATEWAY)) for m in RUNTIME])
+def test_no_private_name_crosses_a_module_of_the_package(module: Path) -> None:
+    assert crossing(module.read_text()) == []

@@ -579,3 +579,24 @@ async def test_a_wait_for_a_turn_is_no_part_of_a_loads_prediction() -> None:
     clock.advance(2.0)
     assert gate.load_wait_s("b") == FIRST_LOAD_S - 2.0
     await gate.close()
+
+
+async def test_a_target_outside_a_fleet_that_finds_a_router_says_so() -> None:
+    """Router mode is the fleet's (gateway.fleet.routers.settle): a target built alone
+    (no fleet to keep the router's members) answers its discovery with a clear error, and
+    stays unready, rather than taking the router's /props for one model's."""
+    from gateway.backends.target import Target
+    from gateway.config import AdmissionSettings, BackendSettings
+    from gateway.errors import UpstreamError
+
+    router = FakeRouter({"a": FakeLlamaServer()}, loaded={"a"})
+    side = httpx.AsyncClient(transport=httpx.MockTransport(router.handle),
+                             base_url="http://r:8080")
+    target = Target(BackendSettings(name="r", url="http://r:8080"), AdmissionSettings(), side)
+    try:
+        with pytest.raises(UpstreamError, match="runs many models"):
+            await target.discover()
+        assert not target.ready and target.admission.layout is None
+    finally:
+        await target.close()
+        await side.aclose()

@@ -93,3 +93,58 @@ def test_the_state_store_is_chosen_in_one_place() -> None:
         if reads > CHOOSERS.get(where, 0):
             found[where] = reads
     assert found == {}, f"[state] backend is read outside the one choice: {found}"
+
+
+#: Router mode is the fleet's (issue 39): only these modules import the router's code
+#: (gateway.backends.router, router_gate) at run time (the offline planner aside), and
+#: only these ask a target's router role what it is (``x.router.hub``, ``.parent``,
+#: ``.model_id``), at most this often. Before (2026-12-07): backends/target.py imported
+#: the router (its discovery raised RouterMode for it) and asked 2 times, http/ 15 times
+#: (endpoints.py 6, side.py 4, views.py 5).
+ROUTER_IMPORTERS = {"backends/router.py", "backends/router_gate.py", "fleet/routers.py"}
+ROLE_CEILING = {"backends/target.py": 1}
+ROLE = re.compile(r"\.router\.(hub|parent|model_id)\b")
+
+
+def _runtime_imports(source: str) -> set[str]:
+    """The modules ``source`` imports outside ``if TYPE_CHECKING:`` blocks."""
+    tree = ast.parse(source)
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+                   for child in node.body for n in ast.walk(child)}
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return names
+
+
+def test_the_import_reader_skips_type_checking_blocks() -> None:
+    source = ("from typing import TYPE_CHECKING\nimport a.b\n"
+              "if TYPE_CHECKING:\n    from c import d\n")
+    assert _runtime_imports(source) == {"typing", "a.b"}
+
+
+def test_only_the_fleet_knows_router_mode() -> None:
+    importers, askers = {}, {}
+    for path in sorted(GATEWAY.rglob("*.py")):
+        where = path.relative_to(GATEWAY).as_posix()
+        if where.split("/")[0] in ("planner", "dev"):
+            continue
+        source = path.read_text()
+        if where not in ROUTER_IMPORTERS and any(
+                m.startswith("gateway.backends.router") for m in _runtime_imports(source)):
+            importers[where] = sorted(m for m in _runtime_imports(source)
+                                      if m.startswith("gateway.backends.router"))
+        code = "\n".join(line for line in source.splitlines()
+                         if not line.lstrip().startswith(("#", "*", ":", "``")))
+        asked = len(ROLE.findall(code))
+        if not where.startswith(("fleet/", "backends/router")) and asked > ROLE_CEILING.get(
+                where, 0):
+            askers[where] = asked
+    assert importers == {}, f"router code imported outside the fleet: {importers}"
+    assert askers == {}, f"a target's router role asked outside the fleet: {askers}"

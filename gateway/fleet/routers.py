@@ -14,20 +14,30 @@ them all. A reload keeps the members of a hub it keeps (:func:`with_members`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.admission.state import StateStore
 from gateway.backends.base import Discovered, ManyModels
-from gateway.backends.router import RouterHub, RouterModel, RouterSideCalls, member_settings
+from gateway.backends.llamacpp import ROUTER_OWN_PATHS
+from gateway.backends.router import (
+    RouterHub,
+    RouterModel,
+    RouterSideCalls,
+    for_model,
+    member_settings,
+)
 from gateway.backends.target import Target
 from gateway.clock import Clock
 from gateway.config import AdmissionSettings, BackendSettings
 from gateway.errors import BackendNotReady, GatewayError, ModelNotFound
 
-__all__ = ["Members", "adopt", "member_target", "refuse_for_routers", "router_rows", "settle",
-           "sync_members", "with_members"]
+__all__ = ["MODELS_TIMEOUT_S", "Members", "adopt", "family", "has_routers", "listed_models",
+           "listing", "member_target", "refuse_for_routers", "router_facts", "router_rows",
+           "settle", "side_backend", "side_call", "sync_members", "with_members"]
+
+MODELS_TIMEOUT_S = 5.0  # GET /v1/models waits this long for each backend's list
 
 log = logging.getLogger(__name__)
 
@@ -191,3 +201,104 @@ def refuse_for_routers(backends: Iterable[Target], kind: str | None, route: str 
     if hubs:
         raise ModelNotFound(f"The llama-server router {hubs[0].name!r} lists no models "
                             "(see GET /v1/models).", param="model")
+
+
+# -- what the HTTP edge asks of router mode ---------------------------------------------
+
+
+def has_routers(backends: Iterable[Target]) -> bool:
+    """A llama-server router is among ``backends`` (a hub or a member): ``GET /models``
+    is then the gateway's listing, not the router's own."""
+    return any(b.router.hub is not None or b.router.model_id is not None for b in backends)
+
+
+def listing(backends: Iterable[Target]) -> list[tuple[Target, str | None]]:
+    """The backends ``GET /v1/models`` asks (a router's hub for all its models, never
+    its members), each with the name it lists its model by when configured (``None``:
+    as the backend lists them; always for a hub)."""
+    return [(b, b.settings.model if b.router.hub is None else None)
+            for b in backends if b.router.parent is None]
+
+
+async def listed_models(backend: Target, reload: bool = False) -> list[dict[str, Any]]:
+    """``backend``'s own ``GET /v1/models`` entries, at most :data:`MODELS_TIMEOUT_S`;
+    nothing when it does not answer. A llama-server router lists its models with their
+    state (:meth:`gateway.backends.router.RouterHub.listed`), re-read from its presets
+    first with ``reload`` (and its models' backends then synced at once)."""
+    hub = backend.router.hub
+    if hub is not None:
+        listed = await hub.listed(reload=reload)
+        if reload:
+            backend.discovery.request()
+        return listed
+    try:
+        resp = await backend.side_client.get(
+            backend.url("/v1/models"), headers=backend.settings.auth_headers,
+            timeout=min(MODELS_TIMEOUT_S, backend.settings.read_timeout_s))
+        return [e for e in resp.json().get("data", []) if isinstance(e, dict)]
+    except Exception:  # an unreachable or odd backend lists nothing
+        return []
+
+
+def family(backend: Target) -> tuple[Target, ...]:
+    """``backend`` and, for a llama-server router's hub, the backends of its models
+    (drained and undrained with it)."""
+    hub = backend.router.hub
+    return (backend, *(hub.members.values() if hub is not None else ()))
+
+
+def side_backend(backends: Iterable[Target], pick: Callable[[], Target], named: bool,
+                 path: str) -> Target:
+    """Where a side call goes: the backend ``pick`` finds for its model, but what a
+    llama-server router answers for itself as a whole (``ROUTER_OWN_PATHS``) goes to its
+    hub; and a call that names no model (``named`` false) where no backend serves it
+    by default goes to the only backend when it is a router listing no model (its own
+    ``/props``, ``role: router``).
+
+    :raises ModelNotFound: as ``pick``, unless that lone router takes the call.
+    """
+    try:
+        picked = pick()
+    except ModelNotFound:
+        hubs = [b for b in backends if b.router.hub is not None]
+        if named or len(hubs) != 1:
+            raise
+        return hubs[0]
+    parent = picked.router.parent
+    return parent if parent is not None and path in ROUTER_OWN_PATHS else picked
+
+
+def side_call(backend: Target, method: str, target: str, body: bytes) -> tuple[str, bytes]:
+    """The path and query, and the body, of a side call to ``backend``: for one model of
+    a llama-server router, naming that model (:func:`gateway.backends.router.for_model`);
+    otherwise as they came."""
+    model_id = backend.router.model_id
+    return (target, body) if model_id is None else for_model(model_id, method, target,
+                                                              body)
+
+
+def router_facts(backend: Target) -> dict[str, Any] | None:
+    """What a llama-server router shows (:mod:`gateway.backends.router`), or ``None``.
+
+    The router's hub: ``{"role": "router", "max_instances", "autoload", "models": {id:
+    state}}``. One of its models (a member): ``{"role": "model", "router": hub name,
+    "model_state": the router's status.value ("failed" after a failed load),
+    "held_for": the model whose load it makes way for while it is held (takes no new
+    request until the router unloads it; ``None`` otherwise), "load_s": its learned load
+    time in seconds (``None`` until measured)}``.
+    """
+    if backend.router.hub is not None:
+        hub = backend.router.hub
+        return {"role": "router", "max_instances": hub.max_instances,
+                "autoload": hub.autoload,
+                "models": {i: e.state for i, e in hub.entries.items()}}
+    parent, model_id = backend.router.parent, backend.router.model_id
+    if parent is None or parent.router.hub is None or model_id is None:
+        return None
+    gate, entry = parent.router.hub.gate, parent.router.hub.entries.get(model_id)
+    hold = gate.holds.get(model_id)
+    load_s = gate.load_s.get(model_id)
+    return {"role": "model", "router": parent.name,
+            "model_state": entry.state if entry is not None else "gone",
+            "held_for": hold.wanted if hold is not None else None,
+            "load_s": None if load_s is None else round(load_s, 3)}

@@ -21,10 +21,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.backends.target import Target
 from gateway.backends.upstream import map_upstream_errors
 from gateway.errors import RouteNotFound
 from gateway.fleet.reload import reload_config
+from gateway.fleet.routers import family, has_routers, listed_models, listing
 from gateway.fleet.state import GatewayState
 from gateway.http.auth import Access, authorize
 from gateway.http.side import register_side_routes, side_route
@@ -36,9 +36,7 @@ from gateway.wire.naming import served_name
 from gateway.wire.routes import BY_NAME, DIRECT, ROUTES, SERVED, Route
 from gateway.wire.validation import check_content_type
 
-__all__ = ["GENERATION_ROUTES", "MODELS_TIMEOUT_S", "register_routes", "serve_direct"]
-
-MODELS_TIMEOUT_S = 5.0  # GET /v1/models waits this long for each backend's list
+__all__ = ["GENERATION_ROUTES", "register_routes", "serve_direct"]
 
 #: ``POST`` path -> route name of every generation route (forwarded under admission).
 GENERATION_ROUTES = DIRECT
@@ -105,31 +103,11 @@ async def count_tokens(request: Request) -> Response:
     return JSONResponse({"input_tokens": counted})
 
 
-async def _listed(backend: Target, reload: bool = False) -> list[dict[str, Any]]:
-    """``backend``'s own ``GET /v1/models`` entries; nothing when it does not answer. A
-    llama-server router lists its models with their state
-    (:meth:`gateway.backends.router.RouterHub.listed`), re-read from its presets first
-    with ``reload`` (and its models' backends then synced at once)."""
-    if backend.router.hub is not None:
-        listed = await backend.router.hub.listed(reload=reload)
-        if reload:
-            backend.discovery.request()
-        return listed
-    try:
-        resp = await backend.side_client.get(
-            backend.url("/v1/models"), headers=backend.settings.auth_headers,
-            timeout=min(MODELS_TIMEOUT_S, backend.settings.read_timeout_s))
-        return [e for e in resp.json().get("data", []) if isinstance(e, dict)]
-    except Exception:  # an unreachable or odd backend lists nothing
-        return []
-
-
 async def router_models(request: Request) -> Response:
     """``GET /models``: relayed as a side route, but in front of a llama-server router
     answered as :func:`models`. The router's own ``/models`` lists each child's command
     line (model paths), and sent to one model (``?model=ID``) it is not found."""
-    fleet = _state(request).fleet.backends.values()
-    if any(b.router.hub is not None or b.router.model_id is not None for b in fleet):
+    if has_routers(_state(request).fleet.backends.values()):
         return await models(request)
     return await side_route(request)
 
@@ -140,20 +118,20 @@ async def models(request: Request) -> Response:
     an id that is a file path (llama-server's ``-m`` without ``--alias``), listed by its
     file name as answers name it (:func:`gateway.wire.naming.served_name`) unless
     ``routing.answer_model = "backend"``.
-    Backends are asked at once, each for at most :data:`MODELS_TIMEOUT_S`; one that
+    Backends are asked at once, each for at most
+    :data:`~gateway.fleet.routers.MODELS_TIMEOUT_S`; one that
     does not answer lists nothing. A llama-server router's models are listed once, by
     its hub, each with ``status.value`` (``unloaded``, ``loading``, ``loaded``,
     ``sleeping``); ``?reload=1`` has a router re-read its presets and models directory
     first, as its own ``GET /models?reload=1`` does."""
     state = _state(request)
-    backends = [b for b in state.fleet.backends.values() if b.router.parent is None]
+    backends = listing(state.fleet.backends.values())
     reload = bool(request.query_params.get("reload"))  # any value, as server-models.cpp
-    answers = await asyncio.gather(*(_listed(b, reload) for b in backends))
+    answers = await asyncio.gather(*(listed_models(b, reload) for b, _ in backends))
     renamed = state.settings.routing.answer_model != "backend"
     data: list[Any] = []
     seen: set[Any] = set()
-    for backend, entries in zip(backends, answers, strict=True):
-        configured = backend.settings.model if backend.router.hub is None else None
+    for (backend, configured), entries in zip(backends, answers, strict=True):
         if configured is not None:
             if configured in seen or not entries:
                 continue
@@ -222,8 +200,7 @@ async def _set_draining(request: Request, name: str, draining: bool) -> Response
     backend = state.fleet.backends.get(name)
     if backend is None:
         raise RouteNotFound(f"No backend named {name!r}; see GET /admin/backends.")
-    hub = backend.router.hub  # a llama-server router: its models' backends drain too
-    for each in (backend, *(hub.members.values() if hub is not None else ())):
+    for each in family(backend):  # a llama-server router: its models' backends too
         each.set_draining(draining)
     return JSONResponse(admin_row(backend, state.clock.now()))
 

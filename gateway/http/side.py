@@ -46,8 +46,6 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from gateway.backends.llamacpp import ROUTER_OWN_PATHS
-from gateway.backends.router import for_model
 from gateway.backends.target import Target
 from gateway.backends.upstream import (
     build_client,
@@ -56,12 +54,12 @@ from gateway.backends.upstream import (
     upstream_request,
 )
 from gateway.errors import (
-    ModelNotFound,
     NotRelayed,
     RouteNotFound,
     ShuttingDown,
     UpstreamError,
 )
+from gateway.fleet.routers import side_backend, side_call
 from gateway.fleet.state import GatewayState
 from gateway.http.auth import authorize
 from gateway.observe.record import record_of
@@ -182,23 +180,16 @@ def _serving(backend: Target, method: str, path: str) -> Target:
 
 
 def _side_backend(state: GatewayState, model: object, path: str) -> Target:
-    """The backend a side call goes to: the one ``model`` names (:meth:`Fleet.pick`).
-    A llama-server router answers for itself what it serves as a whole
-    (``ROUTER_OWN_PATHS``), and what names no model when it lists none (its own
-    ``/props``, ``role: router``): those go to the router's hub, unchanged.
+    """The backend a side call goes to: the one ``model`` names (:meth:`Fleet.pick`),
+    or a llama-server router's hub for what it answers itself
+    (:func:`gateway.fleet.routers.side_backend`).
 
     :raises ModelNotFound: ``model`` is not served here (404).
     :raises RouteNotFound: as :meth:`Fleet.pick`.
     """
-    try:
-        picked = state.fleet.pick(model)
-    except ModelNotFound:
-        hubs = [b for b in state.fleet.backends.values() if b.router.hub is not None]
-        if model is not None or len(hubs) != 1:
-            raise
-        return hubs[0]  # the only backend is a router that lists no model
-    parent = picked.router.parent
-    return parent if parent is not None and path in ROUTER_OWN_PATHS else picked
+    fleet = state.fleet
+    return side_backend(fleet.backends.values(), lambda: fleet.pick(model), model is not None,
+                        path)
 
 
 async def side_route(request: Request) -> Response:
@@ -238,8 +229,7 @@ async def side_route(request: Request) -> Response:
     record.backend = backend.name
     query = request.url.query
     target = path + (f"?{query}" if query else "")
-    if backend.router.model_id is not None:  # one model of a llama-server router
-        target, body = for_model(backend.router.model_id, request.method, target, body)
+    target, body = side_call(backend, request.method, target, body)  # (a router's model)
     return await request.app.state.side_routes.relay(
         backend, request.method, target, body, record.upstream_id)
 

@@ -15,10 +15,11 @@ from typing import Any
 from gateway.admission.lease import AdmissionStats
 from gateway.backends.target import Target
 from gateway.fleet.pool import ModelQueue
+from gateway.fleet.routers import router_facts
 from gateway.wire.naming import served_name
 
 __all__ = ["ADMIN_FIELDS", "READY_FIELDS", "STATUS_FIELDS", "admin_row", "backend_facts",
-           "pool_gauge_rows", "pool_row", "ready_row", "router_facts", "slo_facts",
+           "pool_gauge_rows", "pool_row", "ready_row", "slo_facts",
            "status_row"]
 
 #: ``/ready``'s row (then ``down`` and ``draining``, only when true).
@@ -51,8 +52,8 @@ def backend_facts(backend: Target, now: float, *, gateway_draining: bool = False
     ``busy_slots``, ``inflight``, ``queued`` and ``queue_capacity`` equal the
     ``/metrics`` gauges of the same backend; ``oldest_wait_s`` is how long the longest
     waiter of its own queue has waited. ``router`` is ``None`` but for a llama-server
-    router (:func:`router_facts`); ``slo`` is the latency model and SLO limit
-    (:func:`slo_facts`).
+    router (:func:`gateway.fleet.routers.router_facts`); ``slo`` is the latency model and
+    SLO limit (:func:`slo_facts`).
     """
     stats, layout = backend.stats(), backend.admission.layout
     if retiring:  # whatever else it is: it takes no new requests and leaves soon
@@ -112,33 +113,6 @@ def slo_facts(stats: AdmissionStats) -> dict[str, Any] | None:
     return {"limit": slo.in_force(stats.slots), "binding": slo.binds(stats.slots),
             "itl_target_s": slo.target(), "itl_p95_s": table,
             "prefill_tokens_per_s": None if tps is None else round(tps, 1)}
-
-
-def router_facts(backend: Target) -> dict[str, Any] | None:
-    """What a llama-server router shows (:mod:`gateway.backends.router`), or ``None``.
-
-    The router's hub: ``{"role": "router", "max_instances", "autoload", "models": {id:
-    state}}``. One of its models (a member): ``{"role": "model", "router": hub name,
-    "model_state": the router's status.value ("failed" after a failed load),
-    "held_for": the model whose load it makes way for while it is held (takes no new
-    request until the router unloads it; ``None`` otherwise), "load_s": its learned load
-    time in seconds (``None`` until measured)}``.
-    """
-    if backend.router.hub is not None:
-        hub = backend.router.hub
-        return {"role": "router", "max_instances": hub.max_instances,
-                "autoload": hub.autoload,
-                "models": {i: e.state for i, e in hub.entries.items()}}
-    parent, model_id = backend.router.parent, backend.router.model_id
-    if parent is None or parent.router.hub is None or model_id is None:
-        return None
-    gate, entry = parent.router.hub.gate, parent.router.hub.entries.get(model_id)
-    hold = gate.holds.get(model_id)
-    load_s = gate.load_s.get(model_id)
-    return {"role": "model", "router": parent.name,
-            "model_state": entry.state if entry is not None else "gone",
-            "held_for": hold.wanted if hold is not None else None,
-            "load_s": None if load_s is None else round(load_s, 3)}
 
 
 def _pick(facts: dict[str, Any], fields: Iterable[str]) -> dict[str, Any]:
