@@ -600,3 +600,52 @@ async def test_a_target_outside_a_fleet_that_finds_a_router_says_so() -> None:
     finally:
         await target.close()
         await side.aclose()
+
+
+class _Switch:
+    """One upstream address: a single-model llama-server, later a router; the next
+    ``GET /v1/models`` can be held while the test switches it."""
+
+    def __init__(self, current: Any) -> None:
+        self.current = current
+        self.hold: asyncio.Event | None = None
+        self.held = asyncio.Event()
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        server = self.current
+        if request.url.path == "/v1/models" and self.hold is not None:
+            hold, self.hold = self.hold, None
+            self.held.set()
+            await hold.wait()
+        return await server.handle(request)
+
+
+async def test_a_backend_found_a_router_while_its_list_is_read_is_listed_as_a_router() -> None:
+    """GET /v1/models names a backend's model by its configured name only when, once its
+    list came back, it is still a one-model server (the adversarial pass's reproducer: the
+    role was read before the list, so a server that came back as a router meanwhile had
+    its router's list renamed to the configured name)."""
+    router = FakeRouter({"a": FakeLlamaServer(), "b": FakeLlamaServer()}, loaded={"a"})
+    switch = _Switch(FakeLlamaServer())
+    settings = load_settings(admission={"disconnect_grace_s": 0.0}, backends=[
+        {"name": "r", "url": "http://upstream:8080", "model": "cfg"}])
+    app = create_app(settings, http_client=httpx.AsyncClient(
+        transport=httpx.MockTransport(switch.handle)), registry=CollectorRegistry(),
+        discover=False)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g")
+    target = app.state.gateway.fleet.backends["r"]
+    try:
+        await target.discover()  # one model, listed under its configured name
+        assert [m["id"] for m in (await client.get("/v1/models")).json()["data"]] == ["cfg"]
+        gate = switch.hold = asyncio.Event()
+        listing = asyncio.ensure_future(client.get("/v1/models"))
+        await asyncio.wait_for(switch.held.wait(), 5)  # its list is being read...
+        switch.current = router  # ...when the server comes back as a router
+        await target.discover()
+        assert target.router.hub is not None
+        gate.set()
+        data = (await asyncio.wait_for(listing, 5)).json()["data"]
+        assert [m["id"] for m in data] != ["cfg"], data
+    finally:
+        await client.aclose()
+        await shutdown(app)

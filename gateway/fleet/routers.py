@@ -33,9 +33,10 @@ from gateway.clock import Clock
 from gateway.config import AdmissionSettings, BackendSettings
 from gateway.errors import BackendNotReady, GatewayError, ModelNotFound
 
-__all__ = ["MODELS_TIMEOUT_S", "Members", "adopt", "family", "has_routers", "listed_models",
-           "listing", "member_target", "refuse_for_routers", "router_facts", "router_rows",
-           "settle", "side_backend", "side_call", "sync_members", "with_members"]
+__all__ = ["MODELS_TIMEOUT_S", "Members", "adopt", "configured_model", "family", "has_routers",
+           "listed_models", "listing", "member_target", "refuse_for_routers", "router_facts",
+           "router_rows", "settle", "side_backend", "side_call", "sync_members",
+           "with_members"]
 
 MODELS_TIMEOUT_S = 5.0  # GET /v1/models waits this long for each backend's list
 
@@ -212,12 +213,17 @@ def has_routers(backends: Iterable[Target]) -> bool:
     return any(b.router.hub is not None or b.router.model_id is not None for b in backends)
 
 
-def listing(backends: Iterable[Target]) -> list[tuple[Target, str | None]]:
-    """The backends ``GET /v1/models`` asks (a router's hub for all its models, never
-    its members), each with the name it lists its model by when configured (``None``:
-    as the backend lists them; always for a hub)."""
-    return [(b, b.settings.model if b.router.hub is None else None)
-            for b in backends if b.router.parent is None]
+def listing(backends: Iterable[Target]) -> list[Target]:
+    """The backends ``GET /v1/models`` asks: a router's hub for all its models, never
+    its members."""
+    return [b for b in backends if b.router.parent is None]
+
+
+def configured_model(backend: Target) -> str | None:
+    """The name ``GET /v1/models`` lists ``backend``'s model by, when configured
+    (``None``: as the backend lists them; always for a router's hub). Asked once its
+    list came back: a discovery meanwhile may have found it a router, or no longer one."""
+    return backend.settings.model if backend.router.hub is None else None
 
 
 async def listed_models(backend: Target, reload: bool = False) -> list[dict[str, Any]]:

@@ -24,7 +24,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.backends.upstream import map_upstream_errors
 from gateway.errors import RouteNotFound
 from gateway.fleet.reload import reload_config
-from gateway.fleet.routers import family, has_routers, listed_models, listing
+from gateway.fleet.routers import (
+    configured_model,
+    family,
+    has_routers,
+    listed_models,
+    listing,
+)
 from gateway.fleet.state import GatewayState
 from gateway.http.auth import Access, authorize
 from gateway.http.side import register_side_routes, side_route
@@ -127,11 +133,12 @@ async def models(request: Request) -> Response:
     state = _state(request)
     backends = listing(state.fleet.backends.values())
     reload = bool(request.query_params.get("reload"))  # any value, as server-models.cpp
-    answers = await asyncio.gather(*(listed_models(b, reload) for b, _ in backends))
+    answers = await asyncio.gather(*(listed_models(b, reload) for b in backends))
     renamed = state.settings.routing.answer_model != "backend"
     data: list[Any] = []
     seen: set[Any] = set()
-    for (backend, configured), entries in zip(backends, answers, strict=True):
+    for backend, entries in zip(backends, answers, strict=True):
+        configured = configured_model(backend)  # (its role once its list came back)
         if configured is not None:
             if configured in seen or not entries:
                 continue
