@@ -701,7 +701,8 @@ def _describe(exc: ValidationError) -> str:
             # never echo what may be a secret: a key, or a section that holds one
             lines.append(f"{key}: {err['msg']}")
         else:
-            lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
+            got = f" (got {err.get('input')!r})" if "got " not in err["msg"] else ""
+            lines.append(f"{key}: {err['msg']}{got}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
@@ -723,10 +724,30 @@ def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
         except Exception as exc:  # tomllib raises TOMLDecodeError (a ValueError)
             raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
     data.update(overrides)
+    _check_env_sections()
     try:
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
+
+
+def _check_env_sections() -> None:
+    """Refuse a ``GATEWAY_SECTION__KEY`` override whose section is not one of the
+    settings' (pydantic-settings would ignore it silently, where an unknown key in a
+    known section is refused). Variables without ``__`` are not settings' overrides but
+    for ``GATEWAY_BACKENDS``, ``GATEWAY_CLASSES``, ... (``GATEWAY_MODEL`` is
+    ``make run``'s model file).
+
+    :raises ConfigError: naming the variable and the sections there are.
+    """
+    for name in os.environ:
+        upper = name.upper()
+        if not upper.startswith("GATEWAY_") or "__" not in upper:
+            continue
+        section = upper.removeprefix("GATEWAY_").split("__", 1)[0].lower()
+        if section not in Settings.model_fields:
+            raise ConfigError(f"{name}: unknown section {section!r} (the sections are "
+                              f"{', '.join(Settings.model_fields)})")
 
 
 # -- backends from the command line (gateway serve --backend URL) -------------------------

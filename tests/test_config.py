@@ -132,3 +132,23 @@ def test_python_dash_m_gateway_runs() -> None:
         capture_output=True, text=True, check=True,
     )
     assert '"max_queue": 64' in out.stdout
+
+
+def test_a_misspelled_section_in_an_environment_override_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fresh-user pass: GATEWAY_ADMISSON__MAX_QUEUE=8 was ignored without a word,
+    where a misspelled key in a known section is refused."""
+    monkeypatch.setenv("GATEWAY_ADMISSON__MAX_QUEUE", "8")
+    with pytest.raises(ConfigError, match="GATEWAY_ADMISSON__MAX_QUEUE: unknown section "
+                                          "'admisson'"):
+        load_settings()
+    monkeypatch.delenv("GATEWAY_ADMISSON__MAX_QUEUE")
+    monkeypatch.setenv("GATEWAY_ADMISSION__MAX_QUEUE", "8")
+    monkeypatch.setenv("GATEWAY_MODEL", "/nowhere.gguf")  # make run's, not a setting
+    assert load_settings().admission.max_queue == 8
+
+
+def test_a_value_the_message_already_shows_is_not_shown_twice() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(backends=[{"name": "a", "url": "127.0.0.1:8080"}])
+    assert str(caught.value).count("'127.0.0.1:8080'") == 1, str(caught.value)

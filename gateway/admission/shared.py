@@ -585,8 +585,8 @@ class SharedStore:
         self._count(op, "ok", start)
         if not self.up:
             log.info("shared state: Redis at %s is reachable again; admission resumes "
-                     "(after a resync of two renewals if Redis restarted empty)",
-                     self._where())
+                     "(after a resync of three renewals and half a second if Redis "
+                     "restarted empty)", self._where())
         self.up = True
         return raw
 

@@ -396,7 +396,9 @@ def _run(args: argparse.Namespace) -> int:
     backend = settings.backends[0]
     port = int(backend.url.rsplit(":", 1)[1])
     extra = args.llama_args or ["-c", "2048", "--metrics"]
-    server = LlamaServer(extra, port=port, log_path=cache_dir() / "llama-server.log")
+    # One log per port: a second `make run` on another port (docs/quickstart.md) must not
+    # empty the first one's.
+    server = LlamaServer(extra, port=port, log_path=cache_dir() / f"llama-server-{port}.log")
     _say(f"starting llama-server on {server.url}: {' '.join(extra)} (log: {server.log_path})")
     # A SIGTERM before the gateway serves becomes SystemExit, so that ``running()``
     # stops llama-server on the way out; once it serves, the gateway drains on it and
