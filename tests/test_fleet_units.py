@@ -151,3 +151,43 @@ async def test_mark_failed_backs_off_per_routing_and_wakes_the_pool_later() -> N
         fleet.usable(members)
     clock.advance(3.0)
     assert fleet.usable(members) == members
+
+
+class _Woken:
+    """A pool grantor that only counts the queue's wake-ups."""
+
+    def __init__(self) -> None:
+        self.wakes = 0
+
+    def bind(self, queue: Any) -> None:
+        pass
+
+    def wake(self, queue: Any) -> None:
+        self.wakes += 1
+
+
+@pytest.mark.anyio
+async def test_a_pool_looks_again_after_a_backoff_on_its_own_clock_until_closed() -> None:
+    """wake_later waits on the queue's injected clock (it was the event loop's timer, on
+    real time whatever the clock), in a named task the queue owns: close ends it."""
+    from gateway.fleet.pool import ModelQueue
+
+    clock, woken = ManualClock(), _Woken()
+    queue = ModelQueue([], max_queue=4, max_wait_s=60.0, clock=clock, model="m",
+                       grantor=woken)  # type: ignore[arg-type]
+    queue.wake_later(5.0)
+    await asyncio.sleep(0)
+    assert [t.get_name() for t in queue._timers] == ["pool 'm': wake in 5 s"]
+    clock.advance(4.9)
+    await asyncio.sleep(0.01)
+    assert woken.wakes == 0
+    clock.advance(0.2)
+    await asyncio.sleep(0.01)
+    assert woken.wakes == 1 and not queue._timers
+    queue.wake_later(5.0)
+    await asyncio.sleep(0)
+    queue.close()
+    await asyncio.sleep(0.01)
+    clock.advance(10.0)
+    await asyncio.sleep(0.01)
+    assert woken.wakes == 1 and not queue._timers

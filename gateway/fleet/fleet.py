@@ -130,6 +130,9 @@ class Fleet:
         backends = with_members(self, backends)  # a router's, with their hub
         kept = set(map(id, backends.values()))
         names = tuple(backends)
+        for queue in self._old_queues:
+            if not queue.waiting:
+                queue.close()  # served its last waiter: nothing of it is needed
         self._old_queues = [q for q in self._old_queues if q.waiting]
         for key, queue in list(self._queues.items()):
             if (all(id(b) in kept for b in queue.members) and set(key) <= set(names)
@@ -139,6 +142,8 @@ class Fleet:
             queue.retire()
             if queue.waiting:
                 self._old_queues.append(queue)
+            else:
+                queue.close()
         for queue in self._queues.values():
             queue.failover = routing.failover
             queue.down_initial_s = routing.down_initial_s
@@ -148,6 +153,8 @@ class Fleet:
     async def close(self) -> None:
         """Close every backend, retiring ones included, and the clients each owns
         (shutdown, after the app's tasks are cancelled)."""
+        for queue in (*self._queues.values(), *self._old_queues):
+            queue.close()
         for backend in (*self.backends.values(), *self.retiring):
             await _close(backend)
 

@@ -308,7 +308,7 @@ class ModelQueue:
     age_s: float = 30.0
     grantor: PoolGrantor = field(default_factory=lambda: LocalPoolGrantor())
     room: Waitroom[PoolAsk, _Grant] = field(init=False)
-    _timers: set[asyncio.TimerHandle] = field(default_factory=set)
+    _timers: set[asyncio.Task[None]] = field(default_factory=set)  # wake_later's
     # Conversation prefix key -> the backend that served it last, least recent first.
     _affinity: OrderedDict[str, str] = field(default_factory=OrderedDict)
 
@@ -423,16 +423,22 @@ class ModelQueue:
         return down
 
     def wake_later(self, delay_s: float) -> None:
-        """Look at the queue again in ``delay_s`` seconds (when a backend marked down
-        may take requests again: nothing else would wake the waiters then)."""
-        loop = asyncio.get_running_loop()
+        """Look at the queue again in ``delay_s`` seconds of its clock (when a backend
+        marked down may take requests again: nothing else would wake the waiters then),
+        in a named task the queue owns (:meth:`close` ends it)."""
+        task = asyncio.get_running_loop().create_task(
+            self._wake_after(delay_s), name=f"pool {self.model!r}: wake in {delay_s:g} s")
+        self._timers.add(task)
+        task.add_done_callback(self._timers.discard)
 
-        def fire() -> None:
-            self._timers.discard(handle)
-            self.wake()
+    async def _wake_after(self, delay_s: float) -> None:
+        await self.clock.sleep(delay_s)
+        self.wake()
 
-        handle = loop.call_later(delay_s, fire)
-        self._timers.add(handle)
+    def close(self) -> None:
+        """End the queue's timers (shutdown, or a retired queue dropped once empty)."""
+        for task in list(self._timers):
+            task.cancel()
 
     def retry_after_s(self) -> float:
         """The soonest any member expects room, seconds (1-60)."""
