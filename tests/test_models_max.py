@@ -6,7 +6,15 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.core.models_max import Resident, Turn, released, turn, victims, wanting
+from gateway.core.models_max import (
+    Resident,
+    Turn,
+    needs_turn,
+    released,
+    turn,
+    victims,
+    wanting,
+)
 
 STATUSES = ("loaded", "loading", "unloaded", "sleeping")
 
@@ -39,6 +47,9 @@ def test_a_request_waits_only_when_every_place_is_taken_and_none_is_idle(
     pending = [i for i in sent if i not in running]
     for model_id, entry in models.items():
         decided = turn(model_id, models, limit, sent)
+        # The gate's shortcut (no snapshot) agrees with the whole decision.
+        assert needs_turn(entry.status, entry.running, limit, model_id in sent) == (
+            decided is not Turn.GO)
         if entry.running or limit <= 0 or model_id in sent:
             assert decided is Turn.GO
         elif len(running) + len(pending) < limit:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from gateway.admission.grantor import Grantor, LocalGrantor
-from gateway.admission.tenants import LOCAL, Quota
+from gateway.admission.tenants import Quota, local_quota
 from gateway.clock import Clock
 
 if TYPE_CHECKING:  # (the Redis side's types: memory state never makes one)
@@ -78,8 +78,9 @@ class LocalState:
         return None
 
     def tenant(self, name: str) -> Quota:
-        """:data:`~gateway.admission.tenants.LOCAL`, for any tenant."""
-        return LOCAL
+        """:data:`~gateway.admission.tenants.LOCAL`, for any tenant
+        (:func:`~gateway.admission.tenants.local_quota`)."""
+        return local_quota(name)
 
     def ready_fields(self) -> dict[str, object]:
         """Nothing: memory state is never down."""

@@ -49,7 +49,16 @@ from typing import TYPE_CHECKING, Any
 from gateway.admission.lease import Lease
 from gateway.clock import Clock, wait
 from gateway.core.capacity import Charge
-from gateway.core.models_max import UNLISTED, Resident, Turn, released, turn, victims, wanting
+from gateway.core.models_max import (
+    UNLISTED,
+    Resident,
+    Turn,
+    needs_turn,
+    released,
+    turn,
+    victims,
+    wanting,
+)
 from gateway.errors import GatewayError, QueueTimeout
 from gateway.tasks import not_cancelled
 
@@ -196,8 +205,12 @@ class ModelsMaxGate:
     def _may_send(self, model_id: str) -> bool:
         """``model_id`` runs, or has its turn now (which takes a place until it runs):
         :func:`gateway.core.models_max.turn`."""
-        now = self.clock.now()
-        decided = turn(model_id, self._snapshot(now), self.hub.max_instances, self._sent)
+        hub, now = self.hub, self.clock.now()
+        entry = hub.entries.get(model_id)
+        if entry is None or not needs_turn(entry.status, entry.running, hub.max_instances,
+                                           model_id in self._sent):
+            return True  # (every count of a running model: no snapshot of the others)
+        decided = turn(model_id, self._snapshot(now), hub.max_instances, self._sent)
         if decided is Turn.TURN:
             self._sent[model_id] = now
         return decided is not Turn.WAIT

@@ -19,7 +19,8 @@ import enum
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-__all__ = ["UNLISTED", "Resident", "Turn", "released", "turn", "victims", "wanting"]
+__all__ = ["UNLISTED", "Resident", "Turn", "needs_turn", "released", "turn", "victims",
+           "wanting"]
 
 #: The status of a member the last ``/models`` read did not list (it needs no turn).
 UNLISTED = "unlisted"
@@ -59,6 +60,14 @@ class Turn(enum.Enum):
     WAIT = "wait"  # every place is taken or pending, and no loaded model is idle
 
 
+def needs_turn(status: str, running: bool, max_instances: int, given: bool) -> bool:
+    """A request for a model of ``status`` (``running``: it holds a place) must wait for
+    a turn (:func:`turn`): it is listed, not running, under a ``--models-max``
+    (``max_instances`` > 0), and not ``given`` one already. Decided from the model's own
+    entry alone, before any snapshot of the others is taken."""
+    return not (status == UNLISTED or running or max_instances <= 0 or given)
+
+
 def turn(model_id: str, models: Mapping[str, Resident], max_instances: int,
          sent: Collection[str]) -> Turn:
     """Whether a request for ``model_id`` may reach the router now.
@@ -72,8 +81,8 @@ def turn(model_id: str, models: Mapping[str, Resident], max_instances: int,
         router unloads it); :attr:`Turn.GO` when no turn is needed.
     """
     entry = models.get(model_id)
-    if (entry is None or entry.status == UNLISTED or entry.running or max_instances <= 0
-            or model_id in sent):
+    if entry is None or not needs_turn(entry.status, entry.running, max_instances,
+                                       model_id in sent):
         return Turn.GO
     running = [i for i, e in models.items() if e.running]
     pending = [i for i in sent if i not in running]

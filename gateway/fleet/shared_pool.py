@@ -201,8 +201,9 @@ class SharedPoolGrantor:
 
     def failed(self, queue: ModelQueue, backend: Target) -> None:
         """Withdraw the waiters from ``backend`` at once (its tickets would hold its
-        shared queue for nothing)."""
-        self.wake(queue)
+        shared queue for nothing), through the queue's own wake (a retired queue
+        stops listening once empty)."""
+        queue.wake()
 
     def _place(self, queue: ModelQueue, waiter: Waiter[PoolAsk, _Grant]) -> None:
         """Withdraw ``waiter`` from its backends no longer usable; place it on its
